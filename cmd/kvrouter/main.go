@@ -1,0 +1,136 @@
+// Binary kvrouter is the KV-cache-aware router for disaggregated LLM serving.
+//
+// Usage:
+//
+//	kvrouter serve [flags]    serve gRPC on --listen (default :50051), /metrics on --metrics-listen
+//
+// Every flag also reads from a KVROUTER_* environment variable and from the YAML file given with
+// --config; flags win over the environment, which wins over the file.
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Getenv, os.Stderr))
+}
+
+const usage = `kvrouter routes LLM inference requests by KV-cache overlap and load.
+
+Usage:
+  kvrouter serve [flags]   start the router (kvrouter serve -h lists the flags)
+`
+
+// run executes the command line and returns the process exit code: 0 on a clean stop, 1 when
+// serving fails, 2 for a bad command line or configuration.
+func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+	if len(args) == 0 || args[0] != "serve" {
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
+			fmt.Fprint(stderr, usage)
+			return 0
+		}
+		fmt.Fprint(stderr, usage)
+		return 2
+	}
+	cfg, err := loadConfig(args[1:], getenv, stderr)
+	if errors.Is(err, errUsage) {
+		return 2
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrouter: invalid configuration: %v\n", err)
+		return 2
+	}
+	if err := serve(ctx, cfg, stderr); err != nil {
+		fmt.Fprintf(stderr, "kvrouter: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// serve runs the router on the embedded (in-process) state until ctx ends, then shuts down.
+func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
+	var level slog.Level
+	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
+		return err
+	}
+	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+
+	state := kvstate.NewState()
+	log := kvstate.NewMemLog(state)
+	router := policy.NewRouter(state, log, cfg.Router)
+
+	registry := prometheus.NewRegistry()
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	srv := server.New(server.Options{
+		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry,
+		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
+	})
+
+	lis, err := net.Listen("tcp", cfg.Listen)
+	if err != nil {
+		return fmt.Errorf("--listen %s: %w", cfg.Listen, err)
+	}
+	var metricsSrv *http.Server
+	if cfg.MetricsListen != "" {
+		mlis, err := net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			lis.Close()
+			return fmt.Errorf("--metrics-listen %s: %w", cfg.MetricsListen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
+		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := metricsSrv.Serve(mlis); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				logger.Error("metrics server failed", "err", err)
+			}
+		}()
+		logger.Info("serving metrics", "addr", mlis.Addr().String())
+	}
+
+	housekeeper := &kvstate.Housekeeper{
+		State: state, Log: log, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
+	}
+	hkCtx, stopHousekeeper := context.WithCancel(context.Background())
+	defer stopHousekeeper()
+	go housekeeper.Run(hkCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
+
+	serveErr := make(chan error, 1)
+	go func() { serveErr <- srv.Serve(lis) }()
+	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", "embedded")
+
+	select {
+	case err := <-serveErr:
+		return fmt.Errorf("gRPC server stopped: %w", err)
+	case <-ctx.Done():
+	}
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownDrain+cfg.ShutdownTimeout)
+	defer cancel()
+	srv.Shutdown(shutdownCtx, cfg.ShutdownDrain)
+	if metricsSrv != nil {
+		_ = metricsSrv.Shutdown(shutdownCtx)
+	}
+	logger.Info("stopped")
+	return <-serveErr
+}

@@ -1,0 +1,95 @@
+package kvstate
+
+// Change is one state transition. Every change to State arrives as a Change appended to a Log, so
+// that every replica applying the same log reaches the same state.
+type Change interface {
+	isChange()
+}
+
+// WorkerUp registers a worker rank, or re-announces it after a reconnect. With Reset, whatever the
+// router held for the rank (blocks, event numbering) is dropped first: the worker starts afresh.
+type WorkerUp struct {
+	Info  WorkerInfo
+	Reset bool
+}
+
+// WorkerRemoved removes a worker rank with its blocks and its share of bookings. With a non-zero
+// IfDisconnectedSince it applies only if the worker has been disconnected since exactly that time, so
+// a removal that races a reconnect is harmless.
+type WorkerRemoved struct {
+	Key                 WorkerKey
+	IfDisconnectedSince int64
+}
+
+// KVEvents applies a worker rank's KV events in order (§4.3, §4.4).
+type KVEvents struct {
+	Worker WorkerKey
+	Events []Event
+}
+
+// KVDump replaces everything known of a worker rank's cache with a full dump, reflecting the
+// worker's events up to ThroughEventID. Event ids inside the dump are ignored.
+type KVDump struct {
+	Worker         WorkerKey
+	ThroughEventID uint64
+	Events         []Event
+}
+
+// LoadReported records a worker's own load report.
+type LoadReported struct {
+	Worker          WorkerKey
+	KVUsedBlocks    uint64
+	WaitingRequests uint64
+}
+
+// Booked books a routed request's load on its workers.
+type Booked struct {
+	Booking Booking
+}
+
+// PrefillDone ends the prefill phase of a booked request.
+type PrefillDone struct {
+	RequestID string
+}
+
+// Freed releases a booked request.
+type Freed struct {
+	RequestID string
+}
+
+// BookingsExpired frees every booking made before Before (unix nanoseconds). Appended by whichever
+// replica notices first; applying it twice is harmless.
+type BookingsExpired struct {
+	Before int64
+}
+
+func (WorkerUp) isChange()        {}
+func (WorkerRemoved) isChange()   {}
+func (KVEvents) isChange()        {}
+func (KVDump) isChange()          {}
+func (LoadReported) isChange()    {}
+func (Booked) isChange()          {}
+func (PrefillDone) isChange()     {}
+func (Freed) isChange()           {}
+func (BookingsExpired) isChange() {}
+
+// Result reports what applying a change did, for the caller that appended it.
+type Result struct {
+	// LastEventID is the worker's last applied event id after the change (HasLastEvent false: none).
+	LastEventID  uint64
+	HasLastEvent bool
+	// Applied counts events applied; Duplicates counts events dropped because their id was already
+	// applied; Ignored counts events dropped while a resync is pending.
+	Applied, Duplicates, Ignored int
+	// ParentNotFound and InvalidSequence count stored events dropped (§4.3); UnknownRemoved counts
+	// removed hashes the worker did not hold; DuplicateBlocks counts blocks stored again.
+	ParentNotFound, InvalidSequence, UnknownRemoved, DuplicateBlocks int
+	// Gap is set when an event id skipped ahead: the worker's blocks were dropped and the router
+	// needs a dump. ExpectedEventID is the id that should have come, GotEventID the one that came.
+	Gap                         bool
+	ExpectedEventID, GotEventID uint64
+	// Expired counts bookings freed by BookingsExpired.
+	Expired int
+	// Skipped is set when a conditional change did not apply (WorkerRemoved after a reconnect).
+	Skipped bool
+}

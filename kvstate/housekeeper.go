@@ -1,0 +1,63 @@
+package kvstate
+
+import (
+	"context"
+	"log/slog"
+	"time"
+)
+
+// Housekeeper turns the passing of time into changes: it removes workers whose streams stayed closed
+// past the grace period, and expires bookings nobody freed. It only appends changes to the log, so
+// every replica applies the same removals, whichever replica noticed first.
+type Housekeeper struct {
+	State *State
+	Log   Log
+	// Grace is how long a worker may stay disconnected before it is removed with its blocks.
+	Grace time.Duration
+	// BookingExpiry is how long a booking lives if nobody frees it (Dynamo: 300 s).
+	BookingExpiry time.Duration
+	// Now returns the current time; tests replace it.
+	Now    func() time.Time
+	Logger *slog.Logger
+}
+
+// Sweep performs one round: it removes expired workers and bookings as of now.
+func (h *Housekeeper) Sweep(ctx context.Context) {
+	now := h.Now()
+	for key, since := range h.State.DisconnectedWorkers() {
+		if now.Sub(time.Unix(0, since)) < h.Grace {
+			continue
+		}
+		res, err := h.Log.Append(ctx, WorkerRemoved{Key: key, IfDisconnectedSince: since})
+		if err != nil {
+			h.Logger.Warn("removing disconnected worker failed", "worker", key, "err", err)
+			continue
+		}
+		if !res.Skipped {
+			h.Logger.Info("removed worker after grace period", "worker", key, "grace", h.Grace)
+		}
+	}
+	before := now.Add(-h.BookingExpiry).UnixNano()
+	if oldest, ok := h.State.Load().oldest(); ok && oldest < before {
+		res, err := h.Log.Append(ctx, BookingsExpired{Before: before})
+		if err != nil {
+			h.Logger.Warn("expiring bookings failed", "err", err)
+		} else if res.Expired > 0 {
+			h.Logger.Warn("expired bookings that were never freed", "count", res.Expired, "expiry", h.BookingExpiry)
+		}
+	}
+}
+
+// Run sweeps every interval until ctx ends.
+func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			h.Sweep(ctx)
+		}
+	}
+}

@@ -1,0 +1,296 @@
+package kvstate
+
+import (
+	"errors"
+	"sort"
+	"sync"
+)
+
+// Errors of booking changes. A change that fails with one of them changes nothing.
+var (
+	// ErrAlreadyBooked: a request id is booked a second time.
+	ErrAlreadyBooked = errors.New("request id is already booked")
+	// ErrUnknownRequest: prefill-done or free for a request id that is not booked.
+	ErrUnknownRequest = errors.New("request id is not booked")
+)
+
+// SlotLoad is the router-tracked load of one worker.
+type SlotLoad struct {
+	ActiveBlocks        uint64 // distinct blocks of booked requests
+	ActivePrefillTokens uint64 // uncached prompt tokens of booked requests not yet past prefill
+	ActiveRequests      uint64
+}
+
+// HopBooking is the load one request puts on one worker.
+type HopBooking struct {
+	Worker        WorkerKey
+	Blocks        []uint64 // block keys: sequence hashes (shared) or per-request unique keys
+	PrefillTokens uint64   // 0 when prefill is not tracked on this hop
+}
+
+// Booking is a routed request's load on its workers, kept until it is freed or expires.
+type Booking struct {
+	RequestID string
+	Hops      []HopBooking
+	At        int64 // unix nanoseconds when it was booked; decides expiry
+}
+
+type slotCount struct {
+	slot  uint32
+	count uint32
+}
+
+type bookedHop struct {
+	slot          uint32
+	blocks        []uint64
+	prefillTokens uint64
+	prefillDone   bool
+}
+
+type booked struct {
+	at   int64
+	hops []bookedHop
+}
+
+// Load is the router's own bookkeeping of what it routed (Dynamo's active sequences, §3.5): per worker
+// the distinct blocks of its booked requests (shared prefixes counted once), their prefill tokens until
+// the first token arrives, and the number of requests. It is safe for concurrent use.
+type Load struct {
+	mu       sync.RWMutex
+	blocks   map[uint64][]slotCount // block key -> workers holding it, with reference counts
+	slots    map[uint32]*SlotLoad
+	bookings map[string]*booked
+}
+
+// NewLoad returns empty bookkeeping.
+func NewLoad() *Load {
+	return &Load{
+		blocks:   make(map[uint64][]slotCount),
+		slots:    make(map[uint32]*SlotLoad),
+		bookings: make(map[string]*booked),
+	}
+}
+
+// slotLoadLocked returns the slot's load, creating it.
+func (l *Load) slotLoadLocked(slot uint32) *SlotLoad {
+	s := l.slots[slot]
+	if s == nil {
+		s = &SlotLoad{}
+		l.slots[slot] = s
+	}
+	return s
+}
+
+// book records a booking whose hops are already resolved to slots.
+func (l *Load) book(id string, at int64, hops []bookedHop) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if _, ok := l.bookings[id]; ok {
+		return ErrAlreadyBooked
+	}
+	for _, h := range hops {
+		s := l.slotLoadLocked(h.slot)
+		s.ActiveRequests++
+		s.ActivePrefillTokens += h.prefillTokens
+		for _, b := range h.blocks {
+			l.addBlockLocked(b, h.slot, s)
+		}
+	}
+	l.bookings[id] = &booked{at: at, hops: hops}
+	return nil
+}
+
+func (l *Load) addBlockLocked(key uint64, slot uint32, s *SlotLoad) {
+	holders := l.blocks[key]
+	for i := range holders {
+		if holders[i].slot == slot {
+			holders[i].count++
+			return
+		}
+	}
+	l.blocks[key] = append(holders, slotCount{slot: slot, count: 1})
+	s.ActiveBlocks++
+}
+
+func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
+	holders := l.blocks[key]
+	for i := range holders {
+		if holders[i].slot != slot {
+			continue
+		}
+		if holders[i].count--; holders[i].count > 0 {
+			return
+		}
+		last := len(holders) - 1
+		holders[i] = holders[last]
+		if holders = holders[:last]; len(holders) == 0 {
+			delete(l.blocks, key)
+		} else {
+			l.blocks[key] = holders
+		}
+		s.ActiveBlocks--
+		return
+	}
+}
+
+func (l *Load) releaseHopLocked(h *bookedHop) {
+	s := l.slotLoadLocked(h.slot)
+	s.ActiveRequests--
+	if !h.prefillDone {
+		s.ActivePrefillTokens -= h.prefillTokens
+		h.prefillDone = true
+	}
+	for _, b := range h.blocks {
+		l.dropBlockLocked(b, h.slot, s)
+	}
+}
+
+// prefillDone stops counting the request's prefill tokens. Repeating it is harmless.
+func (l *Load) prefillDone(id string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	b, ok := l.bookings[id]
+	if !ok {
+		return ErrUnknownRequest
+	}
+	for i := range b.hops {
+		h := &b.hops[i]
+		if !h.prefillDone {
+			l.slotLoadLocked(h.slot).ActivePrefillTokens -= h.prefillTokens
+			h.prefillDone = true
+		}
+	}
+	return nil
+}
+
+// free releases everything the request booked.
+func (l *Load) free(id string) error {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	b, ok := l.bookings[id]
+	if !ok {
+		return ErrUnknownRequest
+	}
+	for i := range b.hops {
+		l.releaseHopLocked(&b.hops[i])
+	}
+	delete(l.bookings, id)
+	return nil
+}
+
+// expire frees every booking made before the given time and returns how many it freed.
+func (l *Load) expire(before int64) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	n := 0
+	for id, b := range l.bookings {
+		if b.at < before {
+			for i := range b.hops {
+				l.releaseHopLocked(&b.hops[i])
+			}
+			delete(l.bookings, id)
+			n++
+		}
+	}
+	return n
+}
+
+// oldest returns the booking time of the oldest booking, and false when there is none.
+func (l *Load) oldest() (int64, bool) {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	var min int64
+	found := false
+	for _, b := range l.bookings {
+		if !found || b.at < min {
+			min, found = b.at, true
+		}
+	}
+	return min, found
+}
+
+// dropSlot removes a departed worker's share of every booking. Bookings left with no hop are deleted.
+func (l *Load) dropSlot(slot uint32) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for id, b := range l.bookings {
+		kept := b.hops[:0]
+		for i := range b.hops {
+			if b.hops[i].slot == slot {
+				l.releaseHopLocked(&b.hops[i])
+				continue
+			}
+			kept = append(kept, b.hops[i])
+		}
+		b.hops = kept
+		if len(kept) == 0 {
+			delete(l.bookings, id)
+		}
+	}
+	delete(l.slots, slot)
+}
+
+// Slot returns the worker's current load.
+func (l *Load) Slot(slot uint32) SlotLoad {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	if s := l.slots[slot]; s != nil {
+		return *s
+	}
+	return SlotLoad{}
+}
+
+// Slots copies the load of each of the given slots into dst (in the same order) under one lock.
+func (l *Load) Slots(dst []SlotLoad, slots []uint32) []SlotLoad {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	for _, slot := range slots {
+		if s := l.slots[slot]; s != nil {
+			dst = append(dst, *s)
+		} else {
+			dst = append(dst, SlotLoad{})
+		}
+	}
+	return dst
+}
+
+// ActiveDepths fills o with, per worker, how many leading blocks of the prompt (sequence hashes) are
+// already among the worker's active blocks: those blocks are not new load if the request lands there.
+func (l *Load) ActiveDepths(seq []uint64, o *Overlaps) {
+	o.reset()
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	for i, h := range seq {
+		holders := l.blocks[h]
+		advanced := false
+		for _, sc := range holders {
+			d := o.entry(sc.slot)
+			if d[TierDevice] == uint32(i) {
+				d[TierDevice] = uint32(i) + 1
+				advanced = true
+			}
+		}
+		if !advanced {
+			return
+		}
+	}
+}
+
+// Bookings returns the number of live bookings.
+func (l *Load) Bookings() int {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return len(l.bookings)
+}
+
+// BookingIDs returns the ids of live bookings, sorted (for digests and tests).
+func (l *Load) BookingIDs() []string {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	ids := make([]string, 0, len(l.bookings))
+	for id := range l.bookings {
+		ids = append(ids, id)
+	}
+	sort.Strings(ids)
+	return ids
+}

@@ -1,0 +1,421 @@
+package kvstate
+
+import (
+	"cmp"
+	"errors"
+	"fmt"
+	"slices"
+	"sync"
+	"sync/atomic"
+)
+
+// Errors of registration and booking changes; a change failing with one of them changes nothing.
+var (
+	// ErrUnknownWorker: a change names a worker rank that is not registered.
+	ErrUnknownWorker = errors.New("worker is not registered")
+	// ErrWorkerConflict: a worker re-registers with a different model, role or capacity.
+	ErrWorkerConflict = errors.New("worker is registered with a different configuration")
+	// ErrBlockSizeMismatch: a worker's block size differs from its model's.
+	ErrBlockSizeMismatch = errors.New("block size differs from the model's")
+)
+
+// Worker is a registered worker rank. Its Info and Slot never change; a re-registration with new
+// details replaces the Worker value, keeping the slot and the event numbering.
+type Worker struct {
+	Info WorkerInfo
+	// Slot is the worker's dense index in the prefix index and the load bookkeeping.
+	Slot  uint32
+	track *workerTrack
+}
+
+// workerTrack is a worker's mutable bookkeeping, shared by every Worker value of the same rank.
+type workerTrack struct {
+	mu             sync.Mutex
+	lastEventID    uint64
+	hasLastEvent   bool
+	awaitingResync bool
+	kvUsedBlocks   uint64
+	waiting        uint64
+	// Local to this replica, not part of the replicated state: open streams and when the last closed.
+	streams        int
+	disconnectedAt int64
+}
+
+// WorkerStatus is a point-in-time view of a worker's bookkeeping, for operators.
+type WorkerStatus struct {
+	LastEventID     uint64
+	HasLastEvent    bool
+	AwaitingResync  bool
+	KVUsedBlocks    uint64
+	WaitingRequests uint64
+	Connected       bool
+	DisconnectedAt  int64
+}
+
+// Status returns the worker's current bookkeeping.
+func (w *Worker) Status() WorkerStatus {
+	t := w.track
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return WorkerStatus{
+		LastEventID: t.lastEventID, HasLastEvent: t.hasLastEvent, AwaitingResync: t.awaitingResync,
+		KVUsedBlocks: t.kvUsedBlocks, WaitingRequests: t.waiting,
+		Connected: t.streams > 0, DisconnectedAt: t.disconnectedAt,
+	}
+}
+
+// Model is one served model: its block size, its prefix index and its workers.
+type Model struct {
+	Name      string
+	BlockSize uint32
+	Index     *Index
+	workers   atomic.Pointer[[]*Worker] // copy-on-write, sorted by key
+}
+
+// Workers returns the model's workers sorted by key. The slice is shared: do not modify it.
+func (m *Model) Workers() []*Worker {
+	if p := m.workers.Load(); p != nil {
+		return *p
+	}
+	return nil
+}
+
+// State is everything the router knows, as built by applying changes. Reads are safe at any time;
+// changes must come through Apply, one at a time per worker and per request (a Log guarantees that).
+type State struct {
+	mu      sync.RWMutex // guards models, workers and slots
+	models  map[string]*Model
+	workers map[WorkerKey]*Worker
+	slots   []*Worker // by slot; nil = free
+	load    *Load
+}
+
+// NewState returns an empty state.
+func NewState() *State {
+	return &State{models: make(map[string]*Model), workers: make(map[WorkerKey]*Worker), load: NewLoad()}
+}
+
+// Model returns the named model, or nil if no worker serves it.
+func (s *State) Model(name string) *Model {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.models[name]
+}
+
+// Models returns every model, sorted by name.
+func (s *State) Models() []*Model {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make([]*Model, 0, len(s.models))
+	for _, m := range s.models {
+		out = append(out, m)
+	}
+	slices.SortFunc(out, func(a, b *Model) int { return cmp.Compare(a.Name, b.Name) })
+	return out
+}
+
+// Worker returns the registered worker rank, or nil.
+func (s *State) Worker(key WorkerKey) *Worker {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	return s.workers[key]
+}
+
+// Load returns the load bookkeeping.
+func (s *State) Load() *Load { return s.load }
+
+// Connected records that a stream for the worker opened on this replica. It reports false, and
+// records nothing, when the worker is not registered.
+func (s *State) Connected(key WorkerKey) bool {
+	w := s.Worker(key)
+	if w == nil {
+		return false
+	}
+	w.track.mu.Lock()
+	w.track.streams++
+	w.track.disconnectedAt = 0
+	w.track.mu.Unlock()
+	return true
+}
+
+// Disconnected records that a stream for the worker closed at now (unix nanoseconds). It returns the
+// time the worker counts as disconnected since, or 0 while other streams for it remain open.
+func (s *State) Disconnected(key WorkerKey, now int64) int64 {
+	w := s.Worker(key)
+	if w == nil {
+		return 0
+	}
+	w.track.mu.Lock()
+	defer w.track.mu.Unlock()
+	if w.track.streams > 0 {
+		w.track.streams--
+	}
+	if w.track.streams == 0 {
+		w.track.disconnectedAt = now
+		return now
+	}
+	return 0
+}
+
+// DisconnectedWorkers returns every worker with no open stream and the time it has been disconnected since.
+func (s *State) DisconnectedWorkers() map[WorkerKey]int64 {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	out := make(map[WorkerKey]int64)
+	for k, w := range s.workers {
+		w.track.mu.Lock()
+		if w.track.streams == 0 && w.track.disconnectedAt != 0 {
+			out[k] = w.track.disconnectedAt
+		}
+		w.track.mu.Unlock()
+	}
+	return out
+}
+
+// Apply applies one change. On error nothing changed.
+func (s *State) Apply(c Change) (Result, error) {
+	switch c := c.(type) {
+	case WorkerUp:
+		return Result{}, s.workerUp(c)
+	case WorkerRemoved:
+		return s.workerRemoved(c), nil
+	case KVEvents:
+		return s.kvEvents(c)
+	case KVDump:
+		return s.kvDump(c)
+	case LoadReported:
+		w := s.Worker(c.Worker)
+		if w == nil {
+			return Result{}, ErrUnknownWorker
+		}
+		w.track.mu.Lock()
+		w.track.kvUsedBlocks, w.track.waiting = c.KVUsedBlocks, c.WaitingRequests
+		w.track.mu.Unlock()
+		return Result{}, nil
+	case Booked:
+		return Result{}, s.book(c.Booking)
+	case PrefillDone:
+		return Result{}, s.load.prefillDone(c.RequestID)
+	case Freed:
+		return Result{}, s.load.free(c.RequestID)
+	case BookingsExpired:
+		return Result{Expired: s.load.expire(c.Before)}, nil
+	}
+	return Result{}, fmt.Errorf("kvstate: unknown change %T", c)
+}
+
+func (s *State) workerUp(c WorkerUp) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	info := c.Info
+	old := s.workers[info.Key]
+	if old != nil && !c.Reset && !old.Info.SameCapacity(info) {
+		return fmt.Errorf("%w: worker %v is registered as model %q, role %v, block_size %d, total_kv_blocks %d, max_num_batched_tokens %d",
+			ErrWorkerConflict, info.Key, old.Info.Model, old.Info.Role, old.Info.BlockSize, old.Info.TotalKVBlocks, old.Info.MaxNumBatchedTokens)
+	}
+	m := s.models[info.Model]
+	if m != nil && m.BlockSize != info.BlockSize {
+		// Only a reset of the model's sole worker may change the model's block size.
+		members := m.Workers()
+		if !(c.Reset && old != nil && len(members) == 1 && members[0].Info.Key == info.Key) {
+			return fmt.Errorf("%w: model %q uses block_size %d, the worker registered %d", ErrBlockSizeMismatch, info.Model, m.BlockSize, info.BlockSize)
+		}
+	}
+	// Validated; from here on the change applies whole.
+	var local *workerTrack // replica-local connection bookkeeping survives a reset
+	if old != nil && c.Reset {
+		local = old.track
+		s.removeLocked(old)
+		old = nil
+		m = s.models[info.Model]
+	}
+	if m == nil {
+		m = &Model{Name: info.Model, BlockSize: info.BlockSize, Index: NewIndex()}
+		s.models[info.Model] = m
+	}
+	var w *Worker
+	if old != nil {
+		w = &Worker{Info: info, Slot: old.Slot, track: old.track}
+	} else {
+		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
+		if local != nil {
+			local.mu.Lock()
+			w.track.streams, w.track.disconnectedAt = local.streams, local.disconnectedAt
+			local.mu.Unlock()
+		}
+	}
+	s.workers[info.Key] = w
+	s.slots[w.Slot] = w
+	setMember(m, w)
+	return nil
+}
+
+func (s *State) allocSlotLocked() uint32 {
+	for i, w := range s.slots {
+		if w == nil {
+			return uint32(i)
+		}
+	}
+	s.slots = append(s.slots, nil)
+	return uint32(len(s.slots) - 1)
+}
+
+// setMember inserts or replaces w in the model's sorted worker list (copy-on-write).
+func setMember(m *Model, w *Worker) {
+	cur := m.Workers()
+	next := make([]*Worker, 0, len(cur)+1)
+	for _, x := range cur {
+		if x.Info.Key != w.Info.Key {
+			next = append(next, x)
+		}
+	}
+	next = append(next, w)
+	slices.SortFunc(next, func(a, b *Worker) int { return compareKeys(a.Info.Key, b.Info.Key) })
+	m.workers.Store(&next)
+}
+
+func (s *State) workerRemoved(c WorkerRemoved) Result {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	w := s.workers[c.Key]
+	if w == nil {
+		return Result{Skipped: true}
+	}
+	if c.IfDisconnectedSince != 0 {
+		w.track.mu.Lock()
+		still := w.track.streams == 0 && w.track.disconnectedAt == c.IfDisconnectedSince
+		w.track.mu.Unlock()
+		if !still {
+			return Result{Skipped: true}
+		}
+	}
+	s.removeLocked(w)
+	return Result{}
+}
+
+func (s *State) removeLocked(w *Worker) {
+	m := s.models[w.Info.Model]
+	if m != nil {
+		m.Index.ClearWorker(w.Slot)
+		cur := m.Workers()
+		next := make([]*Worker, 0, len(cur))
+		for _, x := range cur {
+			if x.Info.Key != w.Info.Key {
+				next = append(next, x)
+			}
+		}
+		if len(next) == 0 {
+			delete(s.models, m.Name)
+		}
+		m.workers.Store(&next)
+	}
+	s.load.dropSlot(w.Slot)
+	delete(s.workers, w.Info.Key)
+	s.slots[w.Slot] = nil
+}
+
+// kvEvents applies a worker's events in order: duplicates are dropped, a gap drops the worker's
+// blocks and waits for a dump, and stored events with an unknown parent are dropped and counted.
+func (s *State) kvEvents(c KVEvents) (Result, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	w := s.workers[c.Worker]
+	if w == nil {
+		return Result{}, ErrUnknownWorker
+	}
+	ix := s.models[w.Info.Model].Index
+	t := w.track
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var res Result
+	for i := range c.Events {
+		ev := &c.Events[i]
+		switch {
+		case t.awaitingResync:
+			res.Ignored++
+			continue
+		case t.hasLastEvent && ev.ID <= t.lastEventID:
+			res.Duplicates++
+			continue
+		}
+		expected := uint64(0)
+		if t.hasLastEvent {
+			expected = t.lastEventID + 1
+		}
+		if ev.ID != expected {
+			res.Gap, res.ExpectedEventID, res.GotEventID = true, expected, ev.ID
+			t.awaitingResync = true
+			ix.ClearWorker(w.Slot)
+			res.Ignored += len(c.Events) - i
+			break
+		}
+		applyEvent(ix, w.Slot, ev, &res)
+		t.lastEventID, t.hasLastEvent = ev.ID, true
+		res.Applied++
+	}
+	res.LastEventID, res.HasLastEvent = t.lastEventID, t.hasLastEvent
+	return res, nil
+}
+
+func applyEvent(ix *Index, slot uint32, ev *Event, res *Result) {
+	switch ev.Kind {
+	case EventStored:
+		dups, err := ix.Store(slot, ev.Tier, ev.Parent, ev.HasParent, ev.Blocks)
+		switch {
+		case errors.Is(err, ErrParentNotFound):
+			res.ParentNotFound++
+		case errors.Is(err, ErrInvalidBlockSequence):
+			res.InvalidSequence++
+		}
+		res.DuplicateBlocks += dups
+	case EventRemoved:
+		res.UnknownRemoved += ix.Remove(slot, ev.Tier, ev.Removed)
+	case EventCleared:
+		ix.Clear(slot, ev.Tier)
+	}
+}
+
+func (s *State) kvDump(c KVDump) (Result, error) {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	w := s.workers[c.Worker]
+	if w == nil {
+		return Result{}, ErrUnknownWorker
+	}
+	ix := s.models[w.Info.Model].Index
+	t := w.track
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	var res Result
+	ix.ClearWorker(w.Slot)
+	for i := range c.Events {
+		applyEvent(ix, w.Slot, &c.Events[i], &res)
+		res.Applied++
+	}
+	t.lastEventID, t.hasLastEvent, t.awaitingResync = c.ThroughEventID, true, false
+	res.LastEventID, res.HasLastEvent = t.lastEventID, true
+	return res, nil
+}
+
+// book resolves the hops' workers and records the booking. The state lock is held across, so a
+// worker cannot be removed between its resolution and the booking.
+func (s *State) book(b Booking) error {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	hops := make([]bookedHop, len(b.Hops))
+	for i, h := range b.Hops {
+		w := s.workers[h.Worker]
+		if w == nil {
+			return fmt.Errorf("%w: %v", ErrUnknownWorker, h.Worker)
+		}
+		hops[i] = bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens}
+	}
+	return s.load.book(b.RequestID, b.At, hops)
+}
+
+func compareKeys(a, b WorkerKey) int {
+	if c := cmp.Compare(a.ID, b.ID); c != 0 {
+		return c
+	}
+	return cmp.Compare(a.Rank, b.Rank)
+}

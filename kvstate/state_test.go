@@ -1,0 +1,900 @@
+package kvstate
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+)
+
+const testModel = "m"
+
+// Worker ranks used by the state tests: two ranks of engine 1 and one rank of engine 2.
+var (
+	w0r0 = WorkerKey{ID: 1, Rank: 0}
+	w0r1 = WorkerKey{ID: 1, Rank: 1}
+	w1   = WorkerKey{ID: 2, Rank: 0}
+	w2   = WorkerKey{ID: 3, Rank: 0}
+)
+
+// info returns a registration of key for testModel with block size 16.
+func info(key WorkerKey) WorkerInfo {
+	return WorkerInfo{
+		Key: key, Model: testModel, Role: RoleAggregated, BlockSize: 16,
+		TotalKVBlocks: 1000, MaxNumBatchedTokens: 8192, Endpoint: fmt.Sprintf("w%d-%d:9000", key.ID, key.Rank),
+		KVEventsEnabled: true,
+	}
+}
+
+// step is one setup step of a state test.
+type step func(t *testing.T, s *State)
+
+// apply applies c and fails the test if it errs.
+func apply(c Change) step {
+	return func(t *testing.T, s *State) {
+		t.Helper()
+		if _, err := s.Apply(c); err != nil {
+			t.Fatalf("State.Apply(%#v) = %v, want nil", c, err)
+		}
+	}
+}
+
+func up(key WorkerKey) step { return apply(WorkerUp{Info: info(key)}) }
+
+func connect(key WorkerKey) step {
+	return func(t *testing.T, s *State) { s.Connected(key) }
+}
+
+func disconnect(key WorkerKey, at int64) step {
+	return func(t *testing.T, s *State) { s.Disconnected(key, at) }
+}
+
+func events(key WorkerKey, evs ...Event) step { return apply(KVEvents{Worker: key, Events: evs}) }
+
+func run(t *testing.T, s *State, steps []step) {
+	t.Helper()
+	for _, st := range steps {
+		st(t, s)
+	}
+}
+
+// stored is a device-tier stored event of the given blocks at the root.
+func stored(id uint64, locals ...uint64) Event {
+	return Event{ID: id, Kind: EventStored, Blocks: blocks(locals...)}
+}
+
+// storedAfter is a device-tier stored event of the given blocks chained onto the block with local
+// hash parent.
+func storedAfter(id uint64, parent uint64, locals ...uint64) Event {
+	return Event{ID: id, Kind: EventStored, Parent: eh(parent), HasParent: true, Blocks: blocks(locals...)}
+}
+
+// removed is a device-tier removed event of the blocks with the given local hashes.
+func removed(id uint64, locals ...uint64) Event {
+	hashes := make([]uint64, len(locals))
+	for i, l := range locals {
+		hashes[i] = eh(l)
+	}
+	return Event{ID: id, Kind: EventRemoved, Removed: hashes}
+}
+
+func cleared(id uint64) Event { return Event{ID: id, Kind: EventCleared} }
+
+// workerOverlap returns the worker's overlap blocks with the prompt in its model's index.
+func workerOverlap(t *testing.T, s *State, key WorkerKey, locals ...uint64) TierCounts {
+	t.Helper()
+	w := s.Worker(key)
+	if w == nil {
+		t.Fatalf("State.Worker(%v) = nil, want a registered worker", key)
+	}
+	var o Overlaps
+	s.Model(w.Info.Model).Index.Overlaps(seq(locals...), &o)
+	return o.Blocks(w.Slot)
+}
+
+// TestKVEventsOrdering checks event-id ordering (§4.4) through State.Apply: in-order events apply,
+// duplicates are dropped, a gap drops the rank's blocks and ignores events until a dump, and stored
+// events that fail (§4.3) still consume their id. Rank 1 of the same engine holds [a,b,c] throughout
+// and must never be affected by rank 0's events.
+func TestKVEventsOrdering(t *testing.T) {
+	gap := []step{events(w0r0, stored(0, la), storedAfter(1, la, lb), storedAfter(3, lb, lc))}
+	gapAndDump := append(gap[:len(gap):len(gap)], apply(KVDump{Worker: w0r0, ThroughEventID: 4, Events: []Event{stored(77, la, lb)}}))
+	tests := []struct {
+		name        string
+		setup       []step
+		change      Change
+		want        Result
+		wantStatus  WorkerStatus
+		wantOverlap TierCounts // rank 0's overlap with [a,b,c,d]
+	}{
+		{
+			name:        "in-order ids from 0 apply",
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(0, la, lb), storedAfter(1, lb, lc, ld), removed(2, ld)}},
+			want:        Result{LastEventID: 2, HasLastEvent: true, Applied: 3},
+			wantStatus:  WorkerStatus{LastEventID: 2, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "ids 0,1,3: gap at 3 drops the rank's blocks",
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(0, la), storedAfter(1, la, lb), storedAfter(3, lb, lc)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 2, Ignored: 1, Gap: true, ExpectedEventID: 2, GotEventID: 3},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "gap ignores the rest of its batch",
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(0, la), stored(2, lx), stored(3, ly), stored(1, lb)}},
+			want:        Result{LastEventID: 0, HasLastEvent: true, Applied: 1, Ignored: 3, Gap: true, ExpectedEventID: 1, GotEventID: 2},
+			wantStatus:  WorkerStatus{LastEventID: 0, HasLastEvent: true, AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "gap in a later batch drops blocks stored by earlier batches",
+			setup:       []step{events(w0r0, stored(0, la, lb), storedAfter(1, lb, lc))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(3, lc, ld)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Ignored: 1, Gap: true, ExpectedEventID: 2, GotEventID: 3},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "after a gap even the expected id is ignored until a dump",
+			setup:       gap,
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(2, la, lb), stored(4, la)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Ignored: 2},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "a dump replaces the rank's blocks and ends the resync",
+			setup:       gap,
+			change:      KVDump{Worker: w0r0, ThroughEventID: 4, Events: []Event{stored(77, la, lb), storedAfter(78, lb, lc)}},
+			want:        Result{LastEventID: 4, HasLastEvent: true, Applied: 2},
+			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "after a dump through N, event N+1 applies",
+			setup:       gapAndDump,
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(5, lb, lc)}},
+			want:        Result{LastEventID: 5, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 5, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "after a dump through N, ids up to N are duplicates",
+			setup:       gapAndDump,
+			change:      KVEvents{Worker: w0r0, Events: []Event{removed(3, la), removed(4, la)}},
+			want:        Result{LastEventID: 4, HasLastEvent: true, Duplicates: 2},
+			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true},
+			wantOverlap: TierCounts{2},
+		},
+		{
+			name:        "after a dump through N, event N+2 is a gap again",
+			setup:       gapAndDump,
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(6, lb, lc)}},
+			want:        Result{LastEventID: 4, HasLastEvent: true, Ignored: 1, Gap: true, ExpectedEventID: 5, GotEventID: 6},
+			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true, AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "a dump without a pending resync replaces the blocks too",
+			setup:       []step{events(w0r0, stored(0, lx, ly))},
+			change:      KVDump{Worker: w0r0, ThroughEventID: 9, Events: []Event{stored(0, la, lb)}},
+			want:        Result{LastEventID: 9, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 9, HasLastEvent: true},
+			wantOverlap: TierCounts{2},
+		},
+		{
+			name:        "duplicate ids are dropped and change nothing",
+			setup:       []step{events(w0r0, stored(0, la, lb), storedAfter(1, lb, lc))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{cleared(0), removed(1, la)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Duplicates: 2},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "a replayed batch applies only its new tail",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(0, la, lb), storedAfter(1, lb, lc)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, Duplicates: 1},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "fresh worker: first event id 5 is a gap",
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(5, la)}},
+			want:        Result{Ignored: 1, Gap: true, ExpectedEventID: 0, GotEventID: 5},
+			wantStatus:  WorkerStatus{AwaitingResync: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "fresh worker: first event id 0 applies",
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(0, la)}},
+			want:        Result{LastEventID: 0, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 0, HasLastEvent: true},
+			wantOverlap: TierCounts{1},
+		},
+		{
+			name:        "parent not found: counted, consumes its id, index unchanged",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(1, lx, lc)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, ParentNotFound: 1},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{2},
+		},
+		{
+			name:        "the event after a parent-not-found applies in order",
+			setup:       []step{events(w0r0, stored(0, la, lb), storedAfter(1, lx, lc))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(2, lb, lc)}},
+			want:        Result{LastEventID: 2, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 2, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "invalid block sequence: counted, consumes its id, index unchanged",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{storedAfter(1, lb, lc, lb)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, InvalidSequence: 1},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{2},
+		},
+		{
+			name:        "removed unknown hashes are counted",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{removed(1, lx, ly)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, UnknownRemoved: 2},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{2},
+		},
+		{
+			name:        "blocks stored again are counted",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{stored(1, la, lb, lc)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, DuplicateBlocks: 2},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{3},
+		},
+		{
+			name:        "cleared drops the rank's tier",
+			setup:       []step{events(w0r0, stored(0, la, lb))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{cleared(1)}},
+			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
+			wantOverlap: TierCounts{},
+		},
+		{
+			name:        "parent-not-found inside a dump is counted",
+			change:      KVDump{Worker: w0r0, ThroughEventID: 3, Events: []Event{stored(0, la), storedAfter(0, lx, ly)}},
+			want:        Result{LastEventID: 3, HasLastEvent: true, Applied: 2, ParentNotFound: 1},
+			wantStatus:  WorkerStatus{LastEventID: 3, HasLastEvent: true},
+			wantOverlap: TierCounts{1},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState()
+			run(t, s, []step{up(w0r0), up(w0r1), events(w0r1, stored(0, la, lb, lc))})
+			run(t, s, tc.setup)
+			got, err := s.Apply(tc.change)
+			if err != nil {
+				t.Fatalf("State.Apply(%#v) = %v, want nil", tc.change, err)
+			}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("State.Apply(%#v) = %+v, want %+v (-want +got):\n%s", tc.change, got, tc.want, diff)
+			}
+			if diff := cmp.Diff(tc.wantStatus, s.Worker(w0r0).Status()); diff != "" {
+				t.Errorf("Worker(%v).Status() (-want +got):\n%s", w0r0, diff)
+			}
+			if got := workerOverlap(t, s, w0r0, la, lb, lc, ld); got != tc.wantOverlap {
+				t.Errorf("overlap of %v with [a,b,c,d] = %v, want %v", w0r0, got, tc.wantOverlap)
+			}
+			if got, want := workerOverlap(t, s, w0r1, la, lb, lc, ld), (TierCounts{3}); got != want {
+				t.Errorf("overlap of the other rank %v with [a,b,c,d] = %v, want %v", w0r1, got, want)
+			}
+			if got, want := s.Worker(w0r1).Status(), (WorkerStatus{HasLastEvent: true}); got != want {
+				t.Errorf("Worker(%v).Status() = %+v, want %+v", w0r1, got, want)
+			}
+		})
+	}
+}
+
+// TestKVChangesUnknownWorker checks that changes naming an unregistered rank fail with
+// ErrUnknownWorker and register nothing.
+func TestKVChangesUnknownWorker(t *testing.T) {
+	tests := []struct {
+		name   string
+		change Change
+	}{
+		{"KVEvents", KVEvents{Worker: w0r1, Events: []Event{stored(0, la)}}},
+		{"KVDump", KVDump{Worker: w0r1, ThroughEventID: 1, Events: []Event{stored(0, la)}}},
+		{"LoadReported", LoadReported{Worker: w0r1, KVUsedBlocks: 3}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState()
+			run(t, s, []step{up(w0r0)})
+			if _, err := s.Apply(tc.change); !errors.Is(err, ErrUnknownWorker) {
+				t.Errorf("State.Apply(%#v) = %v, want %v", tc.change, err, ErrUnknownWorker)
+			}
+			if w := s.Worker(w0r1); w != nil {
+				t.Errorf("State.Worker(%v) = %+v, want nil", w0r1, w.Info)
+			}
+			if got := s.Model(testModel).Index.Len(); got != 0 {
+				t.Errorf("Index.Len() = %d, want 0", got)
+			}
+		})
+	}
+}
+
+// Views of the registry, for comparing whole states.
+type (
+	workerView struct {
+		Info    WorkerInfo
+		Slot    uint32
+		Status  WorkerStatus
+		Blocks  TierCounts // Index.BlockCounts
+		Overlap TierCounts // overlap with the probe prompt [a,b,c,d,e]
+		Load    SlotLoad
+	}
+	modelView struct {
+		Name      string
+		BlockSize uint32
+		IndexLen  int
+		Workers   []workerView // in Model.Workers() order
+	}
+	stateView struct {
+		Models   []modelView // in State.Models() order
+		Bookings []string
+	}
+)
+
+func viewState(t *testing.T, s *State) stateView {
+	t.Helper()
+	v := stateView{Models: []modelView{}, Bookings: s.Load().BookingIDs()}
+	for _, m := range s.Models() {
+		mv := modelView{Name: m.Name, BlockSize: m.BlockSize, IndexLen: m.Index.Len(), Workers: []workerView{}}
+		var o Overlaps
+		m.Index.Overlaps(seq(la, lb, lc, ld, le), &o)
+		for _, w := range m.Workers() {
+			if got := s.Worker(w.Info.Key); got != w {
+				t.Errorf("State.Worker(%v) = %p, want the model's member %p", w.Info.Key, got, w)
+			}
+			mv.Workers = append(mv.Workers, workerView{
+				Info: w.Info, Slot: w.Slot, Status: w.Status(),
+				Blocks: m.Index.BlockCounts(w.Slot), Overlap: o.Blocks(w.Slot), Load: s.Load().Slot(w.Slot),
+			})
+		}
+		v.Models = append(v.Models, mv)
+	}
+	return v
+}
+
+// book books request id on the given workers, each with prefill tokens 10 and the blocks [a,b].
+func book(id string, keys ...WorkerKey) step {
+	hops := make([]HopBooking, len(keys))
+	for i, k := range keys {
+		hops[i] = HopBooking{Worker: k, Blocks: seq(la, lb), PrefillTokens: 10}
+	}
+	return apply(Booked{Booking{RequestID: id, Hops: hops, At: 1}})
+}
+
+// TestRegistry checks worker registration and removal through State.Apply: models, block sizes,
+// conflicting re-registrations, resets, removals (plain and conditional) and slot reuse. A failing
+// change must leave the whole state view unchanged.
+func TestRegistry(t *testing.T) {
+	withTotal := func(i WorkerInfo, n uint64) WorkerInfo { i.TotalKVBlocks = n; return i }
+	withModel := func(i WorkerInfo, m string) WorkerInfo { i.Model = m; return i }
+	withRole := func(i WorkerInfo, r Role) WorkerInfo { i.Role = r; return i }
+	withEndpoint := func(i WorkerInfo, e string) WorkerInfo { i.Endpoint, i.SupportsBypass = e, true; return i }
+	loaded := SlotLoad{ActiveBlocks: 2, ActivePrefillTokens: 10, ActiveRequests: 1}
+	held := []step{events(w0r0, stored(0, la, lb, lc))} // w0r0 holds [a,b,c], last event 0
+
+	tests := []struct {
+		name       string
+		setup      []step
+		change     Change
+		wantErr    error // nil: success
+		wantResult Result
+		want       stateView // ignored when wantErr is set: the state must be unchanged
+	}{
+		{
+			name:   "registering creates the model with the worker's block size",
+			change: WorkerUp{Info: info(w0r0)},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 0},
+			}}}},
+		},
+		{
+			name:    "a second worker with another block size is rejected",
+			setup:   []step{up(w0r0)},
+			change:  WorkerUp{Info: withBS(info(w1), 32)},
+			wantErr: ErrBlockSizeMismatch,
+		},
+		{
+			name:   "a worker of another model may use another block size",
+			setup:  []step{up(w0r0)},
+			change: WorkerUp{Info: withBS(withModel(info(w1), "n"), 32)},
+			want: stateView{Models: []modelView{
+				{Name: testModel, BlockSize: 16, Workers: []workerView{{Info: info(w0r0), Slot: 0}}},
+				{Name: "n", BlockSize: 32, Workers: []workerView{{Info: withBS(withModel(info(w1), "n"), 32), Slot: 1}}},
+			}},
+		},
+		{
+			name:   "Model.Workers() is sorted by key, not by registration",
+			setup:  []step{up(w2), up(w0r1), up(w1)},
+			change: WorkerUp{Info: info(w0r0)},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 3},
+				{Info: info(w0r1), Slot: 1},
+				{Info: info(w1), Slot: 2},
+				{Info: info(w2), Slot: 0},
+			}}}},
+		},
+		{
+			name:   "re-hello with the same capacities keeps slot, event numbering, blocks and load",
+			setup:  append([]step{up(w1), up(w0r0), book("r1", w0r0)}, held...),
+			change: WorkerUp{Info: withEndpoint(info(w0r0), "moved:1")},
+			want: stateView{
+				Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
+					{
+						Info: withEndpoint(info(w0r0), "moved:1"), Slot: 1,
+						Status: WorkerStatus{HasLastEvent: true}, Blocks: TierCounts{3}, Overlap: TierCounts{3}, Load: loaded,
+					},
+					{Info: info(w1), Slot: 0},
+				}}},
+				Bookings: []string{"r1"},
+			},
+		},
+		{
+			name:    "different capacity without Reset is a conflict",
+			setup:   append([]step{up(w0r0), book("r1", w0r0)}, held...),
+			change:  WorkerUp{Info: withTotal(info(w0r0), 2000)},
+			wantErr: ErrWorkerConflict,
+		},
+		{
+			name:    "different role without Reset is a conflict",
+			setup:   append([]step{up(w0r0)}, held...),
+			change:  WorkerUp{Info: withRole(info(w0r0), RoleDecode)},
+			wantErr: ErrWorkerConflict,
+		},
+		{
+			name:    "different model without Reset is a conflict",
+			setup:   append([]step{up(w0r0)}, held...),
+			change:  WorkerUp{Info: withModel(info(w0r0), "n")},
+			wantErr: ErrWorkerConflict,
+		},
+		{
+			name:    "different block size without Reset is a conflict",
+			setup:   append([]step{up(w0r0)}, held...),
+			change:  WorkerUp{Info: withBS(info(w0r0), 32)},
+			wantErr: ErrWorkerConflict,
+		},
+		{
+			name:   "Reset accepts new capacities and drops blocks, event numbering and load",
+			setup:  append([]step{up(w0r0), up(w1), book("r1", w0r0), book("r2", w0r0, w1)}, held...),
+			change: WorkerUp{Info: withTotal(info(w0r0), 2000), Reset: true},
+			want: stateView{
+				Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+					{Info: withTotal(info(w0r0), 2000), Slot: 0},
+					{Info: info(w1), Slot: 1, Load: loaded},
+				}}},
+				Bookings: []string{"r2"},
+			},
+		},
+		{
+			name:   "Reset with unchanged capacities drops blocks and event numbering",
+			setup:  append([]step{up(w0r0)}, held...),
+			change: WorkerUp{Info: info(w0r0), Reset: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 0},
+			}}}},
+		},
+		{
+			name:   "Reset of a model's sole worker may change the block size",
+			setup:  append([]step{up(w0r0)}, held...),
+			change: WorkerUp{Info: withBS(info(w0r0), 32), Reset: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 32, Workers: []workerView{
+				{Info: withBS(info(w0r0), 32), Slot: 0},
+			}}}},
+		},
+		{
+			name:    "Reset of one of several workers may not change the block size",
+			setup:   append([]step{up(w0r0), up(w1)}, held...),
+			change:  WorkerUp{Info: withBS(info(w0r0), 32), Reset: true},
+			wantErr: ErrBlockSizeMismatch,
+		},
+		{
+			name:   "Reset moving the sole worker to another model drops the old model",
+			setup:  append([]step{up(w0r0)}, held...),
+			change: WorkerUp{Info: withModel(info(w0r0), "n"), Reset: true},
+			want: stateView{Models: []modelView{{Name: "n", BlockSize: 16, Workers: []workerView{
+				{Info: withModel(info(w0r0), "n"), Slot: 0},
+			}}}},
+		},
+		{
+			name:   "Reset of an unknown worker registers it",
+			change: WorkerUp{Info: info(w0r0), Reset: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 0},
+			}}}},
+		},
+		{
+			name: "WorkerRemoved drops the worker's blocks and its share of bookings",
+			setup: []step{
+				up(w0r0), up(w1),
+				events(w0r0, stored(0, la, lb, lc, ld)), events(w1, stored(0, la, lb)),
+				book("solo", w0r0), book("both", w0r0, w1),
+			},
+			change: WorkerRemoved{Key: w0r0},
+			want: stateView{
+				Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 2, Workers: []workerView{
+					{Info: info(w1), Slot: 1, Status: WorkerStatus{HasLastEvent: true}, Blocks: TierCounts{2}, Overlap: TierCounts{2}, Load: loaded},
+				}}},
+				Bookings: []string{"both"},
+			},
+		},
+		{
+			name:   "WorkerRemoved of the last worker drops the model",
+			setup:  append([]step{up(w0r0), book("r1", w0r0)}, held...),
+			change: WorkerRemoved{Key: w0r0},
+			want:   stateView{Models: []modelView{}},
+		},
+		{
+			name:       "WorkerRemoved of an unknown worker is skipped",
+			setup:      []step{up(w0r0)},
+			change:     WorkerRemoved{Key: w1},
+			wantResult: Result{Skipped: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 0},
+			}}}},
+		},
+		{
+			name:   "WorkerRemoved if disconnected since T applies when it still is",
+			setup:  append([]step{up(w0r0), up(w1), connect(w0r0), disconnect(w0r0, 100)}, held...),
+			change: WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w1), Slot: 1},
+			}}}},
+		},
+		{
+			name:       "WorkerRemoved if disconnected since another time is skipped",
+			setup:      append([]step{up(w0r0), connect(w0r0), disconnect(w0r0, 100)}, held...),
+			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 99},
+			wantResult: Result{Skipped: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
+				{
+					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, DisconnectedAt: 100},
+					Blocks: TierCounts{3}, Overlap: TierCounts{3},
+				},
+			}}}},
+		},
+		{
+			name:       "WorkerRemoved if disconnected is skipped after a reconnect",
+			setup:      append([]step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), connect(w0r0)}, held...),
+			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			wantResult: Result{Skipped: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
+				{
+					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, Connected: true},
+					Blocks: TierCounts{3}, Overlap: TierCounts{3},
+				},
+			}}}},
+		},
+		{
+			name: "WorkerRemoved if disconnected since T is skipped after a later disconnect",
+			setup: append([]step{
+				up(w0r0), connect(w0r0), disconnect(w0r0, 100), connect(w0r0), disconnect(w0r0, 200),
+			}, held...),
+			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			wantResult: Result{Skipped: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
+				{
+					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, DisconnectedAt: 200},
+					Blocks: TierCounts{3}, Overlap: TierCounts{3},
+				},
+			}}}},
+		},
+		{
+			// One of two streams closed: the worker is still connected.
+			name:       "WorkerRemoved if disconnected is skipped while another stream is open",
+			setup:      []step{up(w0r0), connect(w0r0), connect(w0r0), disconnect(w0r0, 100)},
+			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			wantResult: Result{Skipped: true},
+			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+				{Info: info(w0r0), Slot: 0, Status: WorkerStatus{Connected: true}},
+			}}}},
+		},
+		{
+			name: "a reused slot starts with no blocks and no load",
+			setup: []step{
+				up(w0r0), up(w1), book("r1", w0r0), book("r2", w0r0, w1),
+				events(w0r0, stored(0, la, lb, lc)), events(w1, stored(0, la)),
+				apply(WorkerRemoved{Key: w0r0}),
+			},
+			change: WorkerUp{Info: info(w2)},
+			want: stateView{
+				Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 1, Workers: []workerView{
+					{Info: info(w1), Slot: 1, Status: WorkerStatus{HasLastEvent: true}, Blocks: TierCounts{1}, Overlap: TierCounts{1}, Load: loaded},
+					{Info: info(w2), Slot: 0},
+				}}},
+				Bookings: []string{"r2"},
+			},
+		},
+		{
+			// The departed worker's blocks must be gone from its own model's index too (IndexLen 0).
+			name: "a slot reused by another model's worker starts with no blocks and no load",
+			setup: []step{
+				up(w1), up(w0r0), events(w0r0, stored(0, la, lb, lc)), book("r1", w0r0),
+				apply(WorkerRemoved{Key: w0r0}),
+			},
+			change: WorkerUp{Info: withModel(info(w2), "n")},
+			want: stateView{Models: []modelView{
+				{Name: testModel, BlockSize: 16, Workers: []workerView{{Info: info(w1), Slot: 0}}},
+				{Name: "n", BlockSize: 16, Workers: []workerView{{Info: withModel(info(w2), "n"), Slot: 1}}},
+			}},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState()
+			run(t, s, tc.setup)
+			before := viewState(t, s)
+			res, err := s.Apply(tc.change)
+			if !errors.Is(err, tc.wantErr) {
+				t.Fatalf("State.Apply(%#v) = %v, want %v", tc.change, err, tc.wantErr)
+			}
+			if diff := cmp.Diff(tc.wantResult, res); diff != "" {
+				t.Errorf("State.Apply(%#v) = %+v, want %+v (-want +got):\n%s", tc.change, res, tc.wantResult, diff)
+			}
+			want := tc.want
+			if tc.wantErr != nil {
+				want = before
+			}
+			if diff := cmp.Diff(want, viewState(t, s)); diff != "" {
+				t.Errorf("state after State.Apply(%#v) (-want +got):\n%s", tc.change, diff)
+			}
+		})
+	}
+}
+
+// TestConnectionTracking checks the replica-local stream count behind Status().Connected and
+// DisconnectedWorkers, including across registrations that replace the Worker value.
+func TestConnectionTracking(t *testing.T) {
+	type probe struct {
+		Connected    bool
+		Disconnected map[WorkerKey]int64
+	}
+	tests := []struct {
+		name  string
+		steps []step
+		want  probe
+	}{
+		{
+			name:  "registered, never connected: neither connected nor disconnected",
+			steps: []step{up(w0r0)},
+			want:  probe{Disconnected: map[WorkerKey]int64{}},
+		},
+		{
+			name:  "connected",
+			steps: []step{up(w0r0), connect(w0r0)},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+		},
+		{
+			name:  "last stream closed",
+			steps: []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100)},
+			want:  probe{Disconnected: map[WorkerKey]int64{w0r0: 100}},
+		},
+		{
+			name:  "one of two streams closed",
+			steps: []step{up(w0r0), connect(w0r0), connect(w0r0), disconnect(w0r0, 100)},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+		},
+		{
+			name:  "re-hello keeps the open stream",
+			steps: []step{up(w0r0), connect(w0r0), up(w0r0)},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+		},
+		{
+			// A restarted engine says hello with Reset. The stream it says hello on is open; the
+			// replica-local stream count must survive the reset of the replicated state.
+			name:  "Reset hello keeps the open stream",
+			steps: []step{up(w0r0), connect(w0r0), apply(WorkerUp{Info: info(w0r0), Reset: true})},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+		},
+		{
+			// The new process connects (Reset hello on a new stream) before the router notices that
+			// the old stream is dead. When the old stream finally closes, the new one is still open:
+			// the worker must not be reported disconnected (the housekeeper would remove it).
+			name: "old stream closing after a Reset hello on a new stream leaves the worker connected",
+			steps: []step{
+				up(w0r0), connect(w0r0),
+				apply(WorkerUp{Info: info(w0r0), Reset: true}), connect(w0r0),
+				disconnect(w0r0, 100),
+			},
+			want: probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState()
+			run(t, s, tc.steps)
+			got := probe{Connected: s.Worker(w0r0).Status().Connected, Disconnected: s.DisconnectedWorkers()}
+			if diff := cmp.Diff(tc.want, got); diff != "" {
+				t.Errorf("connection state = %+v, want %+v (-want +got):\n%s", got, tc.want, diff)
+			}
+		})
+	}
+}
+
+// TestMemLog checks that Position counts exactly the changes that applied, and that a cancelled
+// context appends (and applies) nothing.
+func TestMemLog(t *testing.T) {
+	type appendCall struct {
+		change  Change
+		wantErr error
+	}
+	tests := []struct {
+		name         string
+		cancelled    bool
+		appends      []appendCall
+		wantPosition uint64
+		wantWorkers  []WorkerKey // registered afterwards
+	}{
+		{
+			name: "successful appends are counted",
+			appends: []appendCall{
+				{WorkerUp{Info: info(w0r0)}, nil},
+				{KVEvents{Worker: w0r0, Events: []Event{stored(0, la)}}, nil},
+				{Booked{Booking{RequestID: "r1", Hops: []HopBooking{{Worker: w0r0}}}}, nil},
+				{Freed{RequestID: "r1"}, nil},
+			},
+			wantPosition: 4,
+			wantWorkers:  []WorkerKey{w0r0},
+		},
+		{
+			name: "failed appends are not counted",
+			appends: []appendCall{
+				{Booked{Booking{RequestID: "r1", Hops: []HopBooking{{Worker: w0r0}}}}, ErrUnknownWorker},
+				{WorkerUp{Info: info(w0r0)}, nil},
+				{WorkerUp{Info: withBS(info(w1), 8)}, ErrBlockSizeMismatch},
+				{Freed{RequestID: "nope"}, ErrUnknownRequest},
+				{KVEvents{Worker: w1, Events: []Event{stored(0, la)}}, ErrUnknownWorker},
+			},
+			wantPosition: 1,
+			wantWorkers:  []WorkerKey{w0r0},
+		},
+		{
+			// A skipped conditional removal is a change that applied (as a no-op), so it counts.
+			name: "skipped removal is counted",
+			appends: []appendCall{
+				{WorkerRemoved{Key: w1}, nil},
+			},
+			wantPosition: 1,
+			wantWorkers:  []WorkerKey{},
+		},
+		{
+			name:      "cancelled context appends nothing",
+			cancelled: true,
+			appends: []appendCall{
+				{WorkerUp{Info: info(w0r0)}, context.Canceled},
+				{BookingsExpired{Before: 1}, context.Canceled},
+			},
+			wantPosition: 0,
+			wantWorkers:  []WorkerKey{},
+		},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			s := NewState()
+			l := NewMemLog(s)
+			ctx, cancel := context.WithCancel(context.Background())
+			defer cancel()
+			if tc.cancelled {
+				cancel()
+			}
+			for _, a := range tc.appends {
+				if _, err := l.Append(ctx, a.change); !errors.Is(err, a.wantErr) {
+					t.Errorf("MemLog.Append(%#v) = %v, want %v", a.change, err, a.wantErr)
+				}
+			}
+			if got := l.Position(); got != tc.wantPosition {
+				t.Errorf("MemLog.Position() = %d, want %d", got, tc.wantPosition)
+			}
+			got := []WorkerKey{}
+			for _, k := range []WorkerKey{w0r0, w0r1, w1, w2} {
+				if s.Worker(k) != nil {
+					got = append(got, k)
+				}
+			}
+			if diff := cmp.Diff(tc.wantWorkers, got); diff != "" {
+				t.Errorf("registered workers = %v, want %v (-want +got):\n%s", got, tc.wantWorkers, diff)
+			}
+		})
+	}
+}
+
+func withBS(i WorkerInfo, n uint32) WorkerInfo { i.BlockSize = n; return i }
+
+// TestStateConcurrent drives both MemLog lanes and the readers at once, for the race detector, then
+// checks the deterministic end state: every worker holds its chain, every booking is freed.
+func TestStateConcurrent(t *testing.T) {
+	const (
+		nWorkers  = 4
+		nEvents   = 50
+		nBookings = 200
+	)
+	s := NewState()
+	l := NewMemLog(s)
+	ctx := context.Background()
+	keys := make([]WorkerKey, nWorkers)
+	for i := range keys {
+		keys[i] = WorkerKey{ID: uint64(i + 1)}
+		if _, err := l.Append(ctx, WorkerUp{Info: info(keys[i])}); err != nil {
+			t.Fatalf("MemLog.Append(WorkerUp %v) = %v, want nil", keys[i], err)
+		}
+	}
+	locals := make([]uint64, nEvents)
+	for i := range locals {
+		locals[i] = uint64(0x100 + i)
+	}
+	prompt := seq(locals...)
+
+	var wg sync.WaitGroup
+	errs := make(chan error, nWorkers*nEvents+2*nBookings)
+	for _, k := range keys {
+		wg.Go(func() {
+			for i := range nEvents {
+				ev := Event{ID: uint64(i), Kind: EventStored, Blocks: blocks(locals[i])}
+				if i > 0 {
+					ev.Parent, ev.HasParent = eh(locals[i-1]), true
+				}
+				if _, err := l.Append(ctx, KVEvents{Worker: k, Events: []Event{ev}}); err != nil {
+					errs <- err
+				}
+			}
+		})
+	}
+	wg.Go(func() {
+		for i := range nBookings {
+			id := fmt.Sprint("r", i)
+			b := Booking{RequestID: id, Hops: []HopBooking{{Worker: keys[i%nWorkers], Blocks: prompt[:i%nEvents], PrefillTokens: 7}}}
+			if _, err := l.Append(ctx, Booked{b}); err != nil {
+				errs <- err
+			}
+			if _, err := l.Append(ctx, Freed{RequestID: id}); err != nil {
+				errs <- err
+			}
+		}
+	})
+	wg.Go(func() {
+		var o Overlaps
+		m := s.Model(testModel)
+		for range nBookings {
+			m.Index.Overlaps(prompt, &o)
+			s.Load().ActiveDepths(prompt, &o)
+			for _, w := range m.Workers() {
+				_ = w.Status()
+				_ = s.Load().Slot(w.Slot)
+			}
+		}
+	})
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Errorf("concurrent MemLog.Append = %v, want nil", err)
+	}
+	for _, k := range keys {
+		if got, want := workerOverlap(t, s, k, locals...), (TierCounts{nEvents}); got != want {
+			t.Errorf("overlap of %v = %v, want %v", k, got, want)
+		}
+		if got := s.Load().Slot(s.Worker(k).Slot); got != (SlotLoad{}) {
+			t.Errorf("Load.Slot(%v) = %+v, want zero", k, got)
+		}
+	}
+	if got, want := l.Position(), uint64(nWorkers+nWorkers*nEvents+2*nBookings); got != want {
+		t.Errorf("MemLog.Position() = %d, want %d", got, want)
+	}
+}

@@ -1,0 +1,388 @@
+package policy
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/zeebo/xxh3"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+// BypassAnnotation marks a request the decode worker must prefill itself. Only the router sets it.
+const BypassAnnotation = "x-bypass-remote-prefill"
+
+// Mode is the shape of a routing decision.
+type Mode uint8
+
+// Routing modes.
+const (
+	// ModeDisaggregated: prefill on the prefill target, then decode on the decode target.
+	ModeDisaggregated Mode = iota + 1
+	// ModeBypass: the decode target prefills locally.
+	ModeBypass
+	// ModeAggregated: the model has no prefill pool; the decode target runs the whole request.
+	ModeAggregated
+)
+
+// String returns the mode's lower-case name (used as a metric label).
+func (m Mode) String() string {
+	switch m {
+	case ModeDisaggregated:
+		return "disaggregated"
+	case ModeBypass:
+		return "bypass"
+	case ModeAggregated:
+		return "aggregated"
+	}
+	return "unspecified"
+}
+
+// Hop names, as reported in diagnostics.
+const (
+	HopPrefill    = "prefill"
+	HopDecode     = "decode"
+	HopAggregated = "aggregated"
+)
+
+// Pin restricts a hop to one worker, and to one of its ranks when Rank is set.
+type Pin struct {
+	Worker uint64
+	Rank   *uint32
+}
+
+func (p *Pin) matches(k kvstate.WorkerKey) bool {
+	return p == nil || (k.ID == p.Worker && (p.Rank == nil || *p.Rank == k.Rank))
+}
+
+// Request is one routing request, already validated.
+type Request struct {
+	ID             string
+	Model          string
+	Tokens         []uint32
+	LoraName       string
+	CacheNamespace string
+	QueryOnly      bool
+	Annotations    []string
+	PrefillPin     *Pin
+	DecodePin      *Pin
+	AllowedWorkers []uint64 // empty = all
+	Override       Override
+	Explain        bool
+}
+
+// Choice is the worker chosen for one hop and the numbers behind it.
+type Choice struct {
+	Candidate
+	CachedTokens float64 // tier-weighted, unrounded
+}
+
+// Scored is one candidate of one hop, reported when a request asks to explain.
+type Scored struct {
+	Hop string
+	Candidate
+	Chosen bool
+}
+
+// Decision is the answer to a routing request.
+type Decision struct {
+	Mode         Mode
+	Prefill      *Choice // ModeDisaggregated only
+	Decode       Choice
+	Annotations  []string
+	Booked       bool
+	PromptTokens uint64
+	PromptBlocks uint64 // complete (hashed) blocks
+	BlockSize    uint32
+	Candidates   []Scored // when explaining
+}
+
+// Router routes requests over the state and books them through the log. It is safe for concurrent
+// use; the routing path reads local memory only and allocates little (scratch space is pooled).
+type Router struct {
+	State  *kvstate.State
+	Log    kvstate.Log
+	Config Config
+	Rand   Rand
+	Now    func() time.Time
+
+	scratch sync.Pool
+}
+
+// NewRouter returns a router with the global random source and the wall clock.
+func NewRouter(state *kvstate.State, log kvstate.Log, cfg Config) *Router {
+	return &Router{State: state, Log: log, Config: cfg, Rand: GlobalRand{}, Now: time.Now}
+}
+
+// scratch is per-call working memory, reused through a pool so routing does not allocate it anew.
+type scratch struct {
+	local, seq []uint64
+	overlap    kvstate.Overlaps // per worker: prompt overlap in the prefix index
+	active     kvstate.Overlaps // per worker: prompt overlap with its active (booked) blocks
+	cands      []Candidate
+	costs      []float64
+	slots      []uint32
+	loads      []kvstate.SlotLoad
+}
+
+// routeCtx is one request's routing inputs, shared by its hops.
+type routeCtx struct {
+	req    *Request
+	sc     *scratch
+	prompt Prompt
+	dec    *Decision
+}
+
+// Route decides where req runs and, unless it is query-only, books its load.
+func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
+	m := r.State.Model(req.Model)
+	if m == nil {
+		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, req.Model)
+	}
+	sc, _ := r.scratch.Get().(*scratch)
+	if sc == nil {
+		sc = &scratch{}
+	}
+	defer r.scratch.Put(sc)
+
+	rc := &routeCtx{req: req, sc: sc, prompt: Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}}
+	salt := kvstate.SaltHash(req.LoraName, req.CacheNamespace)
+	sc.local = kvstate.LocalBlockHashes(sc.local[:0], req.Tokens, int(m.BlockSize), salt)
+	sc.seq = kvstate.SequenceHashes(sc.seq[:0], sc.local)
+	if r.Config.UseKVEvents {
+		m.Index.Overlaps(sc.seq, &sc.overlap)
+	} else {
+		m.Index.Overlaps(nil, &sc.overlap)
+	}
+	r.State.Load().ActiveDepths(sc.seq, &sc.active)
+
+	rc.dec = &Decision{
+		PromptTokens: rc.prompt.Tokens, PromptBlocks: uint64(len(sc.seq)), BlockSize: m.BlockSize,
+		Annotations: StripBypassMarkers(req.Annotations),
+	}
+	var prefillPool, decodePool []*kvstate.Worker
+	for _, w := range m.Workers() {
+		if w.Info.Role == kvstate.RolePrefill {
+			prefillPool = append(prefillPool, w)
+		} else {
+			decodePool = append(decodePool, w)
+		}
+	}
+	weights := r.Config.Weights(req.Override)
+	dec := rc.dec
+	if len(prefillPool) > 0 {
+		pc, err := r.choose(rc, HopPrefill, prefillPool, weights, req.PrefillPin)
+		if err != nil {
+			return nil, err
+		}
+		dec.Prefill = &pc
+		dec.Mode = ModeDisaggregated
+		// The decode hop of plain disaggregation is load-only (§5.3): the KV cache arrives by transfer.
+		weights = DecodeHopWeights(weights, false)
+		dc, err := r.choose(rc, HopDecode, decodePool, weights, req.DecodePin)
+		if err != nil {
+			return nil, err
+		}
+		dec.Decode = dc
+	} else {
+		if r.Config.EnforceDisagg {
+			return nil, fmt.Errorf("%w: model %q", ErrDisaggRequired, req.Model)
+		}
+		dc, err := r.choose(rc, HopAggregated, decodePool, weights, req.DecodePin)
+		if err != nil {
+			return nil, err
+		}
+		dec.Decode = dc
+		dec.Mode = ModeAggregated
+	}
+	if req.QueryOnly {
+		return dec, nil
+	}
+	if _, err := r.Log.Append(ctx, kvstate.Booked{Booking: r.booking(rc, weights)}); err != nil {
+		return nil, err
+	}
+	dec.Booked = true
+	return dec, nil
+}
+
+// DecodeHopWeights returns the weights of the decode hop after a remote prefill (§5.3): active
+// blocks are not deduplicated and prefill is not charged, since the prompt was computed elsewhere.
+// The overlap credit is zeroed unless conditional disaggregation keeps it (decode affinity, §2.2).
+func DecodeHopWeights(w Weights, keepCredit bool) Weights {
+	w.AssumeKVReuse = false
+	w.TrackPrefillTokens = false
+	if !keepCredit {
+		w.Credit = 0
+	}
+	return w
+}
+
+// choose scores the eligible workers of one hop and picks one.
+func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weights, pin *Pin) (Choice, error) {
+	sc, req, p := rc.sc, rc.req, rc.prompt
+	sc.slots = sc.slots[:0]
+	eligible := pool[:0:0]
+	for _, wk := range pool {
+		if len(req.AllowedWorkers) > 0 && !containsID(req.AllowedWorkers, wk.Info.Key.ID) {
+			continue
+		}
+		if !pin.matches(wk.Info.Key) {
+			continue
+		}
+		eligible = append(eligible, wk)
+		sc.slots = append(sc.slots, wk.Slot)
+	}
+	switch {
+	case len(eligible) > 0:
+	case pin != nil:
+		return Choice{}, fmt.Errorf("%w: %s hop has no worker %s", ErrPinnedWorkerNotFound, hop, pin)
+	case len(req.AllowedWorkers) > 0:
+		return Choice{}, fmt.Errorf("%w: %s hop: none of allowed_worker_ids %v serves model %q", ErrNoEligibleWorkers, hop, req.AllowedWorkers, req.Model)
+	default:
+		return Choice{}, fmt.Errorf("%w: model %q has no %s workers", ErrNoWorkers, req.Model, hopRole(hop))
+	}
+	sc.loads = r.State.Load().Slots(sc.loads[:0], sc.slots)
+
+	requestBlocks := p.Blocks()
+	sc.cands = sc.cands[:0]
+	overloaded := 0
+	var minActive uint64
+	for i, wk := range eligible {
+		load := sc.loads[i]
+		if r.overloaded(wk, load) {
+			overloaded++
+			continue
+		}
+		c := Candidate{Worker: wk, Overlap: sc.overlap.Blocks(wk.Slot), Load: load}
+		newBlocks := requestBlocks
+		if w.AssumeKVReuse {
+			newBlocks -= uint64(sc.active.Depths(wk.Slot)[kvstate.TierDevice])
+		}
+		c.PotentialDecodeBlocks = load.ActiveBlocks + newBlocks
+		if len(sc.cands) == 0 || load.ActivePrefillTokens < minActive {
+			minActive = load.ActivePrefillTokens
+		}
+		sc.cands = append(sc.cands, c)
+	}
+	if len(sc.cands) == 0 {
+		if pin != nil && overloaded == 1 {
+			return Choice{}, fmt.Errorf("%w: %s hop, worker %s", ErrPinnedWorkerOverloaded, hop, pin)
+		}
+		return Choice{}, fmt.Errorf("%w: %s hop, %d workers over router_queue_threshold", ErrAllWorkersOverloaded, hop, overloaded)
+	}
+	sc.costs = sc.costs[:0]
+	for i := range sc.cands {
+		c := &sc.cands[i]
+		c.Cost = w.Cost(c, p, minActive)
+		sc.costs = append(sc.costs, c.Cost)
+	}
+	best := Pick(sc.costs, w.Temperature, r.Rand)
+	if req.Explain {
+		for i, c := range sc.cands {
+			rc.dec.Candidates = append(rc.dec.Candidates, Scored{Hop: hop, Candidate: c, Chosen: i == best})
+		}
+	}
+	chosen := sc.cands[best]
+	return Choice{Candidate: chosen, CachedTokens: w.CachedTokens(chosen.Overlap, p.BlockSize)}, nil
+}
+
+// overloaded reports whether the worker's prefill load is over router_queue_threshold times its
+// prefill capacity (§3.5). Without a threshold no worker is overloaded.
+func (r *Router) overloaded(w *kvstate.Worker, load kvstate.SlotLoad) bool {
+	t := r.Config.QueueThreshold
+	if t == nil {
+		return false
+	}
+	return float64(load.ActivePrefillTokens) > *t*float64(PrefillTokenCapacity(w))
+}
+
+// PrefillTokenCapacity returns the worker's advertised max_num_batched_tokens, or
+// DefaultPrefillTokenCapacity when it advertised none.
+func PrefillTokenCapacity(w *kvstate.Worker) uint64 {
+	if w.Info.MaxNumBatchedTokens == 0 {
+		return DefaultPrefillTokenCapacity
+	}
+	return w.Info.MaxNumBatchedTokens
+}
+
+// booking builds the load the decision puts on its workers (§3.5, DESIGN "Bookings"): the prefill
+// worker carries the uncached prompt tokens; the decode worker carries the request's blocks, plus the
+// uncached prompt tokens when it prefills itself (aggregated or bypass).
+func (r *Router) booking(rc *routeCtx, decodeWeights Weights) kvstate.Booking {
+	dec, p := rc.dec, rc.prompt
+	b := kvstate.Booking{RequestID: rc.req.ID, At: r.Now().UnixNano()}
+	if dec.Prefill != nil {
+		var tokens uint64
+		if r.Config.Weights(rc.req.Override).TrackPrefillTokens {
+			tokens = uncachedTokens(p, dec.Prefill.Overlap)
+		}
+		b.Hops = append(b.Hops, kvstate.HopBooking{Worker: dec.Prefill.Worker.Info.Key, PrefillTokens: tokens})
+	}
+	hop := kvstate.HopBooking{Worker: dec.Decode.Worker.Info.Key, Blocks: requestBlockKeys(rc, decodeWeights.AssumeKVReuse)}
+	if dec.Mode != ModeDisaggregated && decodeWeights.TrackPrefillTokens {
+		hop.PrefillTokens = uncachedTokens(p, dec.Decode.Overlap)
+	}
+	b.Hops = append(b.Hops, hop)
+	return b
+}
+
+// uncachedTokens is the prompt minus its device-cached prefix: what the worker must compute.
+func uncachedTokens(p Prompt, overlap kvstate.TierCounts) uint64 {
+	cached := overlap[kvstate.TierDevice] * uint64(p.BlockSize)
+	return p.Tokens - min(cached, p.Tokens)
+}
+
+// requestBlockKeys returns the keys of the request's ceil(P/B) blocks for load tracking. With KV reuse
+// assumed, complete blocks use their sequence hashes, so requests sharing a prefix share those
+// blocks; the partial tail block, and every block without reuse, gets a key unique to the request.
+func requestBlockKeys(rc *routeCtx, reuse bool) []uint64 {
+	n := rc.prompt.Blocks()
+	keys := make([]uint64, 0, n)
+	if reuse {
+		keys = append(keys, rc.sc.seq...)
+	}
+	base := xxh3.HashString(rc.req.ID)
+	for i := uint64(len(keys)); i < n; i++ {
+		keys = append(keys, kvstate.ChainHash(base, i))
+	}
+	return keys
+}
+
+// StripBypassMarkers returns the annotations without any client-sent bypass marker, exact or in the
+// "x-bypass-remote-prefill:<value>" form: only the router may ask a decode worker to prefill (§1.5).
+func StripBypassMarkers(annotations []string) []string {
+	out := make([]string, 0, len(annotations))
+	for _, a := range annotations {
+		if a == BypassAnnotation || strings.HasPrefix(a, BypassAnnotation+":") {
+			continue
+		}
+		out = append(out, a)
+	}
+	return out
+}
+
+func (p *Pin) String() string {
+	if p.Rank != nil {
+		return fmt.Sprintf("%d/%d", p.Worker, *p.Rank)
+	}
+	return fmt.Sprintf("%d", p.Worker)
+}
+
+func hopRole(hop string) string {
+	if hop == HopPrefill {
+		return "prefill"
+	}
+	return "decode or aggregated"
+}
+
+func containsID(ids []uint64, id uint64) bool {
+	for _, x := range ids {
+		if x == id {
+			return true
+		}
+	}
+	return false
+}

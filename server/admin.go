@@ -1,0 +1,84 @@
+package server
+
+import (
+	"context"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+// ConfigSource says where a setting came from.
+type ConfigSource int
+
+// Configuration sources, lowest precedence first.
+const (
+	SourceDefault ConfigSource = iota + 1
+	SourceFile
+	SourceEnv
+	SourceFlag
+)
+
+// ConfigEntry is one effective setting, as GetConfig reports it.
+type ConfigEntry struct {
+	Key    string
+	Value  string
+	Source ConfigSource
+}
+
+// adminService implements AdminService.
+type adminService struct {
+	kvrouterv1.UnimplementedAdminServiceServer
+	state  *kvstate.State
+	config []ConfigEntry
+}
+
+func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorkersRequest) (*kvrouterv1.ListWorkersResponse, error) {
+	resp := &kvrouterv1.ListWorkersResponse{}
+	load := s.state.Load()
+	for _, m := range s.state.Models() {
+		if req.GetModel() != "" && m.Name != req.GetModel() {
+			continue
+		}
+		for _, w := range m.Workers() {
+			st := w.Status()
+			l := load.Slot(w.Slot)
+			ws := &kvrouterv1.WorkerStatus{
+				Worker:              workerTarget(w),
+				Model:               m.Name,
+				Role:                roleToProto[w.Info.Role],
+				BlockSize:           w.Info.BlockSize,
+				TotalKvBlocks:       w.Info.TotalKVBlocks,
+				MaxNumBatchedTokens: w.Info.MaxNumBatchedTokens,
+				SupportsBypass:      w.Info.SupportsBypass,
+				KvEventsEnabled:     w.Info.KVEventsEnabled,
+				Connected:           st.Connected,
+				CachedBlocks:        tierBlocks(m.Index.BlockCounts(w.Slot)),
+				AwaitingResync:      st.AwaitingResync,
+				Load: &kvrouterv1.WorkerLoad{
+					ActiveBlocks: l.ActiveBlocks, ActivePrefillTokens: l.ActivePrefillTokens, ActiveRequests: l.ActiveRequests,
+					KvUsedBlocks: st.KVUsedBlocks, WaitingRequests: st.WaitingRequests,
+				},
+			}
+			if st.HasLastEvent {
+				ws.LastEventId = &st.LastEventID
+			}
+			resp.Workers = append(resp.Workers, ws)
+		}
+	}
+	return resp, nil
+}
+
+var sourceToProto = map[ConfigSource]kvrouterv1.ConfigSource{
+	SourceDefault: kvrouterv1.ConfigSource_CONFIG_SOURCE_DEFAULT,
+	SourceFile:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FILE,
+	SourceEnv:     kvrouterv1.ConfigSource_CONFIG_SOURCE_ENV,
+	SourceFlag:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FLAG,
+}
+
+func (s *adminService) GetConfig(context.Context, *kvrouterv1.GetConfigRequest) (*kvrouterv1.GetConfigResponse, error) {
+	resp := &kvrouterv1.GetConfigResponse{}
+	for _, e := range s.config {
+		resp.Entries = append(resp.Entries, &kvrouterv1.ConfigEntry{Key: e.Key, Value: e.Value, Source: sourceToProto[e.Source]})
+	}
+	return resp, nil
+}

@@ -1,0 +1,184 @@
+package server
+
+import (
+	"context"
+	"math"
+	"time"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// maxRequestIDBytes bounds request ids: they are kept in memory for the life of a booking.
+const maxRequestIDBytes = 512
+
+// routerService implements RouterService: validate, call the policy router, map the result.
+type routerService struct {
+	kvrouterv1.UnimplementedRouterServiceServer
+	router          *policy.Router
+	log             kvstate.Log
+	metrics         *metrics
+	maxPromptTokens int
+}
+
+func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest) (*kvrouterv1.RouteResponse, error) {
+	preq, err := s.routeRequest(req)
+	if err != nil {
+		return nil, err
+	}
+	start := time.Now()
+	dec, err := s.router.Route(ctx, preq)
+	if err != nil {
+		return nil, toStatus(err)
+	}
+	s.metrics.observeRoute(req.GetModel(), dec, time.Since(start))
+	return routeResponse(dec), nil
+}
+
+func (s *routerService) MarkPrefillComplete(ctx context.Context, req *kvrouterv1.MarkPrefillCompleteRequest) (*kvrouterv1.MarkPrefillCompleteResponse, error) {
+	if err := checkRequestID(req.GetRequestId()); err != nil {
+		return nil, err
+	}
+	if _, err := s.log.Append(ctx, kvstate.PrefillDone{RequestID: req.GetRequestId()}); err != nil {
+		return nil, toStatus(err)
+	}
+	return &kvrouterv1.MarkPrefillCompleteResponse{}, nil
+}
+
+func (s *routerService) Free(ctx context.Context, req *kvrouterv1.FreeRequest) (*kvrouterv1.FreeResponse, error) {
+	if err := checkRequestID(req.GetRequestId()); err != nil {
+		return nil, err
+	}
+	if _, err := s.log.Append(ctx, kvstate.Freed{RequestID: req.GetRequestId()}); err != nil {
+		return nil, toStatus(err)
+	}
+	return &kvrouterv1.FreeResponse{}, nil
+}
+
+func checkRequestID(id string) error {
+	switch {
+	case id == "":
+		return invalidArgument("request_id", "must not be empty")
+	case len(id) > maxRequestIDBytes:
+		return invalidArgumentf("request_id", "must be at most %d bytes (got %d)", maxRequestIDBytes, len(id))
+	}
+	return nil
+}
+
+// routeRequest validates a RouteRequest and converts it to the policy's request.
+func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Request, error) {
+	if !req.GetQueryOnly() || req.GetRequestId() != "" {
+		if err := checkRequestID(req.GetRequestId()); err != nil {
+			return nil, err
+		}
+	}
+	if req.GetModel() == "" {
+		return nil, invalidArgument("model", "must not be empty")
+	}
+	switch n := len(req.GetTokenIds()); {
+	case n == 0:
+		return nil, invalidArgument("token_ids", "must not be empty")
+	case n > s.maxPromptTokens:
+		return nil, invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
+	}
+	out := &policy.Request{
+		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
+		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(),
+		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),
+	}
+	if h := req.GetHints(); h != nil {
+		if h.PrefillDpRank != nil && h.PrefillWorkerId == nil {
+			return nil, invalidArgument("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
+		}
+		if h.DecodeDpRank != nil && h.DecodeWorkerId == nil {
+			return nil, invalidArgument("hints.decode_dp_rank", "needs hints.decode_worker_id")
+		}
+		if h.PrefillWorkerId != nil {
+			out.PrefillPin = &policy.Pin{Worker: h.GetPrefillWorkerId(), Rank: h.PrefillDpRank}
+		}
+		if h.DecodeWorkerId != nil {
+			out.DecodePin = &policy.Pin{Worker: h.GetDecodeWorkerId(), Rank: h.DecodeDpRank}
+		}
+		out.AllowedWorkers = h.GetAllowedWorkerIds()
+	}
+	if o := req.GetConfigOverride(); o != nil {
+		out.Override = policy.Override{
+			OverlapScoreCredit:    o.OverlapScoreCredit,
+			PrefillLoadScale:      o.PrefillLoadScale,
+			OverlapScoreWeight:    o.OverlapScoreWeight,
+			RouterTemperature:     o.RouterTemperature,
+			SharedCacheMultiplier: o.SharedCacheMultiplier,
+			AssumeKVReuse:         o.AssumeKvReuse,
+			TrackPrefillTokens:    o.TrackPrefillTokens,
+		}
+		if err := out.Override.Validate(); err != nil {
+			if fe, ok := err.(*policy.FieldError); ok {
+				return nil, invalidArgument("config_override."+fe.Field, fe.Rule)
+			}
+			return nil, toStatus(err)
+		}
+	}
+	return out, nil
+}
+
+var routeModes = map[policy.Mode]kvrouterv1.RouteMode{
+	policy.ModeDisaggregated: kvrouterv1.RouteMode_ROUTE_MODE_DISAGGREGATED,
+	policy.ModeBypass:        kvrouterv1.RouteMode_ROUTE_MODE_BYPASS,
+	policy.ModeAggregated:    kvrouterv1.RouteMode_ROUTE_MODE_AGGREGATED,
+}
+
+func routeResponse(d *policy.Decision) *kvrouterv1.RouteResponse {
+	resp := &kvrouterv1.RouteResponse{
+		Mode:        routeModes[d.Mode],
+		Decode:      workerTarget(d.Decode.Worker),
+		Annotations: d.Annotations,
+		Booked:      d.Booked,
+		Diagnostics: &kvrouterv1.RouteDiagnostics{
+			PromptTokens: d.PromptTokens,
+			PromptBlocks: d.PromptBlocks,
+			BlockSize:    d.BlockSize,
+			Decode:       hopDiagnostics(&d.Decode),
+		},
+	}
+	if d.Prefill != nil {
+		resp.Prefill = workerTarget(d.Prefill.Worker)
+		resp.Diagnostics.Prefill = hopDiagnostics(d.Prefill)
+	}
+	for _, c := range d.Candidates {
+		resp.Diagnostics.Candidates = append(resp.Diagnostics.Candidates, &kvrouterv1.CandidateCost{
+			Worker:                workerTarget(c.Worker),
+			Role:                  roleToProto[c.Worker.Info.Role],
+			Hop:                   c.Hop,
+			OverlapBlocks:         tierBlocks(c.Overlap),
+			Cost:                  finite(c.Cost),
+			Chosen:                c.Chosen,
+			Load:                  &kvrouterv1.WorkerLoad{ActiveBlocks: c.Load.ActiveBlocks, ActivePrefillTokens: c.Load.ActivePrefillTokens, ActiveRequests: c.Load.ActiveRequests},
+			PotentialDecodeBlocks: c.PotentialDecodeBlocks,
+		})
+	}
+	return resp
+}
+
+func hopDiagnostics(c *policy.Choice) *kvrouterv1.HopDiagnostics {
+	return &kvrouterv1.HopDiagnostics{OverlapBlocks: tierBlocks(c.Overlap), CachedTokens: c.CachedTokens, Cost: finite(c.Cost)}
+}
+
+func workerTarget(w *kvstate.Worker) *kvrouterv1.WorkerTarget {
+	return &kvrouterv1.WorkerTarget{WorkerId: w.Info.Key.ID, DpRank: w.Info.Key.Rank, Endpoint: w.Info.Endpoint}
+}
+
+func tierBlocks(c kvstate.TierCounts) *kvrouterv1.TierBlocks {
+	return &kvrouterv1.TierBlocks{
+		Device: c[kvstate.TierDevice], Host: c[kvstate.TierHost], Disk: c[kvstate.TierDisk], External: c[kvstate.TierExternal],
+	}
+}
+
+// finite keeps JSON encodings (grpcurl) valid: costs are always finite in practice, but a NaN or Inf
+// in a diagnostic must never break a response.
+func finite(v float64) float64 {
+	if math.IsNaN(v) || math.IsInf(v, 0) {
+		return 0
+	}
+	return v
+}

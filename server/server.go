@@ -1,0 +1,158 @@
+// Package server is kvrouter's gRPC edge: it validates requests, calls the domain (policy, kvstate),
+// and maps results and errors to the public contract. It also assembles the gRPC server: interceptors,
+// health, reflection, metrics, limits and graceful shutdown.
+package server
+
+import (
+	"context"
+	"log/slog"
+	"net"
+	"runtime/debug"
+	"time"
+
+	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/reflection"
+	"google.golang.org/grpc/status"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// Options configure a Server.
+type Options struct {
+	State    *kvstate.State
+	Log      kvstate.Log
+	Router   *policy.Router
+	Config   []ConfigEntry // the effective configuration, for GetConfig
+	Logger   *slog.Logger
+	Registry *prometheus.Registry
+	Now      func() time.Time
+
+	MaxPromptTokens      int    // longest accepted prompt, in tokens
+	MaxRecvMsgBytes      int    // largest accepted message
+	MaxConcurrentStreams uint32 // per connection
+}
+
+// Server is kvrouter's gRPC server.
+type Server struct {
+	grpc     *grpc.Server
+	health   *health.Server
+	stopping chan struct{}
+	logger   *slog.Logger
+}
+
+// serviceNames are the services whose health is reported (besides "", the whole server).
+var serviceNames = []string{
+	kvrouterv1.RouterService_ServiceDesc.ServiceName,
+	kvrouterv1.WorkerService_ServiceDesc.ServiceName,
+	kvrouterv1.AdminService_ServiceDesc.ServiceName,
+}
+
+// New assembles the gRPC server with every service registered and reporting SERVING.
+func New(o Options) *Server {
+	if o.Now == nil {
+		o.Now = time.Now
+	}
+	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
+		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),
+	))
+	panics := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvrouter_panics_recovered_total",
+		Help: "Panics in gRPC handlers, recovered and answered with INTERNAL.",
+	})
+	o.Registry.MustRegister(grpcMetrics, panics)
+	recover := recovery.WithRecoveryHandler(func(p any) error {
+		panics.Inc()
+		o.Logger.Error("recovered from panic in handler", "panic", p, "stack", string(debug.Stack()))
+		return status.Error(codes.Internal, "internal error")
+	})
+	callLog := logging.WithLevels(func(c codes.Code) logging.Level {
+		if c == codes.OK {
+			return logging.LevelDebug // a line per routed request would cost more than routing it
+		}
+		return logging.DefaultServerCodeToLevel(c)
+	})
+	logger := interceptorLogger(o.Logger)
+	s := &Server{
+		grpc: grpc.NewServer(
+			grpc.ChainUnaryInterceptor(
+				grpcMetrics.UnaryServerInterceptor(),
+				logging.UnaryServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.FinishCall)),
+				recovery.UnaryServerInterceptor(recover),
+			),
+			grpc.ChainStreamInterceptor(
+				grpcMetrics.StreamServerInterceptor(),
+				logging.StreamServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)),
+				recovery.StreamServerInterceptor(recover),
+			),
+			grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
+			grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
+			grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
+			grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
+		),
+		health:   health.NewServer(),
+		stopping: make(chan struct{}),
+		logger:   o.Logger,
+	}
+	m := newMetrics(o.Registry, o.State, o.Log)
+	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, maxPromptTokens: o.MaxPromptTokens})
+	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping})
+	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, config: o.Config})
+	healthpb.RegisterHealthServer(s.grpc, s.health)
+	reflection.Register(s.grpc)
+	grpcMetrics.InitializeMetrics(s.grpc)
+	for _, name := range append([]string{""}, serviceNames...) {
+		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+	}
+	return s
+}
+
+// Serve accepts connections on lis until Shutdown.
+func (s *Server) Serve(lis net.Listener) error {
+	err := s.grpc.Serve(lis)
+	if err == grpc.ErrServerStopped {
+		return nil
+	}
+	return err
+}
+
+// Shutdown stops the server in order: health turns NOT_SERVING so balancers stop sending new calls,
+// the drain period lets them notice, Publish streams end with UNAVAILABLE so workers reconnect to
+// another replica, in-flight calls finish, and whatever still runs when ctx ends is cut.
+func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
+	s.health.Shutdown()
+	s.logger.Info("shutting down: health NOT_SERVING", "drain", drain)
+	select {
+	case <-time.After(drain):
+	case <-ctx.Done():
+	}
+	close(s.stopping)
+	done := make(chan struct{})
+	go func() {
+		s.grpc.GracefulStop()
+		close(done)
+	}()
+	select {
+	case <-done:
+	case <-ctx.Done():
+		s.logger.Warn("graceful stop timed out; closing remaining connections")
+		s.grpc.Stop()
+		<-done
+	}
+}
+
+// interceptorLogger adapts slog to the middleware's logger.
+func interceptorLogger(l *slog.Logger) logging.Logger {
+	return logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
+		l.Log(ctx, slog.Level(lvl), msg, fields...)
+	})
+}

@@ -1,0 +1,343 @@
+package server
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+// workerService implements WorkerService: one Publish stream per worker rank.
+type workerService struct {
+	kvrouterv1.UnimplementedWorkerServiceServer
+	state    *kvstate.State
+	log      kvstate.Log
+	metrics  *metrics
+	logger   *slog.Logger
+	now      func() time.Time
+	stopping <-chan struct{} // closed when the server shuts down: streams end so workers reconnect elsewhere
+}
+
+var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
+	kvrouterv1.WorkerRole_WORKER_ROLE_PREFILL:    kvstate.RolePrefill,
+	kvrouterv1.WorkerRole_WORKER_ROLE_DECODE:     kvstate.RoleDecode,
+	kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED: kvstate.RoleAggregated,
+}
+
+var roleToProto = map[kvstate.Role]kvrouterv1.WorkerRole{
+	kvstate.RolePrefill:    kvrouterv1.WorkerRole_WORKER_ROLE_PREFILL,
+	kvstate.RoleDecode:     kvrouterv1.WorkerRole_WORKER_ROLE_DECODE,
+	kvstate.RoleAggregated: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+}
+
+var tierFromProto = map[kvrouterv1.StorageTier]kvstate.Tier{
+	kvrouterv1.StorageTier_STORAGE_TIER_DEVICE:   kvstate.TierDevice,
+	kvrouterv1.StorageTier_STORAGE_TIER_HOST:     kvstate.TierHost,
+	kvrouterv1.StorageTier_STORAGE_TIER_DISK:     kvstate.TierDisk,
+	kvrouterv1.StorageTier_STORAGE_TIER_EXTERNAL: kvstate.TierExternal,
+}
+
+// publishStream is the per-stream state of one Publish call.
+type publishStream struct {
+	svc    *workerService
+	stream grpc.BidiStreamingServer[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
+	info   kvstate.WorkerInfo // the registered hello
+	acked  uint64
+	hasAck bool
+	logger *slog.Logger
+}
+
+// recvResult is one message (or the error that ended the stream) from the receiving goroutine.
+type recvResult struct {
+	msg *kvrouterv1.PublishRequest
+	err error
+}
+
+func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]) error {
+	ctx := stream.Context()
+	// One goroutine receives; this one applies and sends (a stream allows one of each at a time).
+	// Receiving apart lets the handler notice shutdown while a worker is idle.
+	msgs := make(chan recvResult, 16)
+	go func() {
+		for {
+			m, err := stream.Recv()
+			select {
+			case msgs <- recvResult{m, err}:
+			case <-ctx.Done():
+				return
+			}
+			if err != nil {
+				return
+			}
+		}
+	}()
+	next := func() (*kvrouterv1.PublishRequest, error) {
+		select {
+		case r := <-msgs:
+			return r.msg, r.err
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case <-s.stopping:
+			return nil, status.Error(codes.Unavailable, "router is shutting down; reconnect to another replica")
+		}
+	}
+
+	first, err := next()
+	if err != nil {
+		if errors.Is(err, io.EOF) {
+			return nil
+		}
+		return err
+	}
+	hello := first.GetHello()
+	if hello == nil {
+		return failedPrecondition("HELLO_REQUIRED", "the first message on a Publish stream must be a hello (got %s)", messageKind(first))
+	}
+	info, err := workerInfo(hello)
+	if err != nil {
+		return err
+	}
+	// A known worker counts as connected before its hello applies, so the housekeeper cannot remove
+	// it in between; a new one counts once it exists.
+	connected := s.state.Connected(info.Key)
+	_, err = s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
+	if connected || err == nil {
+		if !connected {
+			s.state.Connected(info.Key)
+		}
+		defer s.state.Disconnected(info.Key, s.now().UnixNano())
+	}
+	if err != nil {
+		return toStatus(err)
+	}
+	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key, "model", info.Model, "role", info.Role)}
+	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "reset", hello.GetFreshStart())
+	if err := ps.sendRegistered(); err != nil {
+		return err
+	}
+	for {
+		msg, err := next()
+		if errors.Is(err, io.EOF) {
+			ps.logger.Info("worker stream closed")
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if err := ps.handle(ctx, msg); err != nil {
+			ps.logger.Warn("worker stream ended by error", "err", err)
+			return err
+		}
+	}
+}
+
+func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequest) error {
+	svc := ps.svc
+	switch m := msg.GetMessage().(type) {
+	case *kvrouterv1.PublishRequest_Hello:
+		info, err := workerInfo(m.Hello)
+		if err != nil {
+			return err
+		}
+		if !info.SameCapacity(ps.info) || m.Hello.GetFreshStart() {
+			return failedPrecondition("HELLO_CHANGED", "hello: a second hello on a stream must repeat the first (worker %v model %q role %v block_size %d total_kv_blocks %d max_num_batched_tokens %d) and must not set fresh_start; open a new stream to re-register",
+				ps.info.Key, ps.info.Model, ps.info.Role, ps.info.BlockSize, ps.info.TotalKVBlocks, ps.info.MaxNumBatchedTokens)
+		}
+		if _, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+			return toStatus(err)
+		}
+		ps.info = info
+		return ps.sendRegistered()
+	case *kvrouterv1.PublishRequest_Events:
+		events, err := ps.convertEvents("events.events", m.Events.GetEvents(), true)
+		if err != nil {
+			return err
+		}
+		if len(events) == 0 {
+			return invalidArgument("events.events", "must not be empty")
+		}
+		res, err := svc.log.Append(ctx, kvstate.KVEvents{Worker: ps.info.Key, Events: events})
+		if err != nil {
+			return toStatus(err)
+		}
+		svc.metrics.observeEvents(res)
+		if res.Gap {
+			ps.logger.Warn("event id gap; dropped the worker's blocks and asked for a dump", "expected", res.ExpectedEventID, "got", res.GotEventID)
+			if err := ps.stream.Send(resync(fmt.Sprintf("gap: expected event %d, got %d", res.ExpectedEventID, res.GotEventID), res.ExpectedEventID)); err != nil {
+				return err
+			}
+			svc.metrics.resyncs.Inc()
+		}
+		return ps.ack(res)
+	case *kvrouterv1.PublishRequest_Dump:
+		events, err := ps.convertEvents("dump.events", m.Dump.GetEvents(), false)
+		if err != nil {
+			return err
+		}
+		for i, ev := range events {
+			if ev.Kind != kvstate.EventStored {
+				return invalidArgumentf(fmt.Sprintf("dump.events[%d]", i), "must be a stored event (a dump lists the blocks the worker holds)")
+			}
+		}
+		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, ThroughEventID: m.Dump.GetThroughEventId(), Events: events})
+		if err != nil {
+			return toStatus(err)
+		}
+		svc.metrics.observeEvents(res)
+		ps.logger.Info("applied dump", "through_event_id", m.Dump.GetThroughEventId(), "events", len(events))
+		return ps.ack(res)
+	case *kvrouterv1.PublishRequest_Load:
+		if m.Load.GetDpRank() != ps.info.Key.Rank {
+			return invalidArgumentf("load.dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, m.Load.GetDpRank())
+		}
+		_, err := svc.log.Append(ctx, kvstate.LoadReported{Worker: ps.info.Key, KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
+		return toStatus(err)
+	}
+	return invalidArgument("message", "must set one of hello, events, dump, load")
+}
+
+// sendRegistered answers a hello with the last event id held for the rank, and asks for a dump at
+// once if the rank is waiting for one (the request may have been lost with a previous stream).
+func (ps *publishStream) sendRegistered() error {
+	w := ps.svc.state.Worker(ps.info.Key)
+	if w == nil {
+		return status.Errorf(codes.Unavailable, "worker %v was removed while registering; reconnect", ps.info.Key)
+	}
+	st := w.Status()
+	reg := &kvrouterv1.Registered{}
+	if st.HasLastEvent {
+		reg.LastEventId = &st.LastEventID
+	}
+	if err := ps.stream.Send(&kvrouterv1.PublishResponse{Message: &kvrouterv1.PublishResponse_Registered{Registered: reg}}); err != nil {
+		return err
+	}
+	if st.AwaitingResync {
+		expected := uint64(0)
+		if st.HasLastEvent {
+			expected = st.LastEventID + 1
+		}
+		return ps.stream.Send(resync("a dump is still awaited after an event id gap", expected))
+	}
+	return nil
+}
+
+// ack sends a cumulative ack when the applied event id moved.
+func (ps *publishStream) ack(res kvstate.Result) error {
+	if !res.HasLastEvent || (ps.hasAck && res.LastEventID == ps.acked) {
+		return nil
+	}
+	ps.acked, ps.hasAck = res.LastEventID, true
+	return ps.stream.Send(&kvrouterv1.PublishResponse{Message: &kvrouterv1.PublishResponse_Ack{Ack: &kvrouterv1.Ack{EventId: res.LastEventID}}})
+}
+
+func resync(reason string, expected uint64) *kvrouterv1.PublishResponse {
+	return &kvrouterv1.PublishResponse{Message: &kvrouterv1.PublishResponse_Resync{Resync: &kvrouterv1.ResyncRequest{Reason: reason, ExpectedEventId: expected}}}
+}
+
+func messageKind(m *kvrouterv1.PublishRequest) string {
+	switch m.GetMessage().(type) {
+	case *kvrouterv1.PublishRequest_Events:
+		return "events"
+	case *kvrouterv1.PublishRequest_Dump:
+		return "dump"
+	case *kvrouterv1.PublishRequest_Load:
+		return "load"
+	case *kvrouterv1.PublishRequest_Hello:
+		return "hello"
+	}
+	return "an empty message"
+}
+
+// workerInfo validates a hello and converts it.
+func workerInfo(h *kvrouterv1.WorkerHello) (kvstate.WorkerInfo, error) {
+	role, ok := roleFromProto[h.GetRole()]
+	switch {
+	case h.GetWorkerId() == 0:
+		return kvstate.WorkerInfo{}, invalidArgument("hello.worker_id", "must not be 0")
+	case h.GetModel() == "":
+		return kvstate.WorkerInfo{}, invalidArgument("hello.model", "must not be empty")
+	case !ok:
+		return kvstate.WorkerInfo{}, invalidArgumentf("hello.role", "must be PREFILL, DECODE or AGGREGATED (got %v)", h.GetRole())
+	case h.GetBlockSize() == 0:
+		return kvstate.WorkerInfo{}, invalidArgument("hello.block_size", "must be > 0")
+	}
+	return kvstate.WorkerInfo{
+		Key:   kvstate.WorkerKey{ID: h.GetWorkerId(), Rank: h.GetDpRank()},
+		Model: h.GetModel(), Role: role, BlockSize: h.GetBlockSize(),
+		TotalKVBlocks: h.GetTotalKvBlocks(), MaxNumBatchedTokens: h.GetMaxNumBatchedTokens(),
+		Endpoint: h.GetEndpoint(), SupportsBypass: h.GetSupportsBypass(), KVEventsEnabled: h.GetKvEventsEnabled(),
+	}, nil
+}
+
+// convertEvents validates a batch of events completely before converting it, so a bad event rejects
+// the whole batch and nothing of it is applied. With checkOrder, event ids must strictly increase.
+func (ps *publishStream) convertEvents(field string, in []*kvrouterv1.KvEvent, checkOrder bool) ([]kvstate.Event, error) {
+	out := make([]kvstate.Event, 0, len(in))
+	var salt uint64
+	saltFor := ""
+	for i, ev := range in {
+		f := fmt.Sprintf("%s[%d]", field, i)
+		if checkOrder && i > 0 && ev.GetEventId() <= in[i-1].GetEventId() {
+			return nil, invalidArgumentf(f+".event_id", "must be greater than the previous event's id %d within a batch (got %d)", in[i-1].GetEventId(), ev.GetEventId())
+		}
+		if ev.GetDpRank() != ps.info.Key.Rank {
+			return nil, invalidArgumentf(f+".dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, ev.GetDpRank())
+		}
+		tier, ok := tierFromProto[ev.GetStorageTier()]
+		if !ok {
+			return nil, invalidArgumentf(f+".storage_tier", "must be DEVICE, HOST, DISK or EXTERNAL (got %v)", ev.GetStorageTier())
+		}
+		e := kvstate.Event{ID: ev.GetEventId(), Tier: tier}
+		switch d := ev.GetData().(type) {
+		case *kvrouterv1.KvEvent_Stored:
+			st := d.Stored
+			if len(st.GetBlocks()) == 0 {
+				return nil, invalidArgument(f+".stored.blocks", "must not be empty")
+			}
+			e.Kind = kvstate.EventStored
+			if st.ParentHash != nil {
+				e.Parent, e.HasParent = st.GetParentHash(), true
+			}
+			if key := st.GetLoraName() + "\x00" + st.GetCacheNamespace(); key != saltFor || i == 0 {
+				salt, saltFor = kvstate.SaltHash(st.GetLoraName(), st.GetCacheNamespace()), key
+			}
+			e.Blocks = make([]kvstate.Block, len(st.GetBlocks()))
+			for j, b := range st.GetBlocks() {
+				bf := fmt.Sprintf("%s.stored.blocks[%d]", f, j)
+				switch {
+				case b.TokensHash != nil && len(b.GetTokenIds()) > 0:
+					return nil, invalidArgument(bf, "must set exactly one of token_ids and tokens_hash (both are set)")
+				case b.TokensHash != nil:
+					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: b.GetTokensHash()}
+				case len(b.GetTokenIds()) != int(ps.info.BlockSize):
+					if len(b.GetTokenIds()) == 0 {
+						return nil, invalidArgument(bf, "must set exactly one of token_ids and tokens_hash (neither is set)")
+					}
+					return nil, invalidArgumentf(bf+".token_ids", "must hold exactly block_size %d tokens (got %d)", ps.info.BlockSize, len(b.GetTokenIds()))
+				default:
+					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: kvstate.LocalBlockHash(b.GetTokenIds(), salt)}
+				}
+			}
+		case *kvrouterv1.KvEvent_Removed:
+			if len(d.Removed.GetBlockHashes()) == 0 {
+				return nil, invalidArgument(f+".removed.block_hashes", "must not be empty")
+			}
+			e.Kind, e.Removed = kvstate.EventRemoved, d.Removed.GetBlockHashes()
+		case *kvrouterv1.KvEvent_Cleared:
+			e.Kind = kvstate.EventCleared
+		default:
+			return nil, invalidArgument(f, "must set one of stored, removed, cleared")
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
