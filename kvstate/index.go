@@ -18,8 +18,8 @@ var (
 type ref uint32
 
 func makeRef(slot uint32, tier Tier) ref { return ref(slot<<2 | uint32(tier)) }
-func (r ref) slot() uint32             { return uint32(r >> 2) }
-func (r ref) tier() Tier               { return Tier(r & 3) }
+func (r ref) slot() uint32               { return uint32(r >> 2) }
+func (r ref) tier() Tier                 { return Tier(r & 3) }
 
 // node is one block position in the prefix tree: the chain of local hashes from the root, keyed by
 // its sequence hash, with the workers (and tiers) holding it.

@@ -153,9 +153,9 @@ func (o Override) Validate() error {
 // configuration with the request's override and the deprecated-weight mapping applied.
 type Weights struct {
 	Credit, Decay, PrefillLoadScale, DecodeActiveRequestWeight float64
-	HostWeight, DiskWeight, SharedMultiplier                     float64
-	Temperature                                                  float64
-	AssumeKVReuse, TrackPrefillTokens                            bool
+	HostWeight, DiskWeight, SharedMultiplier                   float64
+	Temperature                                                float64
+	AssumeKVReuse, TrackPrefillTokens                          bool
 }
 
 // Weights returns the effective weights for a request with override o. The deprecated

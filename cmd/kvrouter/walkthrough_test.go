@@ -1,0 +1,223 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+)
+
+const defaultTestTimeout = 30 * time.Second
+
+// grpcurlPath finds the real grpcurl: $KVROUTER_GRPCURL (set by scripts/test.sh), the pinned copy in
+// .tmp/bin, or PATH. Without it the test is skipped locally, but fails in CI, where it must run.
+func grpcurlPath(t *testing.T) string {
+	t.Helper()
+	candidates := []string{os.Getenv("KVROUTER_GRPCURL"), "../../.tmp/bin/grpcurl"}
+	if p, err := exec.LookPath("grpcurl"); err == nil {
+		candidates = append(candidates, p)
+	}
+	for _, c := range candidates {
+		if c == "" {
+			continue
+		}
+		if abs, err := filepath.Abs(c); err == nil {
+			if _, err := os.Stat(abs); err == nil {
+				return abs
+			}
+		}
+	}
+	if os.Getenv("CI") != "" {
+		t.Fatal("grpcurl not found: scripts/test.sh installs it; CI must run the walkthrough")
+	}
+	t.Skip("grpcurl not found; run scripts/test.sh (it installs the pinned grpcurl)")
+	return ""
+}
+
+func freePort(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("net.Listen() = %v", err)
+	}
+	defer l.Close()
+	return l.Addr().String()
+}
+
+// buildBinary builds cmd/kvrouter into a temporary directory.
+func buildBinary(t *testing.T) string {
+	t.Helper()
+	bin := filepath.Join(t.TempDir(), "kvrouter")
+	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
+	if err != nil {
+		t.Fatalf("go build = %v\n%s", err, out)
+	}
+	return bin
+}
+
+// startServer runs `kvrouter serve` with extra args and waits until its health is SERVING. The
+// process gets SIGTERM at cleanup, and must exit 0.
+func startServer(t *testing.T, bin string, extra ...string) (addr string, logs *bytes.Buffer) {
+	t.Helper()
+	addr = freePort(t)
+	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
+	cmd := exec.Command(bin, args...)
+	logs = &bytes.Buffer{}
+	cmd.Stderr = logs
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("starting kvrouter = %v", err)
+	}
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	t.Cleanup(func() {
+		_ = cmd.Process.Signal(syscall.SIGTERM)
+		select {
+		case err := <-exited:
+			if err != nil {
+				t.Errorf("kvrouter exited with %v after SIGTERM, want 0\n%s", err, logs)
+			}
+		case <-time.After(defaultTestTimeout):
+			_ = cmd.Process.Kill()
+			t.Errorf("kvrouter did not stop within %v of SIGTERM", defaultTestTimeout)
+		}
+	})
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatalf("grpc.NewClient() = %v", err)
+	}
+	defer conn.Close()
+	deadline := time.Now().Add(defaultTestTimeout)
+	for {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+		cancel()
+		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
+			return addr, logs
+		}
+		select {
+		case err := <-exited:
+			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
+		default:
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("kvrouter not SERVING after %v: %v\n%s", defaultTestTimeout, err, logs)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+// walkthroughBlocks returns the sh code blocks between the README's walkthrough markers.
+func walkthroughBlocks(t *testing.T) []string {
+	t.Helper()
+	readme, err := os.ReadFile("../../README.md")
+	if err != nil {
+		t.Fatalf("reading README = %v", err)
+	}
+	_, rest, ok := strings.Cut(string(readme), "<!-- walkthrough:start -->")
+	section, _, ok2 := strings.Cut(rest, "<!-- walkthrough:end -->")
+	if !ok || !ok2 {
+		t.Fatal("README has no walkthrough markers")
+	}
+	var blocks []string
+	for _, m := range regexp.MustCompile("(?s)```sh\n(.*?)```").FindAllStringSubmatch(section, -1) {
+		blocks = append(blocks, m[1])
+	}
+	if len(blocks) < 4 {
+		t.Fatalf("README walkthrough has %d sh blocks, want at least 4", len(blocks))
+	}
+	return blocks
+}
+
+// TestReadmeWalkthrough replays the README's grpcurl walkthrough, unchanged but for the address,
+// with the real grpcurl against a real `kvrouter serve`.
+func TestReadmeWalkthrough(t *testing.T) {
+	grpcurl := grpcurlPath(t)
+	addr, logs := startServer(t, buildBinary(t))
+	var outputs []string
+	for i, block := range walkthroughBlocks(t) {
+		script := strings.ReplaceAll(block, "localhost:50051", addr)
+		cmd := exec.Command("bash", "-euo", "pipefail", "-c", script)
+		cmd.Env = append(os.Environ(), "PATH="+filepath.Dir(grpcurl)+":"+os.Getenv("PATH"))
+		out, err := cmd.CombinedOutput()
+		if err != nil {
+			t.Fatalf("walkthrough block %d failed: %v\n%s\n--- output:\n%s\n--- server log:\n%s", i, err, block, out, logs)
+		}
+		outputs = append(outputs, string(out))
+	}
+
+	for _, svc := range []string{"kvrouter.v1.RouterService", "kvrouter.v1.WorkerService", "kvrouter.v1.AdminService"} {
+		if !strings.Contains(outputs[0], svc+"\n") {
+			t.Errorf("grpcurl list does not show %s:\n%s", svc, outputs[0])
+		}
+	}
+	if !strings.Contains(outputs[0], `"status": "SERVING"`) {
+		t.Errorf("health check is not SERVING:\n%s", outputs[0])
+	}
+	for i, worker := range []string{"A", "B"} {
+		if !strings.Contains(outputs[1+i], `"registered": {`) || !strings.Contains(outputs[1+i], `"eventId": "0"`) {
+			t.Errorf("worker %s's Publish was not registered and acked:\n%s", worker, outputs[1+i])
+		}
+	}
+
+	var route struct {
+		Mode   string `json:"mode"`
+		Decode struct {
+			WorkerID string `json:"workerId"`
+			Endpoint string `json:"endpoint"`
+		} `json:"decode"`
+		Booked      bool `json:"booked"`
+		Diagnostics struct {
+			PromptTokens string `json:"promptTokens"`
+			Decode       struct {
+				OverlapBlocks struct {
+					Device string `json:"device"`
+				} `json:"overlapBlocks"`
+			} `json:"decode"`
+			Candidates []struct {
+				Worker struct {
+					WorkerID string `json:"workerId"`
+				} `json:"worker"`
+				OverlapBlocks struct {
+					Device string `json:"device"`
+				} `json:"overlapBlocks"`
+				Chosen bool `json:"chosen"`
+			} `json:"candidates"`
+		} `json:"diagnostics"`
+	}
+	if err := json.Unmarshal([]byte(outputs[3]), &route); err != nil {
+		t.Fatalf("Route output is not JSON: %v\n%s", err, outputs[3])
+	}
+	got := map[string]string{
+		"mode": route.Mode, "decode": route.Decode.WorkerID, "endpoint": route.Decode.Endpoint,
+		"booked": fmt.Sprint(route.Booked), "prompt_tokens": route.Diagnostics.PromptTokens,
+		"decode_overlap": route.Diagnostics.Decode.OverlapBlocks.Device,
+	}
+	for _, c := range route.Diagnostics.Candidates {
+		got["candidate_"+c.Worker.WorkerID] = fmt.Sprintf("%s chosen=%v", c.OverlapBlocks.Device, c.Chosen)
+	}
+	want := map[string]string{
+		"mode": "ROUTE_MODE_AGGREGATED", "decode": "1", "endpoint": "10.0.0.1:8000", "booked": "true",
+		"prompt_tokens": "34", "decode_overlap": "8",
+		"candidate_1": "8 chosen=true", "candidate_2": "2 chosen=false",
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("Route answer mismatch (-want +got):\n%s\n%s", diff, outputs[3])
+	}
+	if !strings.Contains(outputs[4], `"activeRequests": "1"`) {
+		t.Errorf("ListWorkers does not show the booked request:\n%s", outputs[4])
+	}
+}

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# check.sh runs the static checks: formatting, vet, buf lint and format, the breaking-change check
+# against the previous commit, and that gen/ is exactly what scripts/generate.sh makes from proto/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/tools.sh protoc-gen-go protoc-gen-go-grpc buf
+export PATH="$PWD/.tmp/bin:$PATH"
+
+unformatted=$(gofmt -l $(git ls-files '*.go' | grep -v '^gen/'))
+if [ -n "$unformatted" ]; then
+  echo "gofmt would change: $unformatted" >&2
+  exit 1
+fi
+go vet ./...
+buf lint
+buf format -d --exit-code
+
+if git rev-parse -q --verify HEAD~1 >/dev/null && [ -n "$(git ls-tree -d HEAD~1 proto)" ]; then
+  buf breaking --against '.git#ref=HEAD~1,subdir=proto'
+else
+  echo "buf breaking: no previous commit with proto/ to compare against; skipped" >&2
+fi
+
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+buf generate --template buf.gen.yaml -o "$tmp"
+if ! diff -r "$tmp/gen" gen >/dev/null; then
+  echo "gen/ differs from what scripts/generate.sh makes from proto/: run it and commit gen/" >&2
+  diff -r "$tmp/gen" gen | head -20 >&2
+  exit 1
+fi
+echo "checks passed"
