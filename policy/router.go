@@ -126,6 +126,9 @@ type scratch struct {
 	costs      []float64
 	slots      []uint32
 	loads      []kvstate.SlotLoad
+	prefill    []*kvstate.Worker // the model's prefill pool
+	decode     []*kvstate.Worker // the model's decode (or aggregated) pool
+	eligible   []*kvstate.Worker // one hop's workers after hints
 }
 
 // routeCtx is one request's routing inputs, shared by its hops.
@@ -163,14 +166,15 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
 		PromptTokens: rc.prompt.Tokens, PromptBlocks: uint64(len(sc.seq)), BlockSize: m.BlockSize,
 		Annotations: StripBypassMarkers(req.Annotations),
 	}
-	var prefillPool, decodePool []*kvstate.Worker
+	sc.prefill, sc.decode = sc.prefill[:0], sc.decode[:0]
 	for _, w := range m.Workers() {
 		if w.Info.Role == kvstate.RolePrefill {
-			prefillPool = append(prefillPool, w)
+			sc.prefill = append(sc.prefill, w)
 		} else {
-			decodePool = append(decodePool, w)
+			sc.decode = append(sc.decode, w)
 		}
 	}
+	prefillPool, decodePool := sc.prefill, sc.decode
 	weights := r.Config.Weights(req.Override)
 	dec := rc.dec
 	if len(prefillPool) > 0 {
@@ -224,7 +228,7 @@ func DecodeHopWeights(w Weights, keepCredit bool) Weights {
 func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weights, pin *Pin) (Choice, error) {
 	sc, req, p := rc.sc, rc.req, rc.prompt
 	sc.slots = sc.slots[:0]
-	eligible := pool[:0:0]
+	eligible := sc.eligible[:0]
 	for _, wk := range pool {
 		if len(req.AllowedWorkers) > 0 && !containsID(req.AllowedWorkers, wk.Info.Key.ID) {
 			continue
@@ -235,6 +239,7 @@ func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 		eligible = append(eligible, wk)
 		sc.slots = append(sc.slots, wk.Slot)
 	}
+	sc.eligible = eligible
 	switch {
 	case len(eligible) > 0:
 	case pin != nil:
