@@ -84,6 +84,8 @@ type Result struct {
 	// ParentNotFound and InvalidSequence count stored events dropped (§4.3); UnknownRemoved counts
 	// removed hashes the worker did not hold; DuplicateBlocks counts blocks stored again.
 	ParentNotFound, InvalidSequence, UnknownRemoved, DuplicateBlocks int
+	// Invalid counts events dropped because their tier or kind is out of range.
+	Invalid int
 	// Gap is set when an event id skipped ahead: the worker's blocks were dropped and the router
 	// needs a dump. ExpectedEventID is the id that should have come, GotEventID the one that came.
 	Gap                         bool

@@ -17,8 +17,16 @@ type Housekeeper struct {
 	// BookingExpiry is how long a booking lives if nobody frees it (Dynamo: 300 s).
 	BookingExpiry time.Duration
 	// Now returns the current time; tests replace it.
-	Now    func() time.Time
+	Now func() time.Time
+	// Logger receives removals and expiries; nil means slog.Default().
 	Logger *slog.Logger
+}
+
+func (h *Housekeeper) logger() *slog.Logger {
+	if h.Logger == nil {
+		return slog.Default()
+	}
+	return h.Logger
 }
 
 // Sweep performs one round: it removes expired workers and bookings as of now.
@@ -30,20 +38,20 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 		}
 		res, err := h.Log.Append(ctx, WorkerRemoved{Key: key, IfDisconnectedSince: since})
 		if err != nil {
-			h.Logger.Warn("removing disconnected worker failed", "worker", key, "err", err)
+			h.logger().Warn("removing disconnected worker failed", "worker", key, "err", err)
 			continue
 		}
 		if !res.Skipped {
-			h.Logger.Info("removed worker after grace period", "worker", key, "grace", h.Grace)
+			h.logger().Info("removed worker after grace period", "worker", key, "grace", h.Grace)
 		}
 	}
 	before := now.Add(-h.BookingExpiry).UnixNano()
 	if oldest, ok := h.State.Load().oldest(); ok && oldest < before {
 		res, err := h.Log.Append(ctx, BookingsExpired{Before: before})
 		if err != nil {
-			h.Logger.Warn("expiring bookings failed", "err", err)
+			h.logger().Warn("expiring bookings failed", "err", err)
 		} else if res.Expired > 0 {
-			h.Logger.Warn("expired bookings that were never freed", "count", res.Expired, "expiry", h.BookingExpiry)
+			h.logger().Warn("expired bookings that were never freed", "count", res.Expired, "expiry", h.BookingExpiry)
 		}
 	}
 }

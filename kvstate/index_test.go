@@ -71,6 +71,16 @@ func remove(slot uint32, tier Tier, locals ...uint64) indexOp {
 	}
 }
 
+// storeRaw stores the given blocks at the root for slot in tier.
+func storeRaw(slot uint32, tier Tier, bs ...Block) indexOp {
+	return func(t *testing.T, ix *Index) {
+		t.Helper()
+		if _, err := ix.Store(slot, tier, 0, false, bs); err != nil {
+			t.Fatalf("Index.Store(%d, %v, root, %v) = %v, want nil", slot, tier, bs, err)
+		}
+	}
+}
+
 func clearTier(slot uint32, tier Tier) indexOp {
 	return func(t *testing.T, ix *Index) { ix.Clear(slot, tier) }
 }
@@ -337,6 +347,19 @@ func TestIndexOverlaps(t *testing.T) {
 			want:  map[uint32]TierCounts{1: {1}},
 		},
 		{
+			// The engine named block x with the hash it used for a: a is gone from W0's cache.
+			name:  "an engine hash reused for other content replaces the old block",
+			ops:   []indexOp{store(0, TierDevice, la, lb), storeRaw(0, TierDevice, Block{Hash: eh(la), Local: lx})},
+			query: []uint64{la, lb},
+			want:  map[uint32]TierCounts{},
+		},
+		{
+			name:  "an engine hash reused for other content: the new block is held",
+			ops:   []indexOp{store(0, TierDevice, la, lb), storeRaw(0, TierDevice, Block{Hash: eh(la), Local: lx})},
+			query: []uint64{lx},
+			want:  map[uint32]TierCounts{0: {1}},
+		},
+		{
 			name:  "storing again after ClearWorker starts afresh",
 			ops:   []indexOp{store(0, TierDevice, la, lb, lc), clearWorker(0), store(0, TierDevice, la)},
 			query: []uint64{la, lb, lc},
@@ -455,6 +478,7 @@ func TestIndexStore(t *testing.T) {
 		tier       Tier
 		parent     uint64 // local hash of the parent block; 0 = root
 		locals     []uint64
+		raw        []Block // stored instead of blocks(locals...) when set
 		wantDups   int
 		wantCounts TierCounts // BlockCounts(slot) afterwards
 		wantLen    int
@@ -507,6 +531,14 @@ func TestIndexStore(t *testing.T) {
 			wantLen:    2,
 		},
 		{
+			// a's node loses its only holder and goes; x's node is new.
+			name:       "an engine hash reused for other content drops the old block",
+			ops:        []indexOp{store(0, TierDevice, la)},
+			raw:        []Block{{Hash: eh(la), Local: lx}},
+			wantCounts: TierCounts{1},
+			wantLen:    1,
+		},
+		{
 			name:       "an empty store changes nothing",
 			locals:     nil,
 			wantCounts: TierCounts{},
@@ -520,7 +552,11 @@ func TestIndexStore(t *testing.T) {
 			if hasParent {
 				parent = eh(tc.parent)
 			}
-			dups, err := ix.Store(tc.slot, tc.tier, parent, hasParent, blocks(tc.locals...))
+			bs := blocks(tc.locals...)
+			if tc.raw != nil {
+				bs = tc.raw
+			}
+			dups, err := ix.Store(tc.slot, tc.tier, parent, hasParent, bs)
 			if err != nil {
 				t.Fatalf("Index.Store(%d, %v, %x, %x) = %v, want nil", tc.slot, tc.tier, parent, tc.locals, err)
 			}
@@ -686,7 +722,7 @@ func TestOverlapsReuse(t *testing.T) {
 	})
 	tests := []struct {
 		name   string
-		epoch  uint32 // the Overlaps' query counter before the first query
+		epoch  uint32 // when set, the Overlaps' query counter just before the second query
 		first  []uint64
 		second []uint64
 		slots  []uint32
@@ -707,8 +743,10 @@ func TestOverlapsReuse(t *testing.T) {
 			want:   map[uint32][NumTiers]uint32{0: {3, 3, 3, 3}, 1: {}, 200: {2, 2, 2, 2}, 1000: {}},
 		},
 		{
+			// The first query ran at counter 1; the second wraps the counter around to 1 again and
+			// must not take the first query's entries for its own.
 			name:   "query counter wrap-around forgets the first query",
-			epoch:  math.MaxUint32 - 1,
+			epoch:  math.MaxUint32,
 			first:  []uint64{la, lb, lc},
 			second: []uint64{lx, ly},
 			slots:  []uint32{0, 1, 200},
@@ -717,8 +755,11 @@ func TestOverlapsReuse(t *testing.T) {
 	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
-			o := Overlaps{epoch: tc.epoch}
+			var o Overlaps
 			ix.Overlaps(seq(tc.first...), &o)
+			if tc.epoch != 0 {
+				o.epoch = tc.epoch
+			}
 			ix.Overlaps(seq(tc.second...), &o)
 			got := map[uint32][NumTiers]uint32{}
 			for _, s := range tc.slots {

@@ -81,7 +81,8 @@ func (l *Load) slotLoadLocked(slot uint32) *SlotLoad {
 	return s
 }
 
-// book records a booking whose hops are already resolved to slots.
+// book records a booking whose hops are already resolved to slots. It takes ownership of the hops'
+// block slices: callers must not reuse them.
 func (l *Load) book(id string, at int64, hops []bookedHop) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -17,6 +17,8 @@ var (
 	ErrWorkerConflict = errors.New("worker is registered with a different configuration")
 	// ErrBlockSizeMismatch: a worker's block size differs from its model's.
 	ErrBlockSizeMismatch = errors.New("block size differs from the model's")
+	// ErrStaleDump: a dump reflects fewer events than already applied (and no resync is pending).
+	ErrStaleDump = errors.New("dump is older than the applied events")
 )
 
 // Worker is a registered worker rank. Its Info and Slot never change; a re-registration with new
@@ -357,7 +359,13 @@ func (s *State) kvEvents(c KVEvents) (Result, error) {
 	return res, nil
 }
 
+// applyEvent applies one event. An event the wire layer should never have let through (a tier or
+// kind out of range) is dropped and counted, not applied: a bad log entry must not crash a replica.
 func applyEvent(ix *Index, slot uint32, ev *Event, res *Result) {
+	if ev.Tier >= NumTiers {
+		res.Invalid++
+		return
+	}
 	switch ev.Kind {
 	case EventStored:
 		dups, err := ix.Store(slot, ev.Tier, ev.Parent, ev.HasParent, ev.Blocks)
@@ -372,6 +380,8 @@ func applyEvent(ix *Index, slot uint32, ev *Event, res *Result) {
 		res.UnknownRemoved += ix.Remove(slot, ev.Tier, ev.Removed)
 	case EventCleared:
 		ix.Clear(slot, ev.Tier)
+	default:
+		res.Invalid++
 	}
 }
 
@@ -386,6 +396,9 @@ func (s *State) kvDump(c KVDump) (Result, error) {
 	t := w.track
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if t.hasLastEvent && !t.awaitingResync && c.ThroughEventID < t.lastEventID {
+		return Result{}, fmt.Errorf("%w: dump through event %d, but event %d is already applied", ErrStaleDump, c.ThroughEventID, t.lastEventID)
+	}
 	var res Result
 	ix.ClearWorker(w.Slot)
 	for i := range c.Events {

@@ -109,6 +109,7 @@ func TestKVEventsOrdering(t *testing.T) {
 		want        Result
 		wantStatus  WorkerStatus
 		wantOverlap TierCounts // rank 0's overlap with [a,b,c,d]
+		wantBlocks  TierCounts // rank 0's Index.BlockCounts
 	}{
 		{
 			name:        "in-order ids from 0 apply",
@@ -116,6 +117,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 2, HasLastEvent: true, Applied: 3},
 			wantStatus:  WorkerStatus{LastEventID: 2, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "ids 0,1,3: gap at 3 drops the rank's blocks",
@@ -123,6 +125,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 2, Ignored: 1, Gap: true, ExpectedEventID: 2, GotEventID: 3},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "gap ignores the rest of its batch",
@@ -130,6 +133,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 0, HasLastEvent: true, Applied: 1, Ignored: 3, Gap: true, ExpectedEventID: 1, GotEventID: 2},
 			wantStatus:  WorkerStatus{LastEventID: 0, HasLastEvent: true, AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "gap in a later batch drops blocks stored by earlier batches",
@@ -138,6 +142,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Ignored: 1, Gap: true, ExpectedEventID: 2, GotEventID: 3},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "after a gap even the expected id is ignored until a dump",
@@ -146,6 +151,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Ignored: 2},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true, AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "a dump replaces the rank's blocks and ends the resync",
@@ -154,6 +160,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 4, HasLastEvent: true, Applied: 2},
 			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "after a dump through N, event N+1 applies",
@@ -162,6 +169,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 5, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 5, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "after a dump through N, ids up to N are duplicates",
@@ -170,6 +178,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 4, HasLastEvent: true, Duplicates: 2},
 			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true},
 			wantOverlap: TierCounts{2},
+			wantBlocks:  TierCounts{2},
 		},
 		{
 			name:        "after a dump through N, event N+2 is a gap again",
@@ -178,6 +187,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 4, HasLastEvent: true, Ignored: 1, Gap: true, ExpectedEventID: 5, GotEventID: 6},
 			wantStatus:  WorkerStatus{LastEventID: 4, HasLastEvent: true, AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "a dump without a pending resync replaces the blocks too",
@@ -186,6 +196,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 9, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 9, HasLastEvent: true},
 			wantOverlap: TierCounts{2},
+			wantBlocks:  TierCounts{2},
 		},
 		{
 			name:        "duplicate ids are dropped and change nothing",
@@ -194,6 +205,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Duplicates: 2},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "a replayed batch applies only its new tail",
@@ -202,6 +214,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, Duplicates: 1},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "fresh worker: first event id 5 is a gap",
@@ -209,6 +222,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{Ignored: 1, Gap: true, ExpectedEventID: 0, GotEventID: 5},
 			wantStatus:  WorkerStatus{AwaitingResync: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "fresh worker: first event id 0 applies",
@@ -216,6 +230,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 0, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 0, HasLastEvent: true},
 			wantOverlap: TierCounts{1},
+			wantBlocks:  TierCounts{1},
 		},
 		{
 			name:        "parent not found: counted, consumes its id, index unchanged",
@@ -224,6 +239,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, ParentNotFound: 1},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{2},
+			wantBlocks:  TierCounts{2},
 		},
 		{
 			name:        "the event after a parent-not-found applies in order",
@@ -232,6 +248,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 2, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 2, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "invalid block sequence: counted, consumes its id, index unchanged",
@@ -240,6 +257,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, InvalidSequence: 1},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{2},
+			wantBlocks:  TierCounts{2},
 		},
 		{
 			name:        "removed unknown hashes are counted",
@@ -248,6 +266,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, UnknownRemoved: 2},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{2},
+			wantBlocks:  TierCounts{2},
 		},
 		{
 			name:        "blocks stored again are counted",
@@ -256,6 +275,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1, DuplicateBlocks: 2},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{3},
+			wantBlocks:  TierCounts{3},
 		},
 		{
 			name:        "cleared drops the rank's tier",
@@ -264,6 +284,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
 		},
 		{
 			name:        "parent-not-found inside a dump is counted",
@@ -271,6 +292,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			want:        Result{LastEventID: 3, HasLastEvent: true, Applied: 2, ParentNotFound: 1},
 			wantStatus:  WorkerStatus{LastEventID: 3, HasLastEvent: true},
 			wantOverlap: TierCounts{1},
+			wantBlocks:  TierCounts{1},
 		},
 	}
 	for _, tc := range tests {
@@ -290,6 +312,9 @@ func TestKVEventsOrdering(t *testing.T) {
 			}
 			if got := workerOverlap(t, s, w0r0, la, lb, lc, ld); got != tc.wantOverlap {
 				t.Errorf("overlap of %v with [a,b,c,d] = %v, want %v", w0r0, got, tc.wantOverlap)
+			}
+			if got := s.Model(testModel).Index.BlockCounts(s.Worker(w0r0).Slot); got != tc.wantBlocks {
+				t.Errorf("Index.BlockCounts(%v) = %v, want %v", w0r0, got, tc.wantBlocks)
 			}
 			if got, want := workerOverlap(t, s, w0r1, la, lb, lc, ld), (TierCounts{3}); got != want {
 				t.Errorf("overlap of the other rank %v with [a,b,c,d] = %v, want %v", w0r1, got, want)
@@ -627,6 +652,23 @@ func TestRegistry(t *testing.T) {
 			},
 		},
 		{
+			// r2's hop on the departed worker went with it; freeing r2 must not touch the worker that
+			// now has that slot.
+			name: "freeing an old booking after its worker's slot was reused leaves the new worker alone",
+			setup: []step{
+				up(w0r0), up(w1), book("r2", w0r0, w1),
+				apply(WorkerRemoved{Key: w0r0}), up(w2), book("r3", w2),
+			},
+			change: Freed{RequestID: "r2"},
+			want: stateView{
+				Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
+					{Info: info(w1), Slot: 1},
+					{Info: info(w2), Slot: 0, Load: loaded},
+				}}},
+				Bookings: []string{"r3"},
+			},
+		},
+		{
 			// The departed worker's blocks must be gone from its own model's index too (IndexLen 0).
 			name: "a slot reused by another model's worker starts with no blocks and no load",
 			setup: []step{
@@ -761,11 +803,8 @@ func TestConnectedReportsRegistration(t *testing.T) {
 }
 
 // TestKVEventsInvalidTier checks that an event naming a tier outside [0, NumTiers) cannot corrupt
-// or crash the state. Today Index.Store/Remove/Clear index a [NumTiers] array with it and panic
-// ("index out of range [4] with length 4"), and makeRef would fold the tier's high bits into the slot.
+// or crash the state: such an event is dropped and counted in Result.Invalid.
 func TestKVEventsInvalidTier(t *testing.T) {
-	t.Skip("BUG: State.Apply(KVEvents/KVDump) panics on Event.Tier >= NumTiers; whether to reject " +
-		"the batch with an error or drop and count the event is the package owner's call")
 	tests := []struct {
 		name   string
 		change Change
@@ -969,5 +1008,26 @@ func TestStateConcurrent(t *testing.T) {
 	}
 	if got, want := l.Position(), uint64(nWorkers+nWorkers*nEvents+2*nBookings); got != want {
 		t.Errorf("MemLog.Position() = %d, want %d", got, want)
+	}
+}
+
+// TestStaleDumpRejected: a dump that reflects fewer events than already applied, with no resync
+// pending, would move the worker's event numbering backwards; it is rejected and changes nothing.
+func TestStaleDumpRejected(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0), events(w0r0, stored(0, la), storedAfter(1, la, lb), storedAfter(2, lb, lc))})
+	_, err := s.Apply(KVDump{Worker: w0r0, ThroughEventID: 1, Events: []Event{stored(0, la)}})
+	if !errors.Is(err, ErrStaleDump) {
+		t.Fatalf("State.Apply(stale KVDump) = %v, want ErrStaleDump", err)
+	}
+	if got := workerOverlap(t, s, w0r0, la, lb, lc); got[TierDevice] != 3 {
+		t.Errorf("overlap after a rejected dump = %v, want 3 device blocks", got)
+	}
+	if st := s.Worker(w0r0).Status(); st.LastEventID != 2 {
+		t.Errorf("last event id after a rejected dump = %d, want 2", st.LastEventID)
+	}
+	// A dump through the last applied id is a full refresh and is accepted.
+	if _, err := s.Apply(KVDump{Worker: w0r0, ThroughEventID: 2, Events: []Event{stored(0, la)}}); err != nil {
+		t.Errorf("State.Apply(KVDump through the last id) = %v, want nil", err)
 	}
 }

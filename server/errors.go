@@ -38,6 +38,7 @@ var domainErrors = []struct {
 	{kvstate.ErrUnknownWorker, codes.Unavailable, "UNKNOWN_WORKER"},
 	{kvstate.ErrWorkerConflict, codes.FailedPrecondition, "WORKER_CONFLICT"},
 	{kvstate.ErrBlockSizeMismatch, codes.FailedPrecondition, "BLOCK_SIZE_MISMATCH"},
+	{kvstate.ErrStaleDump, codes.FailedPrecondition, "STALE_DUMP"},
 }
 
 // retryDelay is suggested to clients on RESOURCE_EXHAUSTED: long enough for some prefill to finish.

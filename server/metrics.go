@@ -54,6 +54,7 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 	}{
 		{"applied", r.Applied}, {"duplicate", r.Duplicates}, {"ignored", r.Ignored},
 		{"parent_not_found", r.ParentNotFound}, {"invalid_sequence", r.InvalidSequence}, {"unknown_removed", r.UnknownRemoved},
+		{"invalid", r.Invalid},
 	} {
 		if c.n > 0 {
 			m.events.WithLabelValues(c.outcome).Add(float64(c.n))
