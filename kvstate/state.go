@@ -90,6 +90,9 @@ type State struct {
 	workers map[WorkerKey]*Worker
 	slots   []*Worker // by slot; nil = free
 	load    *Load
+
+	capMu      sync.Mutex
+	capChanged chan struct{} // closed and replaced when routing capacity may have freed
 }
 
 // NewState returns an empty state.
@@ -174,8 +177,39 @@ func (s *State) DisconnectedWorkers() map[WorkerKey]int64 {
 	return out
 }
 
+// CapacityChanged returns a channel that is closed at the next change that may free routing
+// capacity: a prefill done, a free, an expiry, a worker joining or leaving. Waiting requests retry then.
+func (s *State) CapacityChanged() <-chan struct{} {
+	s.capMu.Lock()
+	defer s.capMu.Unlock()
+	if s.capChanged == nil {
+		s.capChanged = make(chan struct{})
+	}
+	return s.capChanged
+}
+
+func (s *State) signalCapacity() {
+	s.capMu.Lock()
+	defer s.capMu.Unlock()
+	if s.capChanged != nil {
+		close(s.capChanged)
+		s.capChanged = nil
+	}
+}
+
 // Apply applies one change. On error nothing changed.
 func (s *State) Apply(c Change) (Result, error) {
+	res, err := s.apply(c)
+	if err == nil {
+		switch c.(type) {
+		case PrefillDone, Freed, BookingsExpired, WorkerUp, WorkerRemoved:
+			s.signalCapacity()
+		}
+	}
+	return res, err
+}
+
+func (s *State) apply(c Change) (Result, error) {
 	switch c := c.(type) {
 	case WorkerUp:
 		return Result{}, s.workerUp(c)

@@ -36,7 +36,9 @@ type Config struct {
 	TrackPrefillTokens        bool     // router_track_prefill_tokens: charge prefill load (true)
 	QueueThreshold            *float64 // router_queue_threshold: busy when prefill load > t x capacity (unset)
 	QueuePolicy               string   // router_queue_policy: fcfs or wspt (fcfs)
+	QueueMaxDepth             int      // router_queue_max_depth: requests the queue holds (1024)
 	EnforceDisagg             bool     // enforce_disagg: fail instead of routing aggregated (false)
+	ConditionalDisagg         CDConfig // conditional_disagg, conditional_disagg_config
 }
 
 // DefaultConfig returns Dynamo's defaults.
@@ -50,6 +52,8 @@ func DefaultConfig() Config {
 		AssumeKVReuse:      true,
 		TrackPrefillTokens: true,
 		QueuePolicy:        QueuePolicyFCFS,
+		QueueMaxDepth:      1024,
+		ConditionalDisagg:  DefaultCDConfig(),
 	}
 }
 
@@ -102,12 +106,16 @@ func (c Config) Validate() error {
 	if c.QueuePolicy != QueuePolicyFCFS && c.QueuePolicy != QueuePolicyWSPT {
 		checks = append(checks, fieldErr("router_queue_policy", "must be one of %q, %q (got %q)", QueuePolicyFCFS, QueuePolicyWSPT, c.QueuePolicy))
 	}
+	if c.QueueMaxDepth < 1 {
+		checks = append(checks, fieldErr("router_queue_max_depth", "must be at least 1 (got %d)", c.QueueMaxDepth))
+	}
 	for _, err := range checks {
 		if err != nil {
 			return err
 		}
 	}
-	return nil
+	_, err := c.EffectiveCD(CDOverride{})
+	return err
 }
 
 // Override changes selection parameters for one request (Dynamo's router_config_override). Nil

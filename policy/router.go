@@ -2,6 +2,7 @@ package policy
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -41,11 +42,14 @@ func (m Mode) String() string {
 	return "unspecified"
 }
 
-// Hop names, as reported in diagnostics.
+// Hop names, as reported in diagnostics. The preview hops are the advisory (non-booking) selections
+// of conditional disaggregation.
 const (
-	HopPrefill    = "prefill"
-	HopDecode     = "decode"
-	HopAggregated = "aggregated"
+	HopPrefill        = "prefill"
+	HopDecode         = "decode"
+	HopAggregated     = "aggregated"
+	HopDecodePreview  = "decode_preview"
+	HopPrefillPreview = "prefill_preview"
 )
 
 // Pin restricts a hop to one worker, and to one of its ranks when Rank is set.
@@ -71,6 +75,7 @@ type Request struct {
 	DecodePin      *Pin
 	AllowedWorkers []uint64 // empty = all
 	Override       Override
+	CDOverride     CDOverride
 	Explain        bool
 }
 
@@ -90,6 +95,8 @@ type Scored struct {
 // Decision is the answer to a routing request.
 type Decision struct {
 	Mode         Mode
+	Reason       Reason
+	CD           *CDDiagnostics // set when conditional disaggregation evaluated the request
 	Prefill      *Choice // ModeDisaggregated only
 	Decode       Choice
 	Annotations  []string
@@ -109,7 +116,9 @@ type Router struct {
 	Rand   Rand
 	Now    func() time.Time
 
-	scratch sync.Pool
+	scratch   sync.Pool
+	queueOnce sync.Once
+	waiting   *queue
 }
 
 // NewRouter returns a router with the global random source and the wall clock.
@@ -139,8 +148,23 @@ type routeCtx struct {
 	dec    *Decision
 }
 
-// Route decides where req runs and, unless it is query-only, books its load.
+// Route decides where req runs and, unless it is query-only, books its load. With
+// router_queue_threshold set, a request whose every eligible worker is overloaded waits in the
+// router's queue until capacity frees or ctx ends.
 func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
+	cd, err := r.Config.EffectiveCD(req.CDOverride)
+	if err != nil {
+		return nil, err
+	}
+	dec, err := r.route(ctx, req, cd)
+	if errors.Is(err, ErrAllWorkersOverloaded) && r.Config.QueueThreshold != nil {
+		return r.queue().wait(ctx, r.queueKey(req), func() (*Decision, error) { return r.route(ctx, req, cd) })
+	}
+	return dec, err
+}
+
+// route makes one routing attempt.
+func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decision, error) {
 	m := r.State.Model(req.Model)
 	if m == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, req.Model)
@@ -177,21 +201,10 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
 	prefillPool, decodePool := sc.prefill, sc.decode
 	weights := r.Config.Weights(req.Override)
 	dec := rc.dec
-	if len(prefillPool) > 0 {
-		pc, err := r.choose(rc, HopPrefill, prefillPool, weights, req.PrefillPin)
-		if err != nil {
-			return nil, err
-		}
-		dec.Prefill = &pc
-		dec.Mode = ModeDisaggregated
-		// The decode hop of plain disaggregation is load-only (§5.3): the KV cache arrives by transfer.
-		weights = DecodeHopWeights(weights, false)
-		dc, err := r.choose(rc, HopDecode, decodePool, weights, req.DecodePin)
-		if err != nil {
-			return nil, err
-		}
-		dec.Decode = dc
-	} else {
+	var booking kvstate.Booking
+	switch {
+	case len(prefillPool) == 0:
+		// No prefill pool (§5.4): the decode worker runs the whole request.
 		if r.Config.EnforceDisagg {
 			return nil, fmt.Errorf("%w: model %q", ErrDisaggRequired, req.Model)
 		}
@@ -199,13 +212,36 @@ func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
 		if err != nil {
 			return nil, err
 		}
-		dec.Decode = dc
-		dec.Mode = ModeAggregated
+		dec.Mode, dec.Reason, dec.Decode = ModeAggregated, ReasonNoPrefillWorkers, dc
+		booking = r.booking(rc, hopLoad{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens})
+	default:
+		if bypass := r.conditionalDisagg(rc, cd, weights, prefillPool, decodePool); bypass != nil {
+			// The decode worker prefills locally: it is booked with the request's own weights,
+			// prefill tokens included (§5.2 step 4).
+			dec.Mode, dec.Decode = ModeBypass, *bypass
+			dec.Annotations = append(dec.Annotations, BypassAnnotation)
+			booking = r.booking(rc, hopLoad{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens})
+			break
+		}
+		pc, err := r.choose(rc, HopPrefill, prefillPool, weights, req.PrefillPin)
+		if err != nil {
+			return nil, err
+		}
+		// The decode hop after a remote prefill (§5.3): load-only, unless conditional
+		// disaggregation keeps the overlap credit so later turns find their cache (§2).
+		dc, err := r.choose(rc, HopDecode, decodePool, DecodeHopWeights(weights, cd.Enabled), req.DecodePin)
+		if err != nil {
+			return nil, err
+		}
+		dec.Mode, dec.Prefill, dec.Decode = ModeDisaggregated, &pc, dc
+		booking = r.booking(rc,
+			hopLoad{dec.Prefill, false, weights.TrackPrefillTokens},
+			hopLoad{&dec.Decode, false, false})
 	}
 	if req.QueryOnly {
 		return dec, nil
 	}
-	if _, err := r.Log.Append(ctx, kvstate.Booked{Booking: r.booking(rc, weights)}); err != nil {
+	if _, err := r.Log.Append(ctx, kvstate.Booked{Booking: booking}); err != nil {
 		return nil, err
 	}
 	dec.Booked = true
@@ -313,24 +349,31 @@ func PrefillTokenCapacity(w *kvstate.Worker) uint64 {
 	return w.Info.MaxNumBatchedTokens
 }
 
-// booking builds the load the decision puts on its workers (§3.5, DESIGN "Bookings"): the prefill
-// worker carries the uncached prompt tokens; the decode worker carries the request's blocks, plus the
-// uncached prompt tokens when it prefills itself (aggregated or bypass).
-func (r *Router) booking(rc *routeCtx, decodeWeights Weights) kvstate.Booking {
-	dec, p := rc.dec, rc.prompt
-	b := kvstate.Booking{RequestID: rc.req.ID, At: r.Now().UnixNano()}
-	if dec.Prefill != nil {
-		var tokens uint64
-		if r.Config.Weights(rc.req.Override).TrackPrefillTokens {
-			tokens = uncachedTokens(p, dec.Prefill.Overlap)
+// hopLoad says how one hop of a decision loads its worker.
+type hopLoad struct {
+	choice *Choice
+	// blocks: book the request's blocks; reuse: under their sequence hashes, so requests sharing a
+	// prefix share them. A prefill hop books no blocks (Dynamo tracks no active blocks there).
+	reuse bool
+	// prefill: charge the uncached prompt tokens until MarkPrefillComplete.
+	prefill bool
+}
+
+// booking builds the load a decision puts on its workers (§3.5, DESIGN "Bookings"): a prefill worker
+// carries the uncached prompt tokens; a decode worker carries the request's blocks, plus the uncached
+// prompt tokens when it prefills itself (aggregated or bypass).
+func (r *Router) booking(rc *routeCtx, hops ...hopLoad) kvstate.Booking {
+	b := kvstate.Booking{RequestID: rc.req.ID, At: r.Now().UnixNano(), Hops: make([]kvstate.HopBooking, 0, len(hops))}
+	for _, h := range hops {
+		hb := kvstate.HopBooking{Worker: h.choice.Worker.Info.Key}
+		if h.choice.Worker.Info.Role != kvstate.RolePrefill {
+			hb.Blocks = requestBlockKeys(rc, h.reuse)
 		}
-		b.Hops = append(b.Hops, kvstate.HopBooking{Worker: dec.Prefill.Worker.Info.Key, PrefillTokens: tokens})
+		if h.prefill {
+			hb.PrefillTokens = uncachedTokens(rc.prompt, h.choice.Overlap)
+		}
+		b.Hops = append(b.Hops, hb)
 	}
-	hop := kvstate.HopBooking{Worker: dec.Decode.Worker.Info.Key, Blocks: requestBlockKeys(rc, decodeWeights.AssumeKVReuse)}
-	if dec.Mode != ModeDisaggregated && decodeWeights.TrackPrefillTokens {
-		hop.PrefillTokens = uncachedTokens(p, dec.Decode.Overlap)
-	}
-	b.Hops = append(b.Hops, hop)
 	return b
 }
 
@@ -377,7 +420,7 @@ func (p *Pin) String() string {
 }
 
 func hopRole(hop string) string {
-	if hop == HopPrefill {
+	if hop == HopPrefill || hop == HopPrefillPreview {
 		return "prefill"
 	}
 	return "decode or aggregated"

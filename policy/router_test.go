@@ -178,13 +178,6 @@ func TestRouteErrors(t *testing.T) {
 			req: Request{ID: "a", Model: "m", Tokens: tokens, DecodePin: &Pin{Worker: 1, Rank: ptr(uint32(3))}}, want: ErrPinnedWorkerNotFound},
 		{name: "enforce_disagg without prefill workers", setup: func(f *fleet) { f.add(1, 0, kvstate.RoleDecode, 0) },
 			cfg: func(c *Config) { c.EnforceDisagg = true }, req: Request{ID: "a", Model: "m", Tokens: tokens}, want: ErrDisaggRequired},
-		{name: "all workers overloaded", setup: func(f *fleet) {
-			f.add(1, 0, kvstate.RoleAggregated, 100)
-			f.add(2, 0, kvstate.RoleAggregated, 100)
-			for i, id := range []uint64{1, 2} {
-				f.append(kvstate.Booked{Booking: kvstate.Booking{RequestID: string(rune('x' + i)), Hops: []kvstate.HopBooking{{Worker: kvstate.WorkerKey{ID: id}, PrefillTokens: 101}}}})
-			}
-		}, cfg: func(c *Config) { c.QueueThreshold = ptr(1.0) }, req: Request{ID: "a", Model: "m", Tokens: tokens}, want: ErrAllWorkersOverloaded},
 		{name: "pinned worker overloaded", setup: func(f *fleet) {
 			f.add(1, 0, kvstate.RoleAggregated, 100)
 			f.append(kvstate.Booked{Booking: kvstate.Booking{RequestID: "x", Hops: []kvstate.HopBooking{{Worker: kvstate.WorkerKey{ID: 1}, PrefillTokens: 101}}}})

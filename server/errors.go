@@ -31,6 +31,7 @@ var domainErrors = []struct {
 	{policy.ErrNoEligibleWorkers, codes.FailedPrecondition, "NO_ELIGIBLE_WORKERS"},
 	{policy.ErrPinnedWorkerNotFound, codes.NotFound, "PINNED_WORKER_NOT_FOUND"},
 	{policy.ErrPinnedWorkerOverloaded, codes.ResourceExhausted, "PINNED_WORKER_OVERLOADED"},
+	{policy.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
 	{policy.ErrAllWorkersOverloaded, codes.ResourceExhausted, "ALL_WORKERS_OVERLOADED"},
 	{policy.ErrDisaggRequired, codes.FailedPrecondition, "DISAGG_REQUIRED"},
 	{kvstate.ErrAlreadyBooked, codes.AlreadyExists, "ALREADY_BOOKED"},

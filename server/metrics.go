@@ -14,16 +14,27 @@ import (
 type metrics struct {
 	routeDecisions *prometheus.CounterVec
 	routeDuration  prometheus.Histogram
+	gate           *prometheus.CounterVec
+	effectiveISL   prometheus.Histogram
 	events         *prometheus.CounterVec
 	resyncs        prometheus.Counter
 }
 
-func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log) *metrics {
+func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log, router *policy.Router) *metrics {
 	m := &metrics{
 		routeDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_route_decisions_total",
-			Help: "Routing decisions, by mode (disaggregated, bypass, aggregated) and model.",
-		}, []string{"mode", "model"}),
+			Help: "Routing decisions (booked or previewed), by mode (disaggregated, bypass, aggregated), reason (why that mode: bypass, policy_declined, decode_busy, conditional_disagg_off, no_prefill_workers, ...) and model.",
+		}, []string{"mode", "reason", "model"}),
+		gate: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "kvrouter_conditional_disagg_gate_total",
+			Help: "Conditional disaggregation decisions by decode gate label (bypass_declined_by_policy, bypass_allowed_decode_gate_disabled, bypass_denied_decode_busy_unknown, bypass_denied_decode_busy, bypass_allowed_decode_not_busy) and policy.",
+		}, []string{"decision", "policy"}),
+		effectiveISL: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_conditional_disagg_effective_isl_tokens",
+			Help:    "Effective ISL (prompt tokens minus tier-weighted cached tokens on the advisory decode pick) of requests conditional disaggregation evaluated. Tune eff_isl_threshold from its quantiles.",
+			Buckets: prometheus.ExponentialBuckets(64, 2, 12), // 64 .. 131072 tokens
+		}),
 		routeDuration: prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_route_decision_seconds",
 			Help:    "Time to decide and book one Route request inside the router (hashing, overlap, scoring, booking).",
@@ -38,13 +49,18 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 			Help: "Dumps requested from workers after a gap in their event ids.",
 		}),
 	}
-	reg.MustRegister(m.routeDecisions, m.routeDuration, m.events, m.resyncs, &stateCollector{state: state, log: log})
+	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs,
+		&stateCollector{state: state, log: log, router: router})
 	return m
 }
 
 func (m *metrics) observeRoute(model string, d *policy.Decision, took time.Duration) {
-	m.routeDecisions.WithLabelValues(d.Mode.String(), model).Inc()
+	m.routeDecisions.WithLabelValues(d.Mode.String(), d.Reason.String(), model).Inc()
 	m.routeDuration.Observe(took.Seconds())
+	if cd := d.CD; cd != nil {
+		m.gate.WithLabelValues(string(cd.Gate), cd.Policy.String()).Inc()
+		m.effectiveISL.Observe(cd.EffectiveISL)
+	}
 }
 
 func (m *metrics) observeEvents(r kvstate.Result) {
@@ -64,8 +80,9 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 
 // stateCollector reports gauges of the state when scraped.
 type stateCollector struct {
-	state *kvstate.State
-	log   kvstate.Log
+	state  *kvstate.State
+	log    kvstate.Log
+	router *policy.Router
 }
 
 var (
@@ -77,6 +94,11 @@ var (
 		nil, nil)
 	logPositionDesc = prometheus.NewDesc("kvrouter_log_position", "Changes applied to the local state from the log.",
 		nil, nil)
+	silentDecodeDesc = prometheus.NewDesc("kvrouter_decode_workers_without_kv_events",
+		"Decode workers that registered without KV events. Their cache is invisible to the router, so conditional disaggregation never bypasses to them.",
+		[]string{"model"}, nil)
+	queueDepthDesc = prometheus.NewDesc("kvrouter_route_queue_depth",
+		"Route requests waiting because every eligible worker is over router_queue_threshold.", nil, nil)
 )
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -84,6 +106,8 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- indexBlocksDesc
 	ch <- bookingsDesc
 	ch <- logPositionDesc
+	ch <- silentDecodeDesc
+	ch <- queueDepthDesc
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -93,9 +117,14 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 			connected bool
 		}
 		counts := map[key]int{}
+		silent := 0
 		for _, w := range m.Workers() {
 			counts[key{w.Info.Role.String(), w.Status().Connected}]++
+			if w.Info.Role == kvstate.RoleDecode && !w.Info.KVEventsEnabled {
+				silent++
+			}
 		}
+		ch <- prometheus.MustNewConstMetric(silentDecodeDesc, prometheus.GaugeValue, float64(silent), m.Name)
 		for k, n := range counts {
 			connected := "false"
 			if k.connected {
@@ -107,4 +136,5 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(c.state.Load().Bookings()))
 	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(c.log.Position()))
+	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.router.QueueDepth()))
 }

@@ -2,7 +2,9 @@ package server
 
 import (
 	"context"
+	"errors"
 	"math"
+	"strings"
 	"time"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
@@ -118,8 +120,75 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Requ
 			}
 			return nil, toStatus(err)
 		}
+		if cd := o.GetConditionalDisagg(); cd != nil {
+			cdo, err := s.cdOverride(cd)
+			if err != nil {
+				return nil, err
+			}
+			out.CDOverride = cdo
+		}
 	}
 	return out, nil
+}
+
+// cdOverride validates a per-request conditional-disaggregation override with the rules of
+// --conditional-disagg-config (§1.9), and against the router's configuration.
+func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (policy.CDOverride, error) {
+	const field = "config_override.conditional_disagg."
+	out := policy.CDOverride{
+		Enabled: o.Enabled, EffISLThreshold: o.EffIslThreshold, EffISLRatioThreshold: o.EffIslRatioThreshold,
+		PrefillBusyThreshold: o.PrefillBusyThreshold, DecodeBusyThreshold: o.DecodeBusyThreshold,
+	}
+	if o.Policy != nil {
+		p, err := policy.ParseCDPolicy(o.GetPolicy())
+		if err != nil {
+			return out, invalidArgument(field+"policy", "must be one of 'isl_bounding', 'prefill_load', 'isl_or_load'")
+		}
+		out.Policy = &p
+	}
+	if r := o.EffIslRatioThreshold; r != nil && !(*r >= 0 && *r <= 1) {
+		return out, invalidArgument(field+"eff_isl_ratio_threshold", "must be in [0.0, 1.0]")
+	}
+	for name, v := range map[string]*float64{"prefill_busy_threshold": o.PrefillBusyThreshold, "decode_busy_threshold": o.DecodeBusyThreshold} {
+		if v != nil && !(*v >= 0 && !math.IsInf(*v, 0)) {
+			return out, invalidArgument(field+name, "must be >= 0")
+		}
+	}
+	if _, err := s.router.Config.EffectiveCD(out); err != nil {
+		var fe *policy.FieldError
+		if errors.As(err, &fe) {
+			return out, invalidArgument(field+strings.TrimPrefix(strings.TrimPrefix(fe.Field, "conditional_disagg_"), "conditional_disagg"), fe.Rule)
+		}
+		return out, toStatus(err)
+	}
+	return out, nil
+}
+
+var reasonToProto = map[policy.Reason]kvrouterv1.DecisionReason{
+	policy.ReasonNoPrefillWorkers:      kvrouterv1.DecisionReason_DECISION_REASON_NO_PREFILL_WORKERS,
+	policy.ReasonConditionalDisaggOff:  kvrouterv1.DecisionReason_DECISION_REASON_CONDITIONAL_DISAGG_OFF,
+	policy.ReasonPrefillWorkerPinned:   kvrouterv1.DecisionReason_DECISION_REASON_PREFILL_WORKER_PINNED,
+	policy.ReasonEmptyPrompt:           kvrouterv1.DecisionReason_DECISION_REASON_EMPTY_PROMPT,
+	policy.ReasonDecodePinUnresolved:   kvrouterv1.DecisionReason_DECISION_REASON_DECODE_PIN_UNRESOLVED,
+	policy.ReasonDecodeSelectionFailed: kvrouterv1.DecisionReason_DECISION_REASON_DECODE_SELECTION_FAILED,
+	policy.ReasonPolicyDeclined:        kvrouterv1.DecisionReason_DECISION_REASON_POLICY_DECLINED,
+	policy.ReasonDecodeCannotBypass:    kvrouterv1.DecisionReason_DECISION_REASON_DECODE_CANNOT_BYPASS,
+	policy.ReasonDecodeBusy:            kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY,
+	policy.ReasonDecodeBusyUnknown:     kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN,
+	policy.ReasonBypass:                kvrouterv1.DecisionReason_DECISION_REASON_BYPASS,
+}
+
+// busySignal maps a signal to the wire: UNSPECIFIED when it was not evaluated.
+func busySignal(evaluated bool, t policy.Tristate) kvrouterv1.BusySignal {
+	switch {
+	case !evaluated:
+		return kvrouterv1.BusySignal_BUSY_SIGNAL_UNSPECIFIED
+	case t == policy.Yes:
+		return kvrouterv1.BusySignal_BUSY_SIGNAL_BUSY
+	case t == policy.No:
+		return kvrouterv1.BusySignal_BUSY_SIGNAL_NOT_BUSY
+	}
+	return kvrouterv1.BusySignal_BUSY_SIGNAL_UNKNOWN
 }
 
 var routeModes = map[policy.Mode]kvrouterv1.RouteMode{
@@ -139,7 +208,17 @@ func routeResponse(d *policy.Decision) *kvrouterv1.RouteResponse {
 			PromptBlocks: d.PromptBlocks,
 			BlockSize:    d.BlockSize,
 			Decode:       hopDiagnostics(&d.Decode),
+			Reason:       reasonToProto[d.Reason],
 		},
+	}
+	if cd := d.CD; cd != nil {
+		resp.Diagnostics.ConditionalDisagg = &kvrouterv1.ConditionalDisaggDiagnostics{
+			Policy: cd.Policy.String(), Decode: workerTarget(cd.Decode), CachedTokens: cd.CachedTokens,
+			EffectiveIsl: cd.EffectiveISL, Ratio: cd.Ratio,
+			PrefillBusy: busySignal(cd.PrefillEvaluated, cd.PrefillBusy), DecodeBusy: busySignal(cd.GateEvaluated, cd.DecodeBusy),
+			PolicySaysBypass: cd.PolicySaysBypass, GateDecision: string(cd.Gate), PotentialDecodeBlocks: cd.PotentialBlocks,
+			EffIslThreshold: cd.EffISLThreshold, EffIslRatioThreshold: cd.RatioThreshold,
+		}
 	}
 	if d.Prefill != nil {
 		resp.Prefill = workerTarget(d.Prefill.Worker)

@@ -25,6 +25,8 @@ type workerService struct {
 	logger   *slog.Logger
 	now      func() time.Time
 	stopping <-chan struct{} // closed when the server shuts down: streams end so workers reconnect elsewhere
+	// conditionalDisagg is on: decode workers without KV events are worth a warning (§8 item 8).
+	conditionalDisagg bool
 }
 
 var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
@@ -120,7 +122,10 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		return toStatus(err)
 	}
 	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key, "model", info.Model, "role", info.Role)}
-	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "reset", hello.GetFreshStart())
+	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
+	if s.conditionalDisagg && info.Role == kvstate.RoleDecode && !info.KVEventsEnabled {
+		ps.logger.Warn("decode worker publishes no KV events: its cache is invisible to the router, so conditional disaggregation will never bypass to it; enable KV events on the engine (vLLM --kv-events-config, TensorRT-LLM --publish-kv-events)")
+	}
 	if err := ps.sendRegistered(); err != nil {
 		return err
 	}

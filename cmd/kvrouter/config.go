@@ -2,10 +2,12 @@ package main
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"math"
 	"os"
 	"slices"
@@ -34,7 +36,9 @@ type Options struct {
 	ShutdownTimeout      time.Duration // graceful stop deadline
 
 	// Routing.
-	Router policy.Config
+	Router                  policy.Config
+	ConditionalDisagg       bool   // --conditional-disagg
+	ConditionalDisaggConfig string // --conditional-disagg-config (JSON object)
 }
 
 // setting is one configuration key: its YAML key, its flag (--key with dashes), its environment
@@ -169,6 +173,9 @@ var settings = []setting{
 	boolSetting("router_track_prefill_tokens", "charge prefill tokens in the cost and bookings", func(o *Options) *bool { return &o.Router.TrackPrefillTokens }),
 	optionalFloatSetting("router_queue_threshold", "a worker is overloaded when its prefill tokens exceed this times its max_num_batched_tokens (unset: never)", func(o *Options) **float64 { return &o.Router.QueueThreshold }),
 	stringSetting("router_queue_policy", "order of queued requests: fcfs or wspt", func(o *Options) *string { return &o.Router.QueuePolicy }),
+	intSetting("router_queue_max_depth", "requests the router queue holds; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.Router.QueueMaxDepth }, 1),
+	boolSetting("conditional_disagg", "conditional disaggregation: a decode worker that caches most of a prompt prefills it itself (bypass)", func(o *Options) *bool { return &o.ConditionalDisagg }),
+	stringSetting("conditional_disagg_config", `conditional disaggregation settings as a JSON object, e.g. {"policy":"isl_bounding","eff_isl_threshold":2048,"eff_isl_ratio_threshold":0.7,"prefill_busy_threshold":null,"decode_busy_threshold":null}`, func(o *Options) *string { return &o.ConditionalDisaggConfig }),
 	boolSetting("enforce_disagg", "fail requests for models without prefill workers instead of routing them aggregated", func(o *Options) *bool { return &o.Router.EnforceDisagg }),
 }
 
@@ -201,6 +208,7 @@ func (c *loadedConfig) entries() []server.ConfigEntry {
 	for _, s := range settings {
 		out = append(out, server.ConfigEntry{Key: s.key, Value: s.get(&c.Options), Source: c.sources[s.key]})
 	}
+	out = append(out, c.cdEntries()...)
 	slices.SortFunc(out, func(a, b server.ConfigEntry) int { return strings.Compare(a.Key, b.Key) })
 	return out
 }
@@ -234,6 +242,7 @@ var errUsage = errors.New("usage")
 // loadConfig builds the configuration from flags > KVROUTER_* environment > YAML file (--config or
 // KVROUTER_CONFIG) > defaults, and validates it. Errors name the setting as the user gave it.
 func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*loadedConfig, error) {
+	logger := slog.New(slog.NewJSONHandler(stderr, nil))
 	cfg := &loadedConfig{Options: defaultOptions(), sources: make(map[string]server.ConfigSource)}
 	for _, s := range settings {
 		cfg.sources[s.key] = server.SourceDefault
@@ -291,7 +300,7 @@ func loadConfig(args []string, getenv func(string) string, stderr io.Writer) (*l
 		}
 		cfg.sources[f.s.key] = server.SourceFlag
 	}
-	if err := cfg.validate(); err != nil {
+	if err := cfg.validate(logger); err != nil {
 		return nil, err
 	}
 	return cfg, nil
@@ -333,10 +342,22 @@ func (c *loadedConfig) applyFile(path string) error {
 		if !ok {
 			continue
 		}
-		if node.Kind != yaml.ScalarNode {
+		v := node.Value
+		switch {
+		case s.key == "conditional_disagg_config" && node.Kind == yaml.MappingNode:
+			// The same keys as the flag's JSON, written as a YAML mapping.
+			var m map[string]any
+			if err := node.Decode(&m); err != nil {
+				return fmt.Errorf("config file %s: %s: %w", path, s.key, err)
+			}
+			js, err := json.Marshal(m)
+			if err != nil {
+				return fmt.Errorf("config file %s: %s: %w", path, s.key, err)
+			}
+			v = string(js)
+		case node.Kind != yaml.ScalarNode:
 			return fmt.Errorf("config file %s: %s must be a single value", path, s.key)
 		}
-		v := node.Value
 		if node.Tag == "!!null" {
 			v = ""
 		}
@@ -349,7 +370,10 @@ func (c *loadedConfig) applyFile(path string) error {
 }
 
 // validate checks rules that span settings or need the domain's rules.
-func (c *loadedConfig) validate() error {
+func (c *loadedConfig) validate(logger *slog.Logger) error {
+	if err := c.resolveConditionalDisagg(logger); err != nil {
+		return err
+	}
 	if err := c.Router.Validate(); err != nil {
 		var fe *policy.FieldError
 		if errors.As(err, &fe) {

@@ -53,8 +53,8 @@ func TestConfigPrecedence(t *testing.T) {
 			t.Errorf("entry %s mismatch (-want +got):\n%s", k, diff)
 		}
 	}
-	if len(got) != len(settings) {
-		t.Errorf("entries() has %d settings, want %d", len(got), len(settings))
+	if want := len(settings) + len(cfg.cdEntries()); len(got) != want {
+		t.Errorf("entries() has %d settings, want %d", len(got), want)
 	}
 	if cfg.Router.PrefillLoadScale != 1.5 || !cfg.Router.EnforceDisagg || cfg.Router.OverlapScoreCredit != 0.25 {
 		t.Errorf("router config = %+v, want scale 1.5, enforce_disagg, credit 0.25", cfg.Router)

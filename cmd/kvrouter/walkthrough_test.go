@@ -11,6 +11,7 @@ import (
 	"path/filepath"
 	"regexp"
 	"strings"
+	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -58,15 +59,29 @@ func freePort(t *testing.T) string {
 	return l.Addr().String()
 }
 
-// buildBinary builds cmd/kvrouter into a temporary directory.
+var (
+	buildOnce sync.Once
+	binPath   string
+	buildErr  error
+	buildOut  []byte
+)
+
+// buildBinary builds cmd/kvrouter once per test run.
 func buildBinary(t *testing.T) string {
 	t.Helper()
-	bin := filepath.Join(t.TempDir(), "kvrouter")
-	out, err := exec.Command("go", "build", "-o", bin, ".").CombinedOutput()
-	if err != nil {
-		t.Fatalf("go build = %v\n%s", err, out)
+	buildOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "kvrouter-test")
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binPath = filepath.Join(dir, "kvrouter")
+		buildOut, buildErr = exec.Command("go", "build", "-o", binPath, ".").CombinedOutput()
+	})
+	if buildErr != nil {
+		t.Fatalf("go build = %v\n%s", buildErr, buildOut)
 	}
-	return bin
+	return binPath
 }
 
 // startServer runs `kvrouter serve` with extra args and waits until its health is SERVING. The

@@ -78,6 +78,152 @@ func (RouteMode) EnumDescriptor() ([]byte, []int) {
 	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{0}
 }
 
+// DecisionReason says why a request was routed the way it was.
+type DecisionReason int32
+
+const (
+	// DECISION_REASON_UNSPECIFIED is never returned.
+	DecisionReason_DECISION_REASON_UNSPECIFIED DecisionReason = 0
+	// DECISION_REASON_NO_PREFILL_WORKERS: the model has no prefill workers; the request runs aggregated.
+	DecisionReason_DECISION_REASON_NO_PREFILL_WORKERS DecisionReason = 1
+	// DECISION_REASON_CONDITIONAL_DISAGG_OFF: conditional disaggregation is off; remote prefill.
+	DecisionReason_DECISION_REASON_CONDITIONAL_DISAGG_OFF DecisionReason = 2
+	// DECISION_REASON_PREFILL_WORKER_PINNED: the request pins a prefill worker; remote prefill.
+	DecisionReason_DECISION_REASON_PREFILL_WORKER_PINNED DecisionReason = 3
+	// DECISION_REASON_EMPTY_PROMPT: the request has no routing tokens; remote prefill.
+	DecisionReason_DECISION_REASON_EMPTY_PROMPT DecisionReason = 4
+	// DECISION_REASON_DECODE_PIN_UNRESOLVED: the decode pin names no rank and the worker has no unique rank.
+	DecisionReason_DECISION_REASON_DECODE_PIN_UNRESOLVED DecisionReason = 5
+	// DECISION_REASON_DECODE_SELECTION_FAILED: the advisory decode selection found no worker.
+	DecisionReason_DECISION_REASON_DECODE_SELECTION_FAILED DecisionReason = 6
+	// DECISION_REASON_POLICY_DECLINED: the policy chose remote prefill.
+	DecisionReason_DECISION_REASON_POLICY_DECLINED DecisionReason = 7
+	// DECISION_REASON_DECODE_CANNOT_BYPASS: the decode worker did not register bypass support.
+	DecisionReason_DECISION_REASON_DECODE_CANNOT_BYPASS DecisionReason = 8
+	// DECISION_REASON_DECODE_BUSY: the decode gate vetoed the bypass: the worker is busy.
+	DecisionReason_DECISION_REASON_DECODE_BUSY DecisionReason = 9
+	// DECISION_REASON_DECODE_BUSY_UNKNOWN: the decode gate vetoed the bypass: the worker's capacity is unknown.
+	DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN DecisionReason = 10
+	// DECISION_REASON_BYPASS: the decode worker prefills locally.
+	DecisionReason_DECISION_REASON_BYPASS DecisionReason = 11
+)
+
+// Enum value maps for DecisionReason.
+var (
+	DecisionReason_name = map[int32]string{
+		0:  "DECISION_REASON_UNSPECIFIED",
+		1:  "DECISION_REASON_NO_PREFILL_WORKERS",
+		2:  "DECISION_REASON_CONDITIONAL_DISAGG_OFF",
+		3:  "DECISION_REASON_PREFILL_WORKER_PINNED",
+		4:  "DECISION_REASON_EMPTY_PROMPT",
+		5:  "DECISION_REASON_DECODE_PIN_UNRESOLVED",
+		6:  "DECISION_REASON_DECODE_SELECTION_FAILED",
+		7:  "DECISION_REASON_POLICY_DECLINED",
+		8:  "DECISION_REASON_DECODE_CANNOT_BYPASS",
+		9:  "DECISION_REASON_DECODE_BUSY",
+		10: "DECISION_REASON_DECODE_BUSY_UNKNOWN",
+		11: "DECISION_REASON_BYPASS",
+	}
+	DecisionReason_value = map[string]int32{
+		"DECISION_REASON_UNSPECIFIED":             0,
+		"DECISION_REASON_NO_PREFILL_WORKERS":      1,
+		"DECISION_REASON_CONDITIONAL_DISAGG_OFF":  2,
+		"DECISION_REASON_PREFILL_WORKER_PINNED":   3,
+		"DECISION_REASON_EMPTY_PROMPT":            4,
+		"DECISION_REASON_DECODE_PIN_UNRESOLVED":   5,
+		"DECISION_REASON_DECODE_SELECTION_FAILED": 6,
+		"DECISION_REASON_POLICY_DECLINED":         7,
+		"DECISION_REASON_DECODE_CANNOT_BYPASS":    8,
+		"DECISION_REASON_DECODE_BUSY":             9,
+		"DECISION_REASON_DECODE_BUSY_UNKNOWN":     10,
+		"DECISION_REASON_BYPASS":                  11,
+	}
+)
+
+func (x DecisionReason) Enum() *DecisionReason {
+	p := new(DecisionReason)
+	*p = x
+	return p
+}
+
+func (x DecisionReason) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (DecisionReason) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvrouter_v1_router_proto_enumTypes[1].Descriptor()
+}
+
+func (DecisionReason) Type() protoreflect.EnumType {
+	return &file_kvrouter_v1_router_proto_enumTypes[1]
+}
+
+func (x DecisionReason) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use DecisionReason.Descriptor instead.
+func (DecisionReason) EnumDescriptor() ([]byte, []int) {
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{1}
+}
+
+// BusySignal is a busy signal that may be unavailable.
+type BusySignal int32
+
+const (
+	// BUSY_SIGNAL_UNSPECIFIED: the signal was not evaluated.
+	BusySignal_BUSY_SIGNAL_UNSPECIFIED BusySignal = 0
+	// BUSY_SIGNAL_UNKNOWN: the signal was needed but unavailable (no threshold, no capacity).
+	BusySignal_BUSY_SIGNAL_UNKNOWN BusySignal = 1
+	// BUSY_SIGNAL_NOT_BUSY: the worker is under its threshold.
+	BusySignal_BUSY_SIGNAL_NOT_BUSY BusySignal = 2
+	// BUSY_SIGNAL_BUSY: the worker is over its threshold.
+	BusySignal_BUSY_SIGNAL_BUSY BusySignal = 3
+)
+
+// Enum value maps for BusySignal.
+var (
+	BusySignal_name = map[int32]string{
+		0: "BUSY_SIGNAL_UNSPECIFIED",
+		1: "BUSY_SIGNAL_UNKNOWN",
+		2: "BUSY_SIGNAL_NOT_BUSY",
+		3: "BUSY_SIGNAL_BUSY",
+	}
+	BusySignal_value = map[string]int32{
+		"BUSY_SIGNAL_UNSPECIFIED": 0,
+		"BUSY_SIGNAL_UNKNOWN":     1,
+		"BUSY_SIGNAL_NOT_BUSY":    2,
+		"BUSY_SIGNAL_BUSY":        3,
+	}
+)
+
+func (x BusySignal) Enum() *BusySignal {
+	p := new(BusySignal)
+	*p = x
+	return p
+}
+
+func (x BusySignal) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (BusySignal) Descriptor() protoreflect.EnumDescriptor {
+	return file_kvrouter_v1_router_proto_enumTypes[2].Descriptor()
+}
+
+func (BusySignal) Type() protoreflect.EnumType {
+	return &file_kvrouter_v1_router_proto_enumTypes[2]
+}
+
+func (x BusySignal) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use BusySignal.Descriptor instead.
+func (BusySignal) EnumDescriptor() ([]byte, []int) {
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{2}
+}
+
 // RouteRequest asks where one request should run.
 type RouteRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -308,8 +454,11 @@ type RouterConfigOverride struct {
 	TrackPrefillTokens *bool `protobuf:"varint,6,opt,name=track_prefill_tokens,json=trackPrefillTokens,proto3,oneof" json:"track_prefill_tokens,omitempty"`
 	// shared_cache_multiplier credits external-tier blocks beyond the device prefix (in [0, 1]).
 	SharedCacheMultiplier *float64 `protobuf:"fixed64,7,opt,name=shared_cache_multiplier,json=sharedCacheMultiplier,proto3,oneof" json:"shared_cache_multiplier,omitempty"`
-	unknownFields         protoimpl.UnknownFields
-	sizeCache             protoimpl.SizeCache
+	// conditional_disagg changes conditional disaggregation for this request, validated with the same
+	// rules as --conditional-disagg-config.
+	ConditionalDisagg *ConditionalDisaggOverride `protobuf:"bytes,8,opt,name=conditional_disagg,json=conditionalDisagg,proto3" json:"conditional_disagg,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *RouterConfigOverride) Reset() {
@@ -391,6 +540,106 @@ func (x *RouterConfigOverride) GetSharedCacheMultiplier() float64 {
 	return 0
 }
 
+func (x *RouterConfigOverride) GetConditionalDisagg() *ConditionalDisaggOverride {
+	if x != nil {
+		return x.ConditionalDisagg
+	}
+	return nil
+}
+
+// ConditionalDisaggOverride changes conditional disaggregation for one request. Unset fields keep the
+// router's configuration.
+type ConditionalDisaggOverride struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// enabled turns conditional disaggregation on or off for this request.
+	Enabled *bool `protobuf:"varint,1,opt,name=enabled,proto3,oneof" json:"enabled,omitempty"`
+	// policy is isl_bounding, prefill_load or isl_or_load.
+	Policy *string `protobuf:"bytes,2,opt,name=policy,proto3,oneof" json:"policy,omitempty"`
+	// eff_isl_threshold bounds the tokens a decode worker may prefill locally (strict).
+	EffIslThreshold *uint64 `protobuf:"varint,3,opt,name=eff_isl_threshold,json=effIslThreshold,proto3,oneof" json:"eff_isl_threshold,omitempty"`
+	// eff_isl_ratio_threshold bounds the uncached share of the prompt, in [0, 1] (strict).
+	EffIslRatioThreshold *float64 `protobuf:"fixed64,4,opt,name=eff_isl_ratio_threshold,json=effIslRatioThreshold,proto3,oneof" json:"eff_isl_ratio_threshold,omitempty"`
+	// prefill_busy_threshold: a prefill worker is busy above this times its max_num_batched_tokens (>= 0).
+	PrefillBusyThreshold *float64 `protobuf:"fixed64,5,opt,name=prefill_busy_threshold,json=prefillBusyThreshold,proto3,oneof" json:"prefill_busy_threshold,omitempty"`
+	// decode_busy_threshold turns the decode gate on: bypass is vetoed above this times the decode
+	// worker's total_kv_blocks, or when its capacity is unknown (>= 0).
+	DecodeBusyThreshold *float64 `protobuf:"fixed64,6,opt,name=decode_busy_threshold,json=decodeBusyThreshold,proto3,oneof" json:"decode_busy_threshold,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *ConditionalDisaggOverride) Reset() {
+	*x = ConditionalDisaggOverride{}
+	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConditionalDisaggOverride) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConditionalDisaggOverride) ProtoMessage() {}
+
+func (x *ConditionalDisaggOverride) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConditionalDisaggOverride.ProtoReflect.Descriptor instead.
+func (*ConditionalDisaggOverride) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ConditionalDisaggOverride) GetEnabled() bool {
+	if x != nil && x.Enabled != nil {
+		return *x.Enabled
+	}
+	return false
+}
+
+func (x *ConditionalDisaggOverride) GetPolicy() string {
+	if x != nil && x.Policy != nil {
+		return *x.Policy
+	}
+	return ""
+}
+
+func (x *ConditionalDisaggOverride) GetEffIslThreshold() uint64 {
+	if x != nil && x.EffIslThreshold != nil {
+		return *x.EffIslThreshold
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggOverride) GetEffIslRatioThreshold() float64 {
+	if x != nil && x.EffIslRatioThreshold != nil {
+		return *x.EffIslRatioThreshold
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggOverride) GetPrefillBusyThreshold() float64 {
+	if x != nil && x.PrefillBusyThreshold != nil {
+		return *x.PrefillBusyThreshold
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggOverride) GetDecodeBusyThreshold() float64 {
+	if x != nil && x.DecodeBusyThreshold != nil {
+		return *x.DecodeBusyThreshold
+	}
+	return 0
+}
+
 // RouteResponse is a routing decision.
 type RouteResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -412,7 +661,7 @@ type RouteResponse struct {
 
 func (x *RouteResponse) Reset() {
 	*x = RouteResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -424,7 +673,7 @@ func (x *RouteResponse) String() string {
 func (*RouteResponse) ProtoMessage() {}
 
 func (x *RouteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -437,7 +686,7 @@ func (x *RouteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteResponse.ProtoReflect.Descriptor instead.
 func (*RouteResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{3}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RouteResponse) GetMode() RouteMode {
@@ -496,14 +745,18 @@ type RouteDiagnostics struct {
 	// decode is the chosen decode worker's overlap.
 	Decode *HopDiagnostics `protobuf:"bytes,5,opt,name=decode,proto3" json:"decode,omitempty"`
 	// candidates are every scored worker's numbers; filled only when the request asked to explain.
-	Candidates    []*CandidateCost `protobuf:"bytes,6,rep,name=candidates,proto3" json:"candidates,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Candidates []*CandidateCost `protobuf:"bytes,6,rep,name=candidates,proto3" json:"candidates,omitempty"`
+	// reason says why the request was routed in this mode.
+	Reason DecisionReason `protobuf:"varint,7,opt,name=reason,proto3,enum=kvrouter.v1.DecisionReason" json:"reason,omitempty"`
+	// conditional_disagg holds the numbers of the bypass decision, when it was evaluated.
+	ConditionalDisagg *ConditionalDisaggDiagnostics `protobuf:"bytes,8,opt,name=conditional_disagg,json=conditionalDisagg,proto3" json:"conditional_disagg,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *RouteDiagnostics) Reset() {
 	*x = RouteDiagnostics{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -515,7 +768,7 @@ func (x *RouteDiagnostics) String() string {
 func (*RouteDiagnostics) ProtoMessage() {}
 
 func (x *RouteDiagnostics) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -528,7 +781,7 @@ func (x *RouteDiagnostics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteDiagnostics.ProtoReflect.Descriptor instead.
 func (*RouteDiagnostics) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{4}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RouteDiagnostics) GetPromptTokens() uint64 {
@@ -573,6 +826,166 @@ func (x *RouteDiagnostics) GetCandidates() []*CandidateCost {
 	return nil
 }
 
+func (x *RouteDiagnostics) GetReason() DecisionReason {
+	if x != nil {
+		return x.Reason
+	}
+	return DecisionReason_DECISION_REASON_UNSPECIFIED
+}
+
+func (x *RouteDiagnostics) GetConditionalDisagg() *ConditionalDisaggDiagnostics {
+	if x != nil {
+		return x.ConditionalDisagg
+	}
+	return nil
+}
+
+// ConditionalDisaggDiagnostics are the numbers behind a bypass decision.
+type ConditionalDisaggDiagnostics struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// policy is the policy that decided.
+	Policy string `protobuf:"bytes,1,opt,name=policy,proto3" json:"policy,omitempty"`
+	// decode is the decode worker an advisory (non-booking) selection would pick.
+	Decode *WorkerTarget `protobuf:"bytes,2,opt,name=decode,proto3" json:"decode,omitempty"`
+	// cached_tokens is that worker's tier-weighted cached prefix, in tokens, unrounded.
+	CachedTokens float64 `protobuf:"fixed64,3,opt,name=cached_tokens,json=cachedTokens,proto3" json:"cached_tokens,omitempty"`
+	// effective_isl is prompt tokens minus cached tokens (never negative): what it would prefill.
+	EffectiveIsl float64 `protobuf:"fixed64,4,opt,name=effective_isl,json=effectiveIsl,proto3" json:"effective_isl,omitempty"`
+	// ratio is effective_isl over prompt tokens.
+	Ratio float64 `protobuf:"fixed64,5,opt,name=ratio,proto3" json:"ratio,omitempty"`
+	// prefill_busy is the busy signal of the prefill worker an advisory selection would pick.
+	PrefillBusy BusySignal `protobuf:"varint,6,opt,name=prefill_busy,json=prefillBusy,proto3,enum=kvrouter.v1.BusySignal" json:"prefill_busy,omitempty"`
+	// decode_busy is the decode gate's signal.
+	DecodeBusy BusySignal `protobuf:"varint,7,opt,name=decode_busy,json=decodeBusy,proto3,enum=kvrouter.v1.BusySignal" json:"decode_busy,omitempty"`
+	// policy_says_bypass is the policy's answer before the decode gate.
+	PolicySaysBypass bool `protobuf:"varint,8,opt,name=policy_says_bypass,json=policySaysBypass,proto3" json:"policy_says_bypass,omitempty"`
+	// gate_decision is the decode gate's label (bypass_declined_by_policy, bypass_allowed_decode_gate_disabled,
+	// bypass_denied_decode_busy_unknown, bypass_denied_decode_busy, bypass_allowed_decode_not_busy).
+	GateDecision string `protobuf:"bytes,9,opt,name=gate_decision,json=gateDecision,proto3" json:"gate_decision,omitempty"`
+	// potential_decode_blocks is the decode worker's active blocks plus this request's new blocks.
+	PotentialDecodeBlocks uint64 `protobuf:"varint,10,opt,name=potential_decode_blocks,json=potentialDecodeBlocks,proto3" json:"potential_decode_blocks,omitempty"`
+	// eff_isl_threshold and eff_isl_ratio_threshold are the thresholds applied.
+	EffIslThreshold uint64 `protobuf:"varint,11,opt,name=eff_isl_threshold,json=effIslThreshold,proto3" json:"eff_isl_threshold,omitempty"`
+	// eff_isl_ratio_threshold is the ratio threshold applied.
+	EffIslRatioThreshold float64 `protobuf:"fixed64,12,opt,name=eff_isl_ratio_threshold,json=effIslRatioThreshold,proto3" json:"eff_isl_ratio_threshold,omitempty"`
+	unknownFields        protoimpl.UnknownFields
+	sizeCache            protoimpl.SizeCache
+}
+
+func (x *ConditionalDisaggDiagnostics) Reset() {
+	*x = ConditionalDisaggDiagnostics{}
+	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ConditionalDisaggDiagnostics) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ConditionalDisaggDiagnostics) ProtoMessage() {}
+
+func (x *ConditionalDisaggDiagnostics) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ConditionalDisaggDiagnostics.ProtoReflect.Descriptor instead.
+func (*ConditionalDisaggDiagnostics) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *ConditionalDisaggDiagnostics) GetPolicy() string {
+	if x != nil {
+		return x.Policy
+	}
+	return ""
+}
+
+func (x *ConditionalDisaggDiagnostics) GetDecode() *WorkerTarget {
+	if x != nil {
+		return x.Decode
+	}
+	return nil
+}
+
+func (x *ConditionalDisaggDiagnostics) GetCachedTokens() float64 {
+	if x != nil {
+		return x.CachedTokens
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggDiagnostics) GetEffectiveIsl() float64 {
+	if x != nil {
+		return x.EffectiveIsl
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggDiagnostics) GetRatio() float64 {
+	if x != nil {
+		return x.Ratio
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggDiagnostics) GetPrefillBusy() BusySignal {
+	if x != nil {
+		return x.PrefillBusy
+	}
+	return BusySignal_BUSY_SIGNAL_UNSPECIFIED
+}
+
+func (x *ConditionalDisaggDiagnostics) GetDecodeBusy() BusySignal {
+	if x != nil {
+		return x.DecodeBusy
+	}
+	return BusySignal_BUSY_SIGNAL_UNSPECIFIED
+}
+
+func (x *ConditionalDisaggDiagnostics) GetPolicySaysBypass() bool {
+	if x != nil {
+		return x.PolicySaysBypass
+	}
+	return false
+}
+
+func (x *ConditionalDisaggDiagnostics) GetGateDecision() string {
+	if x != nil {
+		return x.GateDecision
+	}
+	return ""
+}
+
+func (x *ConditionalDisaggDiagnostics) GetPotentialDecodeBlocks() uint64 {
+	if x != nil {
+		return x.PotentialDecodeBlocks
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggDiagnostics) GetEffIslThreshold() uint64 {
+	if x != nil {
+		return x.EffIslThreshold
+	}
+	return 0
+}
+
+func (x *ConditionalDisaggDiagnostics) GetEffIslRatioThreshold() float64 {
+	if x != nil {
+		return x.EffIslRatioThreshold
+	}
+	return 0
+}
+
 // HopDiagnostics are the overlap numbers of the worker chosen for one hop.
 type HopDiagnostics struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -589,7 +1002,7 @@ type HopDiagnostics struct {
 
 func (x *HopDiagnostics) Reset() {
 	*x = HopDiagnostics{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -601,7 +1014,7 @@ func (x *HopDiagnostics) String() string {
 func (*HopDiagnostics) ProtoMessage() {}
 
 func (x *HopDiagnostics) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -614,7 +1027,7 @@ func (x *HopDiagnostics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HopDiagnostics.ProtoReflect.Descriptor instead.
 func (*HopDiagnostics) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{5}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *HopDiagnostics) GetOverlapBlocks() *TierBlocks {
@@ -663,7 +1076,7 @@ type CandidateCost struct {
 
 func (x *CandidateCost) Reset() {
 	*x = CandidateCost{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -675,7 +1088,7 @@ func (x *CandidateCost) String() string {
 func (*CandidateCost) ProtoMessage() {}
 
 func (x *CandidateCost) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -688,7 +1101,7 @@ func (x *CandidateCost) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CandidateCost.ProtoReflect.Descriptor instead.
 func (*CandidateCost) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{6}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CandidateCost) GetWorker() *WorkerTarget {
@@ -758,7 +1171,7 @@ type MarkPrefillCompleteRequest struct {
 
 func (x *MarkPrefillCompleteRequest) Reset() {
 	*x = MarkPrefillCompleteRequest{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -770,7 +1183,7 @@ func (x *MarkPrefillCompleteRequest) String() string {
 func (*MarkPrefillCompleteRequest) ProtoMessage() {}
 
 func (x *MarkPrefillCompleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -783,7 +1196,7 @@ func (x *MarkPrefillCompleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MarkPrefillCompleteRequest.ProtoReflect.Descriptor instead.
 func (*MarkPrefillCompleteRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{7}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *MarkPrefillCompleteRequest) GetRequestId() string {
@@ -802,7 +1215,7 @@ type MarkPrefillCompleteResponse struct {
 
 func (x *MarkPrefillCompleteResponse) Reset() {
 	*x = MarkPrefillCompleteResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -814,7 +1227,7 @@ func (x *MarkPrefillCompleteResponse) String() string {
 func (*MarkPrefillCompleteResponse) ProtoMessage() {}
 
 func (x *MarkPrefillCompleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -827,7 +1240,7 @@ func (x *MarkPrefillCompleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MarkPrefillCompleteResponse.ProtoReflect.Descriptor instead.
 func (*MarkPrefillCompleteResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{8}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{10}
 }
 
 // FreeRequest names a booked request.
@@ -841,7 +1254,7 @@ type FreeRequest struct {
 
 func (x *FreeRequest) Reset() {
 	*x = FreeRequest{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -853,7 +1266,7 @@ func (x *FreeRequest) String() string {
 func (*FreeRequest) ProtoMessage() {}
 
 func (x *FreeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -866,7 +1279,7 @@ func (x *FreeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeRequest.ProtoReflect.Descriptor instead.
 func (*FreeRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{9}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *FreeRequest) GetRequestId() string {
@@ -885,7 +1298,7 @@ type FreeResponse struct {
 
 func (x *FreeResponse) Reset() {
 	*x = FreeResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -897,7 +1310,7 @@ func (x *FreeResponse) String() string {
 func (*FreeResponse) ProtoMessage() {}
 
 func (x *FreeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -910,7 +1323,7 @@ func (x *FreeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeResponse.ProtoReflect.Descriptor instead.
 func (*FreeResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{10}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{12}
 }
 
 var File_kvrouter_v1_router_proto protoreflect.FileDescriptor
@@ -941,7 +1354,7 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x12_prefill_worker_idB\x12\n" +
 	"\x10_prefill_dp_rankB\x13\n" +
 	"\x11_decode_worker_idB\x11\n" +
-	"\x0f_decode_dp_rank\"\xb5\x04\n" +
+	"\x0f_decode_dp_rank\"\x8c\x05\n" +
 	"\x14RouterConfigOverride\x125\n" +
 	"\x14overlap_score_credit\x18\x01 \x01(\x01H\x00R\x12overlapScoreCredit\x88\x01\x01\x121\n" +
 	"\x12prefill_load_scale\x18\x02 \x01(\x01H\x01R\x10prefillLoadScale\x88\x01\x01\x125\n" +
@@ -949,21 +1362,36 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x12router_temperature\x18\x04 \x01(\x01H\x03R\x11routerTemperature\x88\x01\x01\x12+\n" +
 	"\x0fassume_kv_reuse\x18\x05 \x01(\bH\x04R\rassumeKvReuse\x88\x01\x01\x125\n" +
 	"\x14track_prefill_tokens\x18\x06 \x01(\bH\x05R\x12trackPrefillTokens\x88\x01\x01\x12;\n" +
-	"\x17shared_cache_multiplier\x18\a \x01(\x01H\x06R\x15sharedCacheMultiplier\x88\x01\x01B\x17\n" +
+	"\x17shared_cache_multiplier\x18\a \x01(\x01H\x06R\x15sharedCacheMultiplier\x88\x01\x01\x12U\n" +
+	"\x12conditional_disagg\x18\b \x01(\v2&.kvrouter.v1.ConditionalDisaggOverrideR\x11conditionalDisaggB\x17\n" +
 	"\x15_overlap_score_creditB\x15\n" +
 	"\x13_prefill_load_scaleB\x17\n" +
 	"\x15_overlap_score_weightB\x15\n" +
 	"\x13_router_temperatureB\x12\n" +
 	"\x10_assume_kv_reuseB\x17\n" +
 	"\x15_track_prefill_tokensB\x1a\n" +
-	"\x18_shared_cache_multiplier\"\x9e\x02\n" +
+	"\x18_shared_cache_multiplier\"\xb6\x03\n" +
+	"\x19ConditionalDisaggOverride\x12\x1d\n" +
+	"\aenabled\x18\x01 \x01(\bH\x00R\aenabled\x88\x01\x01\x12\x1b\n" +
+	"\x06policy\x18\x02 \x01(\tH\x01R\x06policy\x88\x01\x01\x12/\n" +
+	"\x11eff_isl_threshold\x18\x03 \x01(\x04H\x02R\x0feffIslThreshold\x88\x01\x01\x12:\n" +
+	"\x17eff_isl_ratio_threshold\x18\x04 \x01(\x01H\x03R\x14effIslRatioThreshold\x88\x01\x01\x129\n" +
+	"\x16prefill_busy_threshold\x18\x05 \x01(\x01H\x04R\x14prefillBusyThreshold\x88\x01\x01\x127\n" +
+	"\x15decode_busy_threshold\x18\x06 \x01(\x01H\x05R\x13decodeBusyThreshold\x88\x01\x01B\n" +
+	"\n" +
+	"\b_enabledB\t\n" +
+	"\a_policyB\x14\n" +
+	"\x12_eff_isl_thresholdB\x1a\n" +
+	"\x18_eff_isl_ratio_thresholdB\x19\n" +
+	"\x17_prefill_busy_thresholdB\x18\n" +
+	"\x16_decode_busy_threshold\"\x9e\x02\n" +
 	"\rRouteResponse\x12*\n" +
 	"\x04mode\x18\x01 \x01(\x0e2\x16.kvrouter.v1.RouteModeR\x04mode\x123\n" +
 	"\aprefill\x18\x02 \x01(\v2\x19.kvrouter.v1.WorkerTargetR\aprefill\x121\n" +
 	"\x06decode\x18\x03 \x01(\v2\x19.kvrouter.v1.WorkerTargetR\x06decode\x12 \n" +
 	"\vannotations\x18\x04 \x03(\tR\vannotations\x12\x16\n" +
 	"\x06booked\x18\x05 \x01(\bR\x06booked\x12?\n" +
-	"\vdiagnostics\x18\x06 \x01(\v2\x1d.kvrouter.v1.RouteDiagnosticsR\vdiagnostics\"\xa3\x02\n" +
+	"\vdiagnostics\x18\x06 \x01(\v2\x1d.kvrouter.v1.RouteDiagnosticsR\vdiagnostics\"\xb2\x03\n" +
 	"\x10RouteDiagnostics\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x04R\fpromptTokens\x12#\n" +
 	"\rprompt_blocks\x18\x02 \x01(\x04R\fpromptBlocks\x12\x1d\n" +
@@ -973,7 +1401,24 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x06decode\x18\x05 \x01(\v2\x1b.kvrouter.v1.HopDiagnosticsR\x06decode\x12:\n" +
 	"\n" +
 	"candidates\x18\x06 \x03(\v2\x1a.kvrouter.v1.CandidateCostR\n" +
-	"candidates\"\x89\x01\n" +
+	"candidates\x123\n" +
+	"\x06reason\x18\a \x01(\x0e2\x1b.kvrouter.v1.DecisionReasonR\x06reason\x12X\n" +
+	"\x12conditional_disagg\x18\b \x01(\v2).kvrouter.v1.ConditionalDisaggDiagnosticsR\x11conditionalDisagg\"\xad\x04\n" +
+	"\x1cConditionalDisaggDiagnostics\x12\x16\n" +
+	"\x06policy\x18\x01 \x01(\tR\x06policy\x121\n" +
+	"\x06decode\x18\x02 \x01(\v2\x19.kvrouter.v1.WorkerTargetR\x06decode\x12#\n" +
+	"\rcached_tokens\x18\x03 \x01(\x01R\fcachedTokens\x12#\n" +
+	"\reffective_isl\x18\x04 \x01(\x01R\feffectiveIsl\x12\x14\n" +
+	"\x05ratio\x18\x05 \x01(\x01R\x05ratio\x12:\n" +
+	"\fprefill_busy\x18\x06 \x01(\x0e2\x17.kvrouter.v1.BusySignalR\vprefillBusy\x128\n" +
+	"\vdecode_busy\x18\a \x01(\x0e2\x17.kvrouter.v1.BusySignalR\n" +
+	"decodeBusy\x12,\n" +
+	"\x12policy_says_bypass\x18\b \x01(\bR\x10policySaysBypass\x12#\n" +
+	"\rgate_decision\x18\t \x01(\tR\fgateDecision\x126\n" +
+	"\x17potential_decode_blocks\x18\n" +
+	" \x01(\x04R\x15potentialDecodeBlocks\x12*\n" +
+	"\x11eff_isl_threshold\x18\v \x01(\x04R\x0feffIslThreshold\x125\n" +
+	"\x17eff_isl_ratio_threshold\x18\f \x01(\x01R\x14effIslRatioThreshold\"\x89\x01\n" +
 	"\x0eHopDiagnostics\x12>\n" +
 	"\x0eoverlap_blocks\x18\x01 \x01(\v2\x17.kvrouter.v1.TierBlocksR\roverlapBlocks\x12#\n" +
 	"\rcached_tokens\x18\x02 \x01(\x01R\fcachedTokens\x12\x12\n" +
@@ -999,7 +1444,27 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x16ROUTE_MODE_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18ROUTE_MODE_DISAGGREGATED\x10\x01\x12\x15\n" +
 	"\x11ROUTE_MODE_BYPASS\x10\x02\x12\x19\n" +
-	"\x15ROUTE_MODE_AGGREGATED\x10\x032\xf6\x01\n" +
+	"\x15ROUTE_MODE_AGGREGATED\x10\x03*\xdf\x03\n" +
+	"\x0eDecisionReason\x12\x1f\n" +
+	"\x1bDECISION_REASON_UNSPECIFIED\x10\x00\x12&\n" +
+	"\"DECISION_REASON_NO_PREFILL_WORKERS\x10\x01\x12*\n" +
+	"&DECISION_REASON_CONDITIONAL_DISAGG_OFF\x10\x02\x12)\n" +
+	"%DECISION_REASON_PREFILL_WORKER_PINNED\x10\x03\x12 \n" +
+	"\x1cDECISION_REASON_EMPTY_PROMPT\x10\x04\x12)\n" +
+	"%DECISION_REASON_DECODE_PIN_UNRESOLVED\x10\x05\x12+\n" +
+	"'DECISION_REASON_DECODE_SELECTION_FAILED\x10\x06\x12#\n" +
+	"\x1fDECISION_REASON_POLICY_DECLINED\x10\a\x12(\n" +
+	"$DECISION_REASON_DECODE_CANNOT_BYPASS\x10\b\x12\x1f\n" +
+	"\x1bDECISION_REASON_DECODE_BUSY\x10\t\x12'\n" +
+	"#DECISION_REASON_DECODE_BUSY_UNKNOWN\x10\n" +
+	"\x12\x1a\n" +
+	"\x16DECISION_REASON_BYPASS\x10\v*r\n" +
+	"\n" +
+	"BusySignal\x12\x1b\n" +
+	"\x17BUSY_SIGNAL_UNSPECIFIED\x10\x00\x12\x17\n" +
+	"\x13BUSY_SIGNAL_UNKNOWN\x10\x01\x12\x18\n" +
+	"\x14BUSY_SIGNAL_NOT_BUSY\x10\x02\x12\x14\n" +
+	"\x10BUSY_SIGNAL_BUSY\x10\x032\xf6\x01\n" +
 	"\rRouterService\x12>\n" +
 	"\x05Route\x12\x19.kvrouter.v1.RouteRequest\x1a\x1a.kvrouter.v1.RouteResponse\x12h\n" +
 	"\x13MarkPrefillComplete\x12'.kvrouter.v1.MarkPrefillCompleteRequest\x1a(.kvrouter.v1.MarkPrefillCompleteResponse\x12;\n" +
@@ -1018,52 +1483,62 @@ func file_kvrouter_v1_router_proto_rawDescGZIP() []byte {
 	return file_kvrouter_v1_router_proto_rawDescData
 }
 
-var file_kvrouter_v1_router_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvrouter_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_kvrouter_v1_router_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_kvrouter_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_kvrouter_v1_router_proto_goTypes = []any{
-	(RouteMode)(0),                      // 0: kvrouter.v1.RouteMode
-	(*RouteRequest)(nil),                // 1: kvrouter.v1.RouteRequest
-	(*RoutingHints)(nil),                // 2: kvrouter.v1.RoutingHints
-	(*RouterConfigOverride)(nil),        // 3: kvrouter.v1.RouterConfigOverride
-	(*RouteResponse)(nil),               // 4: kvrouter.v1.RouteResponse
-	(*RouteDiagnostics)(nil),            // 5: kvrouter.v1.RouteDiagnostics
-	(*HopDiagnostics)(nil),              // 6: kvrouter.v1.HopDiagnostics
-	(*CandidateCost)(nil),               // 7: kvrouter.v1.CandidateCost
-	(*MarkPrefillCompleteRequest)(nil),  // 8: kvrouter.v1.MarkPrefillCompleteRequest
-	(*MarkPrefillCompleteResponse)(nil), // 9: kvrouter.v1.MarkPrefillCompleteResponse
-	(*FreeRequest)(nil),                 // 10: kvrouter.v1.FreeRequest
-	(*FreeResponse)(nil),                // 11: kvrouter.v1.FreeResponse
-	(*WorkerTarget)(nil),                // 12: kvrouter.v1.WorkerTarget
-	(*TierBlocks)(nil),                  // 13: kvrouter.v1.TierBlocks
-	(WorkerRole)(0),                     // 14: kvrouter.v1.WorkerRole
-	(*WorkerLoad)(nil),                  // 15: kvrouter.v1.WorkerLoad
+	(RouteMode)(0),                       // 0: kvrouter.v1.RouteMode
+	(DecisionReason)(0),                  // 1: kvrouter.v1.DecisionReason
+	(BusySignal)(0),                      // 2: kvrouter.v1.BusySignal
+	(*RouteRequest)(nil),                 // 3: kvrouter.v1.RouteRequest
+	(*RoutingHints)(nil),                 // 4: kvrouter.v1.RoutingHints
+	(*RouterConfigOverride)(nil),         // 5: kvrouter.v1.RouterConfigOverride
+	(*ConditionalDisaggOverride)(nil),    // 6: kvrouter.v1.ConditionalDisaggOverride
+	(*RouteResponse)(nil),                // 7: kvrouter.v1.RouteResponse
+	(*RouteDiagnostics)(nil),             // 8: kvrouter.v1.RouteDiagnostics
+	(*ConditionalDisaggDiagnostics)(nil), // 9: kvrouter.v1.ConditionalDisaggDiagnostics
+	(*HopDiagnostics)(nil),               // 10: kvrouter.v1.HopDiagnostics
+	(*CandidateCost)(nil),                // 11: kvrouter.v1.CandidateCost
+	(*MarkPrefillCompleteRequest)(nil),   // 12: kvrouter.v1.MarkPrefillCompleteRequest
+	(*MarkPrefillCompleteResponse)(nil),  // 13: kvrouter.v1.MarkPrefillCompleteResponse
+	(*FreeRequest)(nil),                  // 14: kvrouter.v1.FreeRequest
+	(*FreeResponse)(nil),                 // 15: kvrouter.v1.FreeResponse
+	(*WorkerTarget)(nil),                 // 16: kvrouter.v1.WorkerTarget
+	(*TierBlocks)(nil),                   // 17: kvrouter.v1.TierBlocks
+	(WorkerRole)(0),                      // 18: kvrouter.v1.WorkerRole
+	(*WorkerLoad)(nil),                   // 19: kvrouter.v1.WorkerLoad
 }
 var file_kvrouter_v1_router_proto_depIdxs = []int32{
-	2,  // 0: kvrouter.v1.RouteRequest.hints:type_name -> kvrouter.v1.RoutingHints
-	3,  // 1: kvrouter.v1.RouteRequest.config_override:type_name -> kvrouter.v1.RouterConfigOverride
-	0,  // 2: kvrouter.v1.RouteResponse.mode:type_name -> kvrouter.v1.RouteMode
-	12, // 3: kvrouter.v1.RouteResponse.prefill:type_name -> kvrouter.v1.WorkerTarget
-	12, // 4: kvrouter.v1.RouteResponse.decode:type_name -> kvrouter.v1.WorkerTarget
-	5,  // 5: kvrouter.v1.RouteResponse.diagnostics:type_name -> kvrouter.v1.RouteDiagnostics
-	6,  // 6: kvrouter.v1.RouteDiagnostics.prefill:type_name -> kvrouter.v1.HopDiagnostics
-	6,  // 7: kvrouter.v1.RouteDiagnostics.decode:type_name -> kvrouter.v1.HopDiagnostics
-	7,  // 8: kvrouter.v1.RouteDiagnostics.candidates:type_name -> kvrouter.v1.CandidateCost
-	13, // 9: kvrouter.v1.HopDiagnostics.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
-	12, // 10: kvrouter.v1.CandidateCost.worker:type_name -> kvrouter.v1.WorkerTarget
-	14, // 11: kvrouter.v1.CandidateCost.role:type_name -> kvrouter.v1.WorkerRole
-	13, // 12: kvrouter.v1.CandidateCost.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
-	15, // 13: kvrouter.v1.CandidateCost.load:type_name -> kvrouter.v1.WorkerLoad
-	1,  // 14: kvrouter.v1.RouterService.Route:input_type -> kvrouter.v1.RouteRequest
-	8,  // 15: kvrouter.v1.RouterService.MarkPrefillComplete:input_type -> kvrouter.v1.MarkPrefillCompleteRequest
-	10, // 16: kvrouter.v1.RouterService.Free:input_type -> kvrouter.v1.FreeRequest
-	4,  // 17: kvrouter.v1.RouterService.Route:output_type -> kvrouter.v1.RouteResponse
-	9,  // 18: kvrouter.v1.RouterService.MarkPrefillComplete:output_type -> kvrouter.v1.MarkPrefillCompleteResponse
-	11, // 19: kvrouter.v1.RouterService.Free:output_type -> kvrouter.v1.FreeResponse
-	17, // [17:20] is the sub-list for method output_type
-	14, // [14:17] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	4,  // 0: kvrouter.v1.RouteRequest.hints:type_name -> kvrouter.v1.RoutingHints
+	5,  // 1: kvrouter.v1.RouteRequest.config_override:type_name -> kvrouter.v1.RouterConfigOverride
+	6,  // 2: kvrouter.v1.RouterConfigOverride.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggOverride
+	0,  // 3: kvrouter.v1.RouteResponse.mode:type_name -> kvrouter.v1.RouteMode
+	16, // 4: kvrouter.v1.RouteResponse.prefill:type_name -> kvrouter.v1.WorkerTarget
+	16, // 5: kvrouter.v1.RouteResponse.decode:type_name -> kvrouter.v1.WorkerTarget
+	8,  // 6: kvrouter.v1.RouteResponse.diagnostics:type_name -> kvrouter.v1.RouteDiagnostics
+	10, // 7: kvrouter.v1.RouteDiagnostics.prefill:type_name -> kvrouter.v1.HopDiagnostics
+	10, // 8: kvrouter.v1.RouteDiagnostics.decode:type_name -> kvrouter.v1.HopDiagnostics
+	11, // 9: kvrouter.v1.RouteDiagnostics.candidates:type_name -> kvrouter.v1.CandidateCost
+	1,  // 10: kvrouter.v1.RouteDiagnostics.reason:type_name -> kvrouter.v1.DecisionReason
+	9,  // 11: kvrouter.v1.RouteDiagnostics.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggDiagnostics
+	16, // 12: kvrouter.v1.ConditionalDisaggDiagnostics.decode:type_name -> kvrouter.v1.WorkerTarget
+	2,  // 13: kvrouter.v1.ConditionalDisaggDiagnostics.prefill_busy:type_name -> kvrouter.v1.BusySignal
+	2,  // 14: kvrouter.v1.ConditionalDisaggDiagnostics.decode_busy:type_name -> kvrouter.v1.BusySignal
+	17, // 15: kvrouter.v1.HopDiagnostics.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
+	16, // 16: kvrouter.v1.CandidateCost.worker:type_name -> kvrouter.v1.WorkerTarget
+	18, // 17: kvrouter.v1.CandidateCost.role:type_name -> kvrouter.v1.WorkerRole
+	17, // 18: kvrouter.v1.CandidateCost.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
+	19, // 19: kvrouter.v1.CandidateCost.load:type_name -> kvrouter.v1.WorkerLoad
+	3,  // 20: kvrouter.v1.RouterService.Route:input_type -> kvrouter.v1.RouteRequest
+	12, // 21: kvrouter.v1.RouterService.MarkPrefillComplete:input_type -> kvrouter.v1.MarkPrefillCompleteRequest
+	14, // 22: kvrouter.v1.RouterService.Free:input_type -> kvrouter.v1.FreeRequest
+	7,  // 23: kvrouter.v1.RouterService.Route:output_type -> kvrouter.v1.RouteResponse
+	13, // 24: kvrouter.v1.RouterService.MarkPrefillComplete:output_type -> kvrouter.v1.MarkPrefillCompleteResponse
+	15, // 25: kvrouter.v1.RouterService.Free:output_type -> kvrouter.v1.FreeResponse
+	23, // [23:26] is the sub-list for method output_type
+	20, // [20:23] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_kvrouter_v1_router_proto_init() }
@@ -1074,13 +1549,14 @@ func file_kvrouter_v1_router_proto_init() {
 	file_kvrouter_v1_types_proto_init()
 	file_kvrouter_v1_router_proto_msgTypes[1].OneofWrappers = []any{}
 	file_kvrouter_v1_router_proto_msgTypes[2].OneofWrappers = []any{}
+	file_kvrouter_v1_router_proto_msgTypes[3].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrouter_v1_router_proto_rawDesc), len(file_kvrouter_v1_router_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   11,
+			NumEnums:      3,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1,0 +1,249 @@
+package policy
+
+import (
+	"fmt"
+	"math"
+)
+
+// CDPolicy is a conditional-disaggregation policy: when a request may skip remote prefill and run
+// whole on the decode worker that already caches most of its prompt (Dynamo §1.2).
+type CDPolicy uint8
+
+// Conditional-disaggregation policies.
+const (
+	// ISLBounding bypasses when the effective ISL is under eff_isl_threshold and its share of the
+	// prompt under eff_isl_ratio_threshold (both strict).
+	ISLBounding CDPolicy = iota
+	// PrefillLoad bypasses when the prefill worker the router would pick is busy.
+	PrefillLoad
+	// ISLOrLoad bypasses when either condition holds.
+	ISLOrLoad
+)
+
+// String returns the policy's configuration name.
+func (p CDPolicy) String() string {
+	switch p {
+	case PrefillLoad:
+		return "prefill_load"
+	case ISLOrLoad:
+		return "isl_or_load"
+	}
+	return "isl_bounding"
+}
+
+// NeedsPrefillBusy reports whether the policy reads the prefill-busy signal.
+func (p CDPolicy) NeedsPrefillBusy() bool { return p == PrefillLoad || p == ISLOrLoad }
+
+// ParseCDPolicy parses a policy name exactly (case-sensitive), with Dynamo's error text.
+func ParseCDPolicy(s string) (CDPolicy, error) {
+	switch s {
+	case "isl_bounding":
+		return ISLBounding, nil
+	case "prefill_load":
+		return PrefillLoad, nil
+	case "isl_or_load":
+		return ISLOrLoad, nil
+	}
+	return 0, fmt.Errorf("unknown conditional_disagg_policy: %q, expected 'isl_bounding', 'prefill_load', or 'isl_or_load'", s)
+}
+
+// CDConfig configures conditional disaggregation (Dynamo §1.9). Defaults are those of
+// DefaultCDConfig.
+type CDConfig struct {
+	Enabled bool
+	Policy  CDPolicy
+	// EffISLThreshold bounds the tokens a decode worker may prefill locally (2048).
+	EffISLThreshold uint64
+	// EffISLRatioThreshold bounds the uncached share of the prompt, in [0, 1] (0.7).
+	EffISLRatioThreshold float64
+	// PrefillBusyThreshold: a prefill worker is busy when its active prefill tokens exceed this times
+	// its max_num_batched_tokens. Unset, router_queue_threshold applies; the load-aware policies need one.
+	PrefillBusyThreshold *float64
+	// DecodeBusyThreshold enables the decode gate: a bypass is vetoed when the decode worker's projected
+	// blocks exceed this times its total_kv_blocks, or when its capacity is unknown. Unset = gate off.
+	DecodeBusyThreshold *float64
+}
+
+// DefaultCDConfig returns Dynamo's defaults (feature off).
+func DefaultCDConfig() CDConfig {
+	return CDConfig{Policy: ISLBounding, EffISLThreshold: 2048, EffISLRatioThreshold: 0.7}
+}
+
+// Validate checks the ranges of §1.9 (the Rust layer's rules; the command line adds its own
+// messages for how values are written).
+func (c CDConfig) Validate() error {
+	if math.IsNaN(c.EffISLRatioThreshold) || c.EffISLRatioThreshold < 0 || c.EffISLRatioThreshold > 1 {
+		return fieldErr("conditional_disagg_eff_isl_ratio_threshold", "must be between 0 and 1 (got %v)", c.EffISLRatioThreshold)
+	}
+	if t := c.PrefillBusyThreshold; t != nil && (math.IsNaN(*t) || math.IsInf(*t, 0) || *t < 0) {
+		return fieldErr("conditional_disagg_prefill_busy_threshold", "must be greater than or equal to 0 (got %v)", *t)
+	}
+	if t := c.DecodeBusyThreshold; t != nil && (math.IsNaN(*t) || math.IsInf(*t, 0) || *t < 0) {
+		return fieldErr("conditional_disagg_decode_busy_threshold", "must be greater than or equal to 0 (got %v)", *t)
+	}
+	return nil
+}
+
+// Tristate is a signal that may be unavailable.
+type Tristate uint8
+
+// Signal values.
+const (
+	Unknown Tristate = iota
+	No
+	Yes
+)
+
+// String returns unknown, false or true.
+func (t Tristate) String() string {
+	switch t {
+	case No:
+		return "false"
+	case Yes:
+		return "true"
+	}
+	return "unknown"
+}
+
+// CDInput is what the policy decides from (Dynamo §1.3).
+type CDInput struct {
+	// PromptTokens is P.
+	PromptTokens uint64
+	// DecodeCachedTokens is C: the tier-weighted cached tokens, unrounded, on the decode worker the
+	// router would pick.
+	DecodeCachedTokens float64
+	// PrefillBusy is the busy signal of the prefill worker the router would pick.
+	PrefillBusy Tristate
+}
+
+// EffectiveISL returns the tokens the decode worker would have to prefill, P - min(C, P), and their
+// share of the prompt, eff / max(P, 1). Cached tokens are weighted and unrounded (§8 item 1): rounding
+// to whole blocks can flip the strict thresholds.
+func (in CDInput) EffectiveISL() (eff, ratio float64) {
+	p := float64(in.PromptTokens)
+	eff = p - math.Min(in.DecodeCachedTokens, p)
+	return eff, eff / math.Max(p, 1)
+}
+
+// SaysBypass reports whether the policy would bypass remote prefill, before the decode gate (§1.4).
+// A disabled configuration never bypasses; a missing prefill-busy signal counts as calm.
+func (c CDConfig) SaysBypass(in CDInput) bool {
+	if !c.Enabled {
+		return false
+	}
+	eff, ratio := in.EffectiveISL()
+	islOK := eff < float64(c.EffISLThreshold) && ratio < c.EffISLRatioThreshold
+	busy := in.PrefillBusy == Yes
+	switch c.Policy {
+	case PrefillLoad:
+		return busy
+	case ISLOrLoad:
+		return islOK || busy
+	}
+	return islOK
+}
+
+// GateDecision is the decode gate's label, logged and counted for every decision (§1.7).
+type GateDecision string
+
+// Decode gate labels.
+const (
+	GateDeclinedByPolicy    GateDecision = "bypass_declined_by_policy"
+	GateAllowedGateDisabled GateDecision = "bypass_allowed_decode_gate_disabled"
+	GateDeniedBusyUnknown   GateDecision = "bypass_denied_decode_busy_unknown"
+	GateDeniedBusy          GateDecision = "bypass_denied_decode_busy"
+	GateAllowedNotBusy      GateDecision = "bypass_allowed_decode_not_busy"
+)
+
+// Gate applies the decode-busy gate as a veto on the policy's answer: with the gate configured, only
+// a decode worker known not to be busy may take the bypass; an unknown signal fails closed.
+func Gate(policySaysBypass, gateConfigured bool, decodeBusy Tristate) (bool, GateDecision) {
+	switch {
+	case !policySaysBypass:
+		return false, GateDeclinedByPolicy
+	case !gateConfigured:
+		return true, GateAllowedGateDisabled
+	case decodeBusy == Unknown:
+		return false, GateDeniedBusyUnknown
+	case decodeBusy == Yes:
+		return false, GateDeniedBusy
+	}
+	return true, GateAllowedNotBusy
+}
+
+// DecodeBusy reports whether a decode worker's projected blocks (including the request's new ones)
+// exceed threshold x its total KV blocks; Unknown when it advertised no capacity (§1.7).
+func DecodeBusy(potentialBlocks, totalKVBlocks uint64, threshold float64) Tristate {
+	if totalKVBlocks == 0 {
+		return Unknown
+	}
+	return boolTristate(float64(potentialBlocks) > threshold*float64(totalKVBlocks))
+}
+
+// PrefillBusy reports whether a prefill worker's active prefill tokens exceed threshold x its
+// prefill capacity (§1.6).
+func PrefillBusy(activePrefillTokens, capacity uint64, threshold float64) Tristate {
+	return boolTristate(float64(activePrefillTokens) > threshold*float64(capacity))
+}
+
+func boolTristate(b bool) Tristate {
+	if b {
+		return Yes
+	}
+	return No
+}
+
+// Reason says why a request was routed the way it was: the outcome of conditional disaggregation,
+// or why it was not consulted. Metric label values are the String forms.
+type Reason uint8
+
+// Decision reasons.
+const (
+	ReasonUnspecified Reason = iota
+	// ReasonNoPrefillWorkers: the model has no prefill pool; the request runs aggregated.
+	ReasonNoPrefillWorkers
+	// ReasonConditionalDisaggOff: conditional disaggregation is not enabled.
+	ReasonConditionalDisaggOff
+	// ReasonPrefillWorkerPinned: the request pins a prefill worker.
+	ReasonPrefillWorkerPinned
+	// ReasonEmptyPrompt: no routing tokens.
+	ReasonEmptyPrompt
+	// ReasonDecodePinUnresolved: the decode pin names no rank and the worker has no unique rank.
+	ReasonDecodePinUnresolved
+	// ReasonDecodeSelectionFailed: the advisory decode selection found no worker (all overloaded,
+	// or none eligible).
+	ReasonDecodeSelectionFailed
+	// ReasonPolicyDeclined: the policy said remote prefill.
+	ReasonPolicyDeclined
+	// ReasonDecodeCannotBypass: the chosen decode worker did not register bypass support.
+	ReasonDecodeCannotBypass
+	// ReasonDecodeBusy: the decode gate vetoed: the worker is busy.
+	ReasonDecodeBusy
+	// ReasonDecodeBusyUnknown: the decode gate vetoed: the worker's capacity is unknown.
+	ReasonDecodeBusyUnknown
+	// ReasonBypass: the request bypasses remote prefill.
+	ReasonBypass
+)
+
+var reasonNames = [...]string{
+	ReasonUnspecified:           "unspecified",
+	ReasonNoPrefillWorkers:      "no_prefill_workers",
+	ReasonConditionalDisaggOff:  "conditional_disagg_off",
+	ReasonPrefillWorkerPinned:   "prefill_worker_pinned",
+	ReasonEmptyPrompt:           "empty_prompt",
+	ReasonDecodePinUnresolved:   "decode_pin_unresolved",
+	ReasonDecodeSelectionFailed: "decode_selection_failed",
+	ReasonPolicyDeclined:        "policy_declined",
+	ReasonDecodeCannotBypass:    "decode_cannot_bypass",
+	ReasonDecodeBusy:            "decode_busy",
+	ReasonDecodeBusyUnknown:     "decode_busy_unknown",
+	ReasonBypass:                "bypass",
+}
+
+// String returns the reason's metric label.
+func (r Reason) String() string {
+	if int(r) < len(reasonNames) {
+		return reasonNames[r]
+	}
+	return "unspecified"
+}
