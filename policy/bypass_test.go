@@ -146,13 +146,13 @@ func TestConditionalDisaggFlow(t *testing.T) {
 		},
 		{
 			// §8 item 10: with the gate configured, unknown decode capacity vetoes the bypass.
-			name:  "decode gate fails closed on unknown capacity",
-			cfg:   func(c *Config) { c.ConditionalDisagg.DecodeBusyThreshold = ptr(0.9) },
+			name: "decode gate fails closed on unknown capacity",
+			cfg:  func(c *Config) { c.ConditionalDisagg.DecodeBusyThreshold = ptr(0.9) },
 			setup: func(f *fleet, tokens []uint32) {
 				f.register(22, 0, kvstate.RoleDecode, 0, true)
 				f.cache(22, tokens, 15)
 			},
-			req:   Request{ID: "r"},
+			req: Request{ID: "r"},
 			want: outcome{Mode: ModeDisaggregated, Reason: ReasonDecodeBusyUnknown, Prefill: 10, Decode: 22, Annotations: []string{},
 				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview, HopPrefill, HopDecode}},
 		},
@@ -171,12 +171,12 @@ func TestConditionalDisaggFlow(t *testing.T) {
 				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview, HopPrefill, HopDecode}},
 		},
 		{
-			name:  "a decode worker without bypass support is never a bypass target",
+			name: "a decode worker without bypass support is never a bypass target",
 			setup: func(f *fleet, tokens []uint32) {
 				f.register(22, 0, kvstate.RoleDecode, 100, false)
 				f.cache(22, tokens, 15)
 			},
-			req:   Request{ID: "r"},
+			req: Request{ID: "r"},
 			want: outcome{Mode: ModeDisaggregated, Reason: ReasonDecodeCannotBypass, Prefill: 10, Decode: 22, Annotations: []string{},
 				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview, HopPrefill, HopDecode}},
 		},

@@ -97,7 +97,7 @@ type Decision struct {
 	Mode         Mode
 	Reason       Reason
 	CD           *CDDiagnostics // set when conditional disaggregation evaluated the request
-	Prefill      *Choice // ModeDisaggregated only
+	Prefill      *Choice        // ModeDisaggregated only
 	Decode       Choice
 	Annotations  []string
 	Booked       bool
