@@ -63,6 +63,11 @@ type BookingsExpired struct {
 	Before int64
 }
 
+// SessionsExpired forgets session bindings that expired before Before (unix nanoseconds).
+type SessionsExpired struct {
+	Before int64
+}
+
 func (WorkerUp) isChange()        {}
 func (WorkerRemoved) isChange()   {}
 func (KVEvents) isChange()        {}
@@ -72,6 +77,7 @@ func (Booked) isChange()          {}
 func (PrefillDone) isChange()     {}
 func (Freed) isChange()           {}
 func (BookingsExpired) isChange() {}
+func (SessionsExpired) isChange() {}
 
 // Result reports what applying a change did, for the caller that appended it.
 type Result struct {
@@ -90,7 +96,7 @@ type Result struct {
 	// needs a dump. ExpectedEventID is the id that should have come, GotEventID the one that came.
 	Gap                         bool
 	ExpectedEventID, GotEventID uint64
-	// Expired counts bookings freed by BookingsExpired.
+	// Expired counts bookings freed by BookingsExpired, or bindings forgotten by SessionsExpired.
 	Expired int
 	// Skipped is set when a conditional change did not apply (WorkerRemoved after a reconnect).
 	Skipped bool

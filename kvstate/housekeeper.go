@@ -7,7 +7,7 @@ import (
 )
 
 // Housekeeper turns the passing of time into changes: it removes workers whose streams stayed closed
-// past the grace period, and expires bookings nobody freed. It only appends changes to the log, so
+// past the grace period, expires bookings nobody freed, and forgets expired session bindings. It only appends changes to the log, so
 // every replica applies the same removals, whichever replica noticed first.
 type Housekeeper struct {
 	State *State
@@ -43,6 +43,11 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 		}
 		if !res.Skipped {
 			h.logger().Info("removed worker after grace period", "worker", key, "grace", h.Grace)
+		}
+	}
+	if oldest, ok := h.State.oldestSessionExpiry(); ok && oldest < now.UnixNano() {
+		if _, err := h.Log.Append(ctx, SessionsExpired{Before: now.UnixNano()}); err != nil {
+			h.logger().Warn("expiring session bindings failed", "err", err)
 		}
 	}
 	before := now.Add(-h.BookingExpiry).UnixNano()

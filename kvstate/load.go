@@ -33,6 +33,9 @@ type Booking struct {
 	RequestID string
 	Hops      []HopBooking
 	At        int64 // unix nanoseconds when it was booked; decides expiry
+	// Session, when set, binds the session to the decode worker (the last hop) until SessionExpires.
+	Session        string
+	SessionExpires int64
 }
 
 type slotCount struct {

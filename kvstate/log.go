@@ -39,7 +39,7 @@ func (l *MemLog) Append(ctx context.Context, c Change) (Result, error) {
 	}
 	lane := &l.workerLane
 	switch c.(type) {
-	case Booked, PrefillDone, Freed, BookingsExpired:
+	case Booked, PrefillDone, Freed, BookingsExpired, SessionsExpired:
 		lane = &l.requestLane
 	}
 	lane.Lock()

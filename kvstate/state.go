@@ -93,6 +93,61 @@ type State struct {
 
 	capMu      sync.Mutex
 	capChanged chan struct{} // closed and replaced when routing capacity may have freed
+
+	sessMu   sync.RWMutex
+	sessions map[string]sessionBinding
+}
+
+// sessionBinding is the decode worker a session's turns go to, until it expires.
+type sessionBinding struct {
+	worker  WorkerKey
+	expires int64
+}
+
+// Session returns the decode worker the session is bound to, if the binding has not expired at now
+// (unix nanoseconds).
+func (s *State) Session(id string, now int64) (WorkerKey, bool) {
+	s.sessMu.RLock()
+	defer s.sessMu.RUnlock()
+	b, ok := s.sessions[id]
+	if !ok || b.expires <= now {
+		return WorkerKey{}, false
+	}
+	return b.worker, true
+}
+
+// Sessions returns the number of session bindings held (expired ones included until swept).
+func (s *State) Sessions() int {
+	s.sessMu.RLock()
+	defer s.sessMu.RUnlock()
+	return len(s.sessions)
+}
+
+// oldestSessionExpiry returns the earliest binding expiry, and false when there is no binding.
+func (s *State) oldestSessionExpiry() (int64, bool) {
+	s.sessMu.RLock()
+	defer s.sessMu.RUnlock()
+	var min int64
+	found := false
+	for _, b := range s.sessions {
+		if !found || b.expires < min {
+			min, found = b.expires, true
+		}
+	}
+	return min, found
+}
+
+func (s *State) expireSessions(before int64) int {
+	s.sessMu.Lock()
+	defer s.sessMu.Unlock()
+	n := 0
+	for id, b := range s.sessions {
+		if b.expires < before {
+			delete(s.sessions, id)
+			n++
+		}
+	}
+	return n
 }
 
 // NewState returns an empty state.
@@ -236,6 +291,8 @@ func (s *State) apply(c Change) (Result, error) {
 		return Result{}, s.load.free(c.RequestID)
 	case BookingsExpired:
 		return Result{Expired: s.load.expire(c.Before)}, nil
+	case SessionsExpired:
+		return Result{Expired: s.expireSessions(c.Before)}, nil
 	}
 	return Result{}, fmt.Errorf("kvstate: unknown change %T", c)
 }
@@ -457,7 +514,18 @@ func (s *State) book(b Booking) error {
 		}
 		hops[i] = bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens}
 	}
-	return s.load.book(b.RequestID, b.At, hops)
+	if err := s.load.book(b.RequestID, b.At, hops); err != nil {
+		return err
+	}
+	if b.Session != "" && len(b.Hops) > 0 {
+		s.sessMu.Lock()
+		if s.sessions == nil {
+			s.sessions = make(map[string]sessionBinding)
+		}
+		s.sessions[b.Session] = sessionBinding{worker: b.Hops[len(b.Hops)-1].Worker, expires: b.SessionExpires}
+		s.sessMu.Unlock()
+	}
+	return nil
 }
 
 func compareKeys(a, b WorkerKey) int {

@@ -1031,3 +1031,30 @@ func TestStaleDumpRejected(t *testing.T) {
 		t.Errorf("State.Apply(KVDump through the last id) = %v, want nil", err)
 	}
 }
+
+// TestSessionBindings: a booking with a session binds it to its last hop's worker until it expires;
+// SessionsExpired forgets expired bindings only.
+func TestSessionBindings(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0), up(w1),
+		apply(Booked{Booking: Booking{RequestID: "a", Hops: []HopBooking{{Worker: w1}, {Worker: w0r0}}, At: 1, Session: "s1", SessionExpires: 100}}),
+		apply(Booked{Booking: Booking{RequestID: "b", Hops: []HopBooking{{Worker: w1}}, At: 1, Session: "s2", SessionExpires: 50}}),
+	})
+	if got, ok := s.Session("s1", 99); !ok || got != w0r0 {
+		t.Errorf("Session(s1, 99) = %v, %v; want %v, true", got, ok, w0r0)
+	}
+	if _, ok := s.Session("s1", 100); ok {
+		t.Error("Session(s1) at its expiry = bound, want unbound")
+	}
+	res, err := s.Apply(SessionsExpired{Before: 60})
+	if err != nil || res.Expired != 1 || s.Sessions() != 1 {
+		t.Errorf("SessionsExpired{60} = %+v, %v, %d left; want 1 expired, 1 left", res, err, s.Sessions())
+	}
+	// A rejected booking binds nothing.
+	if _, err := s.Apply(Booked{Booking: Booking{RequestID: "a", Hops: []HopBooking{{Worker: w1}}, Session: "s3", SessionExpires: 100}}); !errors.Is(err, ErrAlreadyBooked) {
+		t.Fatalf("duplicate booking = %v, want ErrAlreadyBooked", err)
+	}
+	if _, ok := s.Session("s3", 0); ok {
+		t.Error("a rejected booking bound its session")
+	}
+}

@@ -75,7 +75,7 @@ type CDDiagnostics struct {
 // conditionalDisagg decides whether the request bypasses remote prefill (Dynamo §1.5), recording the
 // reason and numbers in the decision. It returns the decode worker to bypass to, or nil for remote
 // prefill. Nothing is booked here: both pools are only previewed.
-func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefillPool, decodePool []*kvstate.Worker) *Choice {
+func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefillPool, decodePool []*kvstate.Worker, affinity *Pin, affinityStale bool) *Choice {
 	dec, req := rc.dec, rc.req
 	switch {
 	case !cd.Enabled:
@@ -89,14 +89,21 @@ func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefill
 		return nil
 	}
 	// An explicit decode pin is resolved first (§8 item 4): to its rank, or to the worker's only rank.
+	// Only without one does session affinity apply, so a stale session cannot abort a valid pin.
 	var pin *Pin
-	if req.DecodePin != nil {
+	switch {
+	case req.DecodePin != nil:
 		key, ok := resolvePin(req.DecodePin, decodePool)
 		if !ok {
 			dec.Reason = ReasonDecodePinUnresolved
 			return nil
 		}
 		pin = &Pin{Worker: key.ID, Rank: &key.Rank}
+	case affinityStale:
+		dec.Reason = ReasonDecodeAffinityUnresolved
+		return nil
+	default:
+		pin = affinity
 	}
 	// The advisory decode selection uses the request's own weights, prefill term included: it asks
 	// which decode worker would serve the request if it ran there whole (§1.5 step 10).

@@ -223,21 +223,24 @@ const (
 	ReasonDecodeBusyUnknown
 	// ReasonBypass: the request bypasses remote prefill.
 	ReasonBypass
+	// ReasonDecodeAffinityUnresolved: the session is bound to a decode worker that is gone.
+	ReasonDecodeAffinityUnresolved
 )
 
 var reasonNames = [...]string{
-	ReasonUnspecified:           "unspecified",
-	ReasonNoPrefillWorkers:      "no_prefill_workers",
-	ReasonConditionalDisaggOff:  "conditional_disagg_off",
-	ReasonPrefillWorkerPinned:   "prefill_worker_pinned",
-	ReasonEmptyPrompt:           "empty_prompt",
-	ReasonDecodePinUnresolved:   "decode_pin_unresolved",
-	ReasonDecodeSelectionFailed: "decode_selection_failed",
-	ReasonPolicyDeclined:        "policy_declined",
-	ReasonDecodeCannotBypass:    "decode_cannot_bypass",
-	ReasonDecodeBusy:            "decode_busy",
-	ReasonDecodeBusyUnknown:     "decode_busy_unknown",
-	ReasonBypass:                "bypass",
+	ReasonUnspecified:              "unspecified",
+	ReasonNoPrefillWorkers:         "no_prefill_workers",
+	ReasonConditionalDisaggOff:     "conditional_disagg_off",
+	ReasonPrefillWorkerPinned:      "prefill_worker_pinned",
+	ReasonEmptyPrompt:              "empty_prompt",
+	ReasonDecodePinUnresolved:      "decode_pin_unresolved",
+	ReasonDecodeSelectionFailed:    "decode_selection_failed",
+	ReasonPolicyDeclined:           "policy_declined",
+	ReasonDecodeCannotBypass:       "decode_cannot_bypass",
+	ReasonDecodeBusy:               "decode_busy",
+	ReasonDecodeBusyUnknown:        "decode_busy_unknown",
+	ReasonBypass:                   "bypass",
+	ReasonDecodeAffinityUnresolved: "decode_affinity_unresolved",
 }
 
 // String returns the reason's metric label.

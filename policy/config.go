@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"math"
 	"strings"
+	"time"
 )
 
 // Queue policies of router-side queueing.
@@ -22,23 +23,24 @@ const DefaultPrefillTokenCapacity = 10_000_000
 // Config is the router's selection configuration (Dynamo's KvRouterConfig, §3.1). Field comments give
 // the YAML key; defaults are those of DefaultConfig.
 type Config struct {
-	OverlapScoreCredit        float64  // overlap_score_credit: weight of device-tier overlap (1.0)
-	OverlapScoreCreditDecay   float64  // overlap_score_credit_decay: shrinks credit on prefill-loaded workers (0)
-	PrefillLoadScale          float64  // prefill_load_scale: weight of the prefill term (1.0)
-	OverlapScoreWeight        *float64 // overlap_score_weight: deprecated single weight (unset)
-	DecodeActiveRequestWeight float64  // decode_active_request_weight: cost per active request (0)
-	HostCacheHitWeight        float64  // host_cache_hit_weight: credit per host-tier block (0.75)
-	DiskCacheHitWeight        float64  // disk_cache_hit_weight: credit per disk-tier block (0.25)
-	SharedCacheMultiplier     float64  // shared_cache_multiplier: credit per external-tier block (0)
-	RouterTemperature         float64  // router_temperature: softmax temperature, 0 = argmin (0)
-	UseKVEvents               bool     // use_kv_events: index workers' KV events (true)
-	AssumeKVReuse             bool     // router_assume_kv_reuse: dedupe shared active blocks (true)
-	TrackPrefillTokens        bool     // router_track_prefill_tokens: charge prefill load (true)
-	QueueThreshold            *float64 // router_queue_threshold: busy when prefill load > t x capacity (unset)
-	QueuePolicy               string   // router_queue_policy: fcfs or wspt (fcfs)
-	QueueMaxDepth             int      // router_queue_max_depth: requests the queue holds (1024)
-	EnforceDisagg             bool     // enforce_disagg: fail instead of routing aggregated (false)
-	ConditionalDisagg         CDConfig // conditional_disagg, conditional_disagg_config
+	OverlapScoreCredit        float64       // overlap_score_credit: weight of device-tier overlap (1.0)
+	OverlapScoreCreditDecay   float64       // overlap_score_credit_decay: shrinks credit on prefill-loaded workers (0)
+	PrefillLoadScale          float64       // prefill_load_scale: weight of the prefill term (1.0)
+	OverlapScoreWeight        *float64      // overlap_score_weight: deprecated single weight (unset)
+	DecodeActiveRequestWeight float64       // decode_active_request_weight: cost per active request (0)
+	HostCacheHitWeight        float64       // host_cache_hit_weight: credit per host-tier block (0.75)
+	DiskCacheHitWeight        float64       // disk_cache_hit_weight: credit per disk-tier block (0.25)
+	SharedCacheMultiplier     float64       // shared_cache_multiplier: credit per external-tier block (0)
+	RouterTemperature         float64       // router_temperature: softmax temperature, 0 = argmin (0)
+	UseKVEvents               bool          // use_kv_events: index workers' KV events (true)
+	AssumeKVReuse             bool          // router_assume_kv_reuse: dedupe shared active blocks (true)
+	TrackPrefillTokens        bool          // router_track_prefill_tokens: charge prefill load (true)
+	QueueThreshold            *float64      // router_queue_threshold: busy when prefill load > t x capacity (unset)
+	QueuePolicy               string        // router_queue_policy: fcfs or wspt (fcfs)
+	QueueMaxDepth             int           // router_queue_max_depth: requests the queue holds (1024)
+	EnforceDisagg             bool          // enforce_disagg: fail instead of routing aggregated (false)
+	ConditionalDisagg         CDConfig      // conditional_disagg, conditional_disagg_config
+	SessionAffinityTTL        time.Duration // session_affinity_ttl: how long a session keeps its decode worker (0 = off)
 }
 
 // DefaultConfig returns Dynamo's defaults.
@@ -105,6 +107,9 @@ func (c Config) Validate() error {
 	}
 	if c.QueuePolicy != QueuePolicyFCFS && c.QueuePolicy != QueuePolicyWSPT {
 		checks = append(checks, fieldErr("router_queue_policy", "must be one of %q, %q (got %q)", QueuePolicyFCFS, QueuePolicyWSPT, c.QueuePolicy))
+	}
+	if c.SessionAffinityTTL < 0 {
+		checks = append(checks, fieldErr("session_affinity_ttl", "must not be negative (got %v)", c.SessionAffinityTTL))
 	}
 	if c.QueueMaxDepth < 1 {
 		checks = append(checks, fieldErr("router_queue_max_depth", "must be at least 1 (got %d)", c.QueueMaxDepth))

@@ -76,6 +76,7 @@ type Request struct {
 	AllowedWorkers []uint64 // empty = all
 	Override       Override
 	CDOverride     CDOverride
+	SessionID      string // binds the conversation to its decode worker (session affinity)
 	Explain        bool
 }
 
@@ -201,6 +202,12 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 	prefillPool, decodePool := sc.prefill, sc.decode
 	weights := r.Config.Weights(req.Override)
 	dec := rc.dec
+	// The decode hop goes to the explicit pin, else to the session's decode worker if it is still here.
+	affinity, affinityStale := r.sessionTarget(req, decodePool)
+	decodePin := req.DecodePin
+	if decodePin == nil {
+		decodePin = affinity
+	}
 	var booking kvstate.Booking
 	switch {
 	case len(prefillPool) == 0:
@@ -208,14 +215,14 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 		if r.Config.EnforceDisagg {
 			return nil, fmt.Errorf("%w: model %q", ErrDisaggRequired, req.Model)
 		}
-		dc, err := r.choose(rc, HopAggregated, decodePool, weights, req.DecodePin)
+		dc, err := r.choose(rc, HopAggregated, decodePool, weights, decodePin)
 		if err != nil {
 			return nil, err
 		}
 		dec.Mode, dec.Reason, dec.Decode = ModeAggregated, ReasonNoPrefillWorkers, dc
 		booking = r.booking(rc, hopLoad{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens})
 	default:
-		if bypass := r.conditionalDisagg(rc, cd, weights, prefillPool, decodePool); bypass != nil {
+		if bypass := r.conditionalDisagg(rc, cd, weights, prefillPool, decodePool, affinity, affinityStale); bypass != nil {
 			// The decode worker prefills locally: it is booked with the request's own weights,
 			// prefill tokens included (§5.2 step 4).
 			dec.Mode, dec.Decode = ModeBypass, *bypass
@@ -229,7 +236,7 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 		}
 		// The decode hop after a remote prefill (§5.3): load-only, unless conditional
 		// disaggregation keeps the overlap credit so later turns find their cache (§2).
-		dc, err := r.choose(rc, HopDecode, decodePool, DecodeHopWeights(weights, cd.Enabled), req.DecodePin)
+		dc, err := r.choose(rc, HopDecode, decodePool, DecodeHopWeights(weights, cd.Enabled), decodePin)
 		if err != nil {
 			return nil, err
 		}
@@ -241,11 +248,33 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 	if req.QueryOnly {
 		return dec, nil
 	}
+	if r.Config.SessionAffinityTTL > 0 && req.SessionID != "" {
+		booking.Session, booking.SessionExpires = req.SessionID, booking.At+r.Config.SessionAffinityTTL.Nanoseconds()
+	}
 	if _, err := r.Log.Append(ctx, kvstate.Booked{Booking: booking}); err != nil {
 		return nil, err
 	}
 	dec.Booked = true
 	return dec, nil
+}
+
+// sessionTarget returns the decode worker the request's session is bound to, as a pin, when session
+// affinity is on and the request pins no decode worker itself. stale reports a binding to a worker
+// that is no longer among the decode workers.
+func (r *Router) sessionTarget(req *Request, decodePool []*kvstate.Worker) (pin *Pin, stale bool) {
+	if r.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
+		return nil, false
+	}
+	key, ok := r.State.Session(req.SessionID, r.Now().UnixNano())
+	if !ok {
+		return nil, false
+	}
+	for _, w := range decodePool {
+		if w.Info.Key == key {
+			return &Pin{Worker: key.ID, Rank: &key.Rank}, false
+		}
+	}
+	return nil, true
 }
 
 // DecodeHopWeights returns the weights of the decode hop after a remote prefill (§5.3): active

@@ -88,6 +88,7 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Requ
 		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
 		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(),
 		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),
+		SessionID: req.GetSessionId(),
 	}
 	if h := req.GetHints(); h != nil {
 		if h.PrefillDpRank != nil && h.PrefillWorkerId == nil {
@@ -165,17 +166,18 @@ func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (pol
 }
 
 var reasonToProto = map[policy.Reason]kvrouterv1.DecisionReason{
-	policy.ReasonNoPrefillWorkers:      kvrouterv1.DecisionReason_DECISION_REASON_NO_PREFILL_WORKERS,
-	policy.ReasonConditionalDisaggOff:  kvrouterv1.DecisionReason_DECISION_REASON_CONDITIONAL_DISAGG_OFF,
-	policy.ReasonPrefillWorkerPinned:   kvrouterv1.DecisionReason_DECISION_REASON_PREFILL_WORKER_PINNED,
-	policy.ReasonEmptyPrompt:           kvrouterv1.DecisionReason_DECISION_REASON_EMPTY_PROMPT,
-	policy.ReasonDecodePinUnresolved:   kvrouterv1.DecisionReason_DECISION_REASON_DECODE_PIN_UNRESOLVED,
-	policy.ReasonDecodeSelectionFailed: kvrouterv1.DecisionReason_DECISION_REASON_DECODE_SELECTION_FAILED,
-	policy.ReasonPolicyDeclined:        kvrouterv1.DecisionReason_DECISION_REASON_POLICY_DECLINED,
-	policy.ReasonDecodeCannotBypass:    kvrouterv1.DecisionReason_DECISION_REASON_DECODE_CANNOT_BYPASS,
-	policy.ReasonDecodeBusy:            kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY,
-	policy.ReasonDecodeBusyUnknown:     kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN,
-	policy.ReasonBypass:                kvrouterv1.DecisionReason_DECISION_REASON_BYPASS,
+	policy.ReasonNoPrefillWorkers:         kvrouterv1.DecisionReason_DECISION_REASON_NO_PREFILL_WORKERS,
+	policy.ReasonConditionalDisaggOff:     kvrouterv1.DecisionReason_DECISION_REASON_CONDITIONAL_DISAGG_OFF,
+	policy.ReasonPrefillWorkerPinned:      kvrouterv1.DecisionReason_DECISION_REASON_PREFILL_WORKER_PINNED,
+	policy.ReasonEmptyPrompt:              kvrouterv1.DecisionReason_DECISION_REASON_EMPTY_PROMPT,
+	policy.ReasonDecodePinUnresolved:      kvrouterv1.DecisionReason_DECISION_REASON_DECODE_PIN_UNRESOLVED,
+	policy.ReasonDecodeSelectionFailed:    kvrouterv1.DecisionReason_DECISION_REASON_DECODE_SELECTION_FAILED,
+	policy.ReasonPolicyDeclined:           kvrouterv1.DecisionReason_DECISION_REASON_POLICY_DECLINED,
+	policy.ReasonDecodeCannotBypass:       kvrouterv1.DecisionReason_DECISION_REASON_DECODE_CANNOT_BYPASS,
+	policy.ReasonDecodeBusy:               kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY,
+	policy.ReasonDecodeBusyUnknown:        kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN,
+	policy.ReasonBypass:                   kvrouterv1.DecisionReason_DECISION_REASON_BYPASS,
+	policy.ReasonDecodeAffinityUnresolved: kvrouterv1.DecisionReason_DECISION_REASON_DECODE_AFFINITY_UNRESOLVED,
 }
 
 // busySignal maps a signal to the wire: UNSPECIFIED when it was not evaluated.

@@ -174,6 +174,7 @@ var settings = []setting{
 	optionalFloatSetting("router_queue_threshold", "a worker is overloaded when its prefill tokens exceed this times its max_num_batched_tokens (unset: never)", func(o *Options) **float64 { return &o.Router.QueueThreshold }),
 	stringSetting("router_queue_policy", "order of queued requests: fcfs or wspt", func(o *Options) *string { return &o.Router.QueuePolicy }),
 	intSetting("router_queue_max_depth", "requests the router queue holds; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.Router.QueueMaxDepth }, 1),
+	durationSetting("session_affinity_ttl", "how long a session (RouteRequest.session_id) keeps its decode worker; 0 turns session affinity off", func(o *Options) *time.Duration { return &o.Router.SessionAffinityTTL }),
 	boolSetting("conditional_disagg", "conditional disaggregation: a decode worker that caches most of a prompt prefills it itself (bypass)", func(o *Options) *bool { return &o.ConditionalDisagg }),
 	stringSetting("conditional_disagg_config", `conditional disaggregation settings as a JSON object, e.g. {"policy":"isl_bounding","eff_isl_threshold":2048,"eff_isl_ratio_threshold":0.7,"prefill_busy_threshold":null,"decode_busy_threshold":null}`, func(o *Options) *string { return &o.ConditionalDisaggConfig }),
 	boolSetting("enforce_disagg", "fail requests for models without prefill workers instead of routing them aggregated", func(o *Options) *bool { return &o.Router.EnforceDisagg }),

@@ -106,6 +106,8 @@ const (
 	DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN DecisionReason = 10
 	// DECISION_REASON_BYPASS: the decode worker prefills locally.
 	DecisionReason_DECISION_REASON_BYPASS DecisionReason = 11
+	// DECISION_REASON_DECODE_AFFINITY_UNRESOLVED: the session's decode worker is gone; remote prefill.
+	DecisionReason_DECISION_REASON_DECODE_AFFINITY_UNRESOLVED DecisionReason = 12
 )
 
 // Enum value maps for DecisionReason.
@@ -123,20 +125,22 @@ var (
 		9:  "DECISION_REASON_DECODE_BUSY",
 		10: "DECISION_REASON_DECODE_BUSY_UNKNOWN",
 		11: "DECISION_REASON_BYPASS",
+		12: "DECISION_REASON_DECODE_AFFINITY_UNRESOLVED",
 	}
 	DecisionReason_value = map[string]int32{
-		"DECISION_REASON_UNSPECIFIED":             0,
-		"DECISION_REASON_NO_PREFILL_WORKERS":      1,
-		"DECISION_REASON_CONDITIONAL_DISAGG_OFF":  2,
-		"DECISION_REASON_PREFILL_WORKER_PINNED":   3,
-		"DECISION_REASON_EMPTY_PROMPT":            4,
-		"DECISION_REASON_DECODE_PIN_UNRESOLVED":   5,
-		"DECISION_REASON_DECODE_SELECTION_FAILED": 6,
-		"DECISION_REASON_POLICY_DECLINED":         7,
-		"DECISION_REASON_DECODE_CANNOT_BYPASS":    8,
-		"DECISION_REASON_DECODE_BUSY":             9,
-		"DECISION_REASON_DECODE_BUSY_UNKNOWN":     10,
-		"DECISION_REASON_BYPASS":                  11,
+		"DECISION_REASON_UNSPECIFIED":                0,
+		"DECISION_REASON_NO_PREFILL_WORKERS":         1,
+		"DECISION_REASON_CONDITIONAL_DISAGG_OFF":     2,
+		"DECISION_REASON_PREFILL_WORKER_PINNED":      3,
+		"DECISION_REASON_EMPTY_PROMPT":               4,
+		"DECISION_REASON_DECODE_PIN_UNRESOLVED":      5,
+		"DECISION_REASON_DECODE_SELECTION_FAILED":    6,
+		"DECISION_REASON_POLICY_DECLINED":            7,
+		"DECISION_REASON_DECODE_CANNOT_BYPASS":       8,
+		"DECISION_REASON_DECODE_BUSY":                9,
+		"DECISION_REASON_DECODE_BUSY_UNKNOWN":        10,
+		"DECISION_REASON_BYPASS":                     11,
+		"DECISION_REASON_DECODE_AFFINITY_UNRESOLVED": 12,
 	}
 )
 
@@ -247,7 +251,11 @@ type RouteRequest struct {
 	// config_override changes selection parameters for this request only.
 	ConfigOverride *RouterConfigOverride `protobuf:"bytes,9,opt,name=config_override,json=configOverride,proto3" json:"config_override,omitempty"`
 	// explain asks for the cost of every candidate worker in the diagnostics.
-	Explain       bool `protobuf:"varint,10,opt,name=explain,proto3" json:"explain,omitempty"`
+	Explain bool `protobuf:"varint,10,opt,name=explain,proto3" json:"explain,omitempty"`
+	// session_id names the conversation. With --session-affinity-ttl set, the decode worker that served
+	// a session's last turn serves its next turns too (unless the request pins another), so they find
+	// their cache there.
+	SessionId     string `protobuf:"bytes,11,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -350,6 +358,13 @@ func (x *RouteRequest) GetExplain() bool {
 		return x.Explain
 	}
 	return false
+}
+
+func (x *RouteRequest) GetSessionId() string {
+	if x != nil {
+		return x.SessionId
+	}
+	return ""
 }
 
 // RoutingHints pin or restrict worker choice.
@@ -1330,7 +1345,7 @@ var File_kvrouter_v1_router_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xfe\x02\n" +
+	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x9d\x03\n" +
 	"\fRouteRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1344,7 +1359,9 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x05hints\x18\b \x01(\v2\x19.kvrouter.v1.RoutingHintsR\x05hints\x12J\n" +
 	"\x0fconfig_override\x18\t \x01(\v2!.kvrouter.v1.RouterConfigOverrideR\x0econfigOverride\x12\x18\n" +
 	"\aexplain\x18\n" +
-	" \x01(\bR\aexplain\"\xc6\x02\n" +
+	" \x01(\bR\aexplain\x12\x1d\n" +
+	"\n" +
+	"session_id\x18\v \x01(\tR\tsessionId\"\xc6\x02\n" +
 	"\fRoutingHints\x12/\n" +
 	"\x11prefill_worker_id\x18\x01 \x01(\x04H\x00R\x0fprefillWorkerId\x88\x01\x01\x12+\n" +
 	"\x0fprefill_dp_rank\x18\x02 \x01(\rH\x01R\rprefillDpRank\x88\x01\x01\x12-\n" +
@@ -1444,7 +1461,7 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x16ROUTE_MODE_UNSPECIFIED\x10\x00\x12\x1c\n" +
 	"\x18ROUTE_MODE_DISAGGREGATED\x10\x01\x12\x15\n" +
 	"\x11ROUTE_MODE_BYPASS\x10\x02\x12\x19\n" +
-	"\x15ROUTE_MODE_AGGREGATED\x10\x03*\xdf\x03\n" +
+	"\x15ROUTE_MODE_AGGREGATED\x10\x03*\x8f\x04\n" +
 	"\x0eDecisionReason\x12\x1f\n" +
 	"\x1bDECISION_REASON_UNSPECIFIED\x10\x00\x12&\n" +
 	"\"DECISION_REASON_NO_PREFILL_WORKERS\x10\x01\x12*\n" +
@@ -1458,7 +1475,8 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\x1bDECISION_REASON_DECODE_BUSY\x10\t\x12'\n" +
 	"#DECISION_REASON_DECODE_BUSY_UNKNOWN\x10\n" +
 	"\x12\x1a\n" +
-	"\x16DECISION_REASON_BYPASS\x10\v*r\n" +
+	"\x16DECISION_REASON_BYPASS\x10\v\x12.\n" +
+	"*DECISION_REASON_DECODE_AFFINITY_UNRESOLVED\x10\f*r\n" +
 	"\n" +
 	"BusySignal\x12\x1b\n" +
 	"\x17BUSY_SIGNAL_UNSPECIFIED\x10\x00\x12\x17\n" +
