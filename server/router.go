@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math"
 	"strings"
 	"time"
@@ -21,6 +22,7 @@ type routerService struct {
 	router          *policy.Router
 	log             kvstate.Log
 	metrics         *metrics
+	logger          *slog.Logger
 	maxPromptTokens int
 }
 
@@ -35,6 +37,15 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 		return nil, toStatus(err)
 	}
 	s.metrics.observeRoute(req.GetModel(), dec, time.Since(start))
+	if cd := dec.CD; cd != nil && s.logger.Enabled(ctx, slog.LevelDebug) {
+		// The fields of Dynamo's "Conditional disagg decision" line (§5.6).
+		s.logger.DebugContext(ctx, "conditional disagg decision", "request_id", req.GetRequestId(),
+			"worker_id", cd.Decode.Info.Key.ID, "dp_rank", cd.Decode.Info.Key.Rank, "prompt_tokens", dec.PromptTokens,
+			"net_new_tokens", cd.EffectiveISL, "cached_tokens", cd.CachedTokens, "ratio", cd.Ratio,
+			"prefill_chosen_worker_busy", cd.PrefillBusy.String(), "decode_chosen_worker_busy", cd.DecodeBusy.String(),
+			"potential_decode_blocks", cd.PotentialBlocks, "decode_gate_decision", string(cd.Gate),
+			"bypass", dec.Mode == policy.ModeBypass, "reason", dec.Reason.String())
+	}
 	return routeResponse(dec), nil
 }
 

@@ -104,7 +104,7 @@ func New(o Options) *Server {
 		logger:   o.Logger,
 	}
 	m := newMetrics(o.Registry, o.State, o.Log, o.Router)
-	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, maxPromptTokens: o.MaxPromptTokens})
+	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
 		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, config: o.Config})
