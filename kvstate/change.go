@@ -14,11 +14,11 @@ type WorkerUp struct {
 }
 
 // WorkerRemoved removes a worker rank with its blocks and its share of bookings. With a non-zero
-// IfDisconnectedSince it applies only if the worker has been disconnected since exactly that time, so
-// a removal that races a reconnect is harmless.
+// Epoch it applies only if the worker's registration epoch is still that one: every hello bumps the
+// epoch, so a removal that races a reconnect is skipped, identically on every replica.
 type WorkerRemoved struct {
-	Key                 WorkerKey
-	IfDisconnectedSince int64
+	Key   WorkerKey
+	Epoch uint64
 }
 
 // KVEvents applies a worker rank's KV events in order (§4.3, §4.4).

@@ -32,11 +32,11 @@ func (h *Housekeeper) logger() *slog.Logger {
 // Sweep performs one round: it removes expired workers and bookings as of now.
 func (h *Housekeeper) Sweep(ctx context.Context) {
 	now := h.Now()
-	for key, since := range h.State.DisconnectedWorkers() {
-		if now.Sub(time.Unix(0, since)) < h.Grace {
+	for key, d := range h.State.DisconnectedWorkers() {
+		if now.Sub(time.Unix(0, d.Since)) < h.Grace {
 			continue
 		}
-		res, err := h.Log.Append(ctx, WorkerRemoved{Key: key, IfDisconnectedSince: since})
+		res, err := h.Log.Append(ctx, WorkerRemoved{Key: key, Epoch: d.Epoch})
 		if err != nil {
 			h.logger().Warn("removing disconnected worker failed", "worker", key, "err", err)
 			continue

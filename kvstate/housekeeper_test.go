@@ -14,8 +14,9 @@ type fakeClock struct{ now time.Time }
 
 func (c *fakeClock) Now() time.Time { return c.now }
 
-// reconnectingLog forwards to a MemLog, but first reconnects the worker a WorkerRemoved names: it
-// replays a reconnect that lands between the housekeeper's look at the state and its removal.
+// reconnectingLog forwards to a MemLog, but first reconnects the worker a WorkerRemoved names (a new
+// stream and its hello): it replays a reconnect that lands between the housekeeper's look at the
+// state and its removal.
 type reconnectingLog struct {
 	*MemLog
 	state *State
@@ -24,6 +25,11 @@ type reconnectingLog struct {
 func (l reconnectingLog) Append(ctx context.Context, c Change) (Result, error) {
 	if r, ok := c.(WorkerRemoved); ok {
 		l.state.Connected(r.Key)
+		if w := l.state.Worker(r.Key); w != nil {
+			if _, err := l.MemLog.Append(ctx, WorkerUp{Info: w.Info}); err != nil {
+				return Result{}, err
+			}
+		}
 	}
 	return l.MemLog.Append(ctx, c)
 }
@@ -113,14 +119,15 @@ func TestHousekeeperSweep(t *testing.T) {
 			wantBookings: []string{},
 		},
 		{
-			// The removal is appended, but it is conditional on the disconnect it saw, so it is skipped.
+			// The removal is appended, but for the epoch it saw; the reconnect's hello bumped the
+			// epoch, so it is skipped.
 			name:         "a reconnect racing the removal keeps the worker",
 			steps:        []step{disconnect(w0r0, at(0))},
 			reconnect:    true,
 			sweepAt:      time.Hour,
 			wantWorkers:  []WorkerKey{w0r0, w1},
 			wantBookings: []string{},
-			wantAppended: 1,
+			wantAppended: 2,
 		},
 		{
 			name: "bookings older than BookingExpiry are expired, newer ones kept",

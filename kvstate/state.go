@@ -33,6 +33,7 @@ type Worker struct {
 // workerTrack is a worker's mutable bookkeeping, shared by every Worker value of the same rank.
 type workerTrack struct {
 	mu             sync.Mutex
+	epoch          uint64 // registration epoch: bumped by every WorkerUp
 	lastEventID    uint64
 	hasLastEvent   bool
 	awaitingResync bool
@@ -45,6 +46,7 @@ type workerTrack struct {
 
 // WorkerStatus is a point-in-time view of a worker's bookkeeping, for operators.
 type WorkerStatus struct {
+	Epoch           uint64
 	LastEventID     uint64
 	HasLastEvent    bool
 	AwaitingResync  bool
@@ -60,7 +62,7 @@ func (w *Worker) Status() WorkerStatus {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	return WorkerStatus{
-		LastEventID: t.lastEventID, HasLastEvent: t.hasLastEvent, AwaitingResync: t.awaitingResync,
+		Epoch: t.epoch, LastEventID: t.lastEventID, HasLastEvent: t.hasLastEvent, AwaitingResync: t.awaitingResync,
 		KVUsedBlocks: t.kvUsedBlocks, WaitingRequests: t.waiting,
 		Connected: t.streams > 0, DisconnectedAt: t.disconnectedAt,
 	}
@@ -217,15 +219,21 @@ func (s *State) Disconnected(key WorkerKey, now int64) int64 {
 	return 0
 }
 
-// DisconnectedWorkers returns every worker with no open stream and the time it has been disconnected since.
-func (s *State) DisconnectedWorkers() map[WorkerKey]int64 {
+// Disconnection is when a worker's last stream on this replica closed, and its registration epoch.
+type Disconnection struct {
+	Since int64
+	Epoch uint64
+}
+
+// DisconnectedWorkers returns every worker with no open stream on this replica.
+func (s *State) DisconnectedWorkers() map[WorkerKey]Disconnection {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	out := make(map[WorkerKey]int64)
+	out := make(map[WorkerKey]Disconnection)
 	for k, w := range s.workers {
 		w.track.mu.Lock()
 		if w.track.streams == 0 && w.track.disconnectedAt != 0 {
-			out[k] = w.track.disconnectedAt
+			out[k] = Disconnection{Since: w.track.disconnectedAt, Epoch: w.track.epoch}
 		}
 		w.track.mu.Unlock()
 	}
@@ -315,7 +323,7 @@ func (s *State) workerUp(c WorkerUp) error {
 		}
 	}
 	// Validated; from here on the change applies whole.
-	var local *workerTrack // replica-local connection bookkeeping survives a reset
+	var local *workerTrack // replica-local connection bookkeeping and the epoch survive a reset
 	if old != nil && c.Reset {
 		local = old.track
 		s.removeLocked(old)
@@ -333,10 +341,13 @@ func (s *State) workerUp(c WorkerUp) error {
 		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
 		if local != nil {
 			local.mu.Lock()
-			w.track.streams, w.track.disconnectedAt = local.streams, local.disconnectedAt
+			w.track.streams, w.track.disconnectedAt, w.track.epoch = local.streams, local.disconnectedAt, local.epoch
 			local.mu.Unlock()
 		}
 	}
+	w.track.mu.Lock()
+	w.track.epoch++
+	w.track.mu.Unlock()
 	s.workers[info.Key] = w
 	s.slots[w.Slot] = w
 	setMember(m, w)
@@ -374,11 +385,11 @@ func (s *State) workerRemoved(c WorkerRemoved) Result {
 	if w == nil {
 		return Result{Skipped: true}
 	}
-	if c.IfDisconnectedSince != 0 {
+	if c.Epoch != 0 {
 		w.track.mu.Lock()
-		still := w.track.streams == 0 && w.track.disconnectedAt == c.IfDisconnectedSince
+		current := w.track.epoch == c.Epoch
 		w.track.mu.Unlock()
-		if !still {
+		if !current {
 			return Result{Skipped: true}
 		}
 	}

@@ -307,7 +307,9 @@ func TestKVEventsOrdering(t *testing.T) {
 			if diff := cmp.Diff(tc.want, got); diff != "" {
 				t.Errorf("State.Apply(%#v) = %+v, want %+v (-want +got):\n%s", tc.change, got, tc.want, diff)
 			}
-			if diff := cmp.Diff(tc.wantStatus, s.Worker(w0r0).Status()); diff != "" {
+			st := s.Worker(w0r0).Status()
+			st.Epoch = 0 // epochs: TestWorkerEpochs
+			if diff := cmp.Diff(tc.wantStatus, st); diff != "" {
 				t.Errorf("Worker(%v).Status() (-want +got):\n%s", w0r0, diff)
 			}
 			if got := workerOverlap(t, s, w0r0, la, lb, lc, ld); got != tc.wantOverlap {
@@ -319,7 +321,7 @@ func TestKVEventsOrdering(t *testing.T) {
 			if got, want := workerOverlap(t, s, w0r1, la, lb, lc, ld), (TierCounts{3}); got != want {
 				t.Errorf("overlap of the other rank %v with [a,b,c,d] = %v, want %v", w0r1, got, want)
 			}
-			if got, want := s.Worker(w0r1).Status(), (WorkerStatus{HasLastEvent: true}); got != want {
+			if got, want := s.Worker(w0r1).Status(), (WorkerStatus{Epoch: 1, HasLastEvent: true}); got != want {
 				t.Errorf("Worker(%v).Status() = %+v, want %+v", w0r1, got, want)
 			}
 		})
@@ -391,7 +393,7 @@ func viewState(t *testing.T, s *State) stateView {
 				t.Errorf("State.Worker(%v) = %p, want the model's member %p", w.Info.Key, got, w)
 			}
 			mv.Workers = append(mv.Workers, workerView{
-				Info: w.Info, Slot: w.Slot, Status: w.Status(),
+				Info: w.Info, Slot: w.Slot, Status: withoutEpoch(w.Status()),
 				Blocks: m.Index.BlockCounts(w.Slot), Overlap: o.Blocks(w.Slot), Load: s.Load().Slot(w.Slot),
 			})
 		}
@@ -580,29 +582,18 @@ func TestRegistry(t *testing.T) {
 			}}}},
 		},
 		{
-			name:   "WorkerRemoved if disconnected since T applies when it still is",
+			name:   "WorkerRemoved for the current epoch applies",
 			setup:  append([]step{up(w0r0), up(w1), connect(w0r0), disconnect(w0r0, 100)}, held...),
-			change: WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			change: WorkerRemoved{Key: w0r0, Epoch: 1},
 			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
 				{Info: info(w1), Slot: 1},
 			}}}},
 		},
 		{
-			name:       "WorkerRemoved if disconnected since another time is skipped",
-			setup:      append([]step{up(w0r0), connect(w0r0), disconnect(w0r0, 100)}, held...),
-			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 99},
-			wantResult: Result{Skipped: true},
-			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
-				{
-					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, DisconnectedAt: 100},
-					Blocks: TierCounts{3}, Overlap: TierCounts{3},
-				},
-			}}}},
-		},
-		{
-			name:       "WorkerRemoved if disconnected is skipped after a reconnect",
-			setup:      append([]step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), connect(w0r0)}, held...),
-			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			// A reconnect says hello again, which bumps the epoch: the removal is stale.
+			name:       "WorkerRemoved for an earlier epoch is skipped",
+			setup:      append([]step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), connect(w0r0), up(w0r0)}, held...),
+			change:     WorkerRemoved{Key: w0r0, Epoch: 1},
 			wantResult: Result{Skipped: true},
 			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
 				{
@@ -612,27 +603,14 @@ func TestRegistry(t *testing.T) {
 			}}}},
 		},
 		{
-			name: "WorkerRemoved if disconnected since T is skipped after a later disconnect",
-			setup: append([]step{
-				up(w0r0), connect(w0r0), disconnect(w0r0, 100), connect(w0r0), disconnect(w0r0, 200),
-			}, held...),
-			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
-			wantResult: Result{Skipped: true},
-			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
-				{
-					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, DisconnectedAt: 200},
-					Blocks: TierCounts{3}, Overlap: TierCounts{3},
-				},
-			}}}},
-		},
-		{
-			// One of two streams closed: the worker is still connected.
-			name:       "WorkerRemoved if disconnected is skipped while another stream is open",
-			setup:      []step{up(w0r0), connect(w0r0), connect(w0r0), disconnect(w0r0, 100)},
-			change:     WorkerRemoved{Key: w0r0, IfDisconnectedSince: 100},
+			// A fresh start is a new registration, yet keeps counting epochs: a removal aimed at the
+			// old process does not remove the new one.
+			name:       "WorkerRemoved for the epoch before a fresh start is skipped",
+			setup:      []step{up(w0r0), apply(WorkerUp{Info: info(w0r0), Reset: true})},
+			change:     WorkerRemoved{Key: w0r0, Epoch: 1},
 			wantResult: Result{Skipped: true},
 			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, Workers: []workerView{
-				{Info: info(w0r0), Slot: 0, Status: WorkerStatus{Connected: true}},
+				{Info: info(w0r0), Slot: 0},
 			}}}},
 		},
 		{
@@ -710,7 +688,7 @@ func TestRegistry(t *testing.T) {
 func TestConnectionTracking(t *testing.T) {
 	type probe struct {
 		Connected    bool
-		Disconnected map[WorkerKey]int64
+		Disconnected map[WorkerKey]Disconnection
 	}
 	tests := []struct {
 		name  string
@@ -720,34 +698,34 @@ func TestConnectionTracking(t *testing.T) {
 		{
 			name:  "registered, never connected: neither connected nor disconnected",
 			steps: []step{up(w0r0)},
-			want:  probe{Disconnected: map[WorkerKey]int64{}},
+			want:  probe{Disconnected: map[WorkerKey]Disconnection{}},
 		},
 		{
 			name:  "connected",
 			steps: []step{up(w0r0), connect(w0r0)},
-			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]Disconnection{}},
 		},
 		{
 			name:  "last stream closed",
 			steps: []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100)},
-			want:  probe{Disconnected: map[WorkerKey]int64{w0r0: 100}},
+			want:  probe{Disconnected: map[WorkerKey]Disconnection{w0r0: {Since: 100, Epoch: 1}}},
 		},
 		{
 			name:  "one of two streams closed",
 			steps: []step{up(w0r0), connect(w0r0), connect(w0r0), disconnect(w0r0, 100)},
-			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]Disconnection{}},
 		},
 		{
 			name:  "re-hello keeps the open stream",
 			steps: []step{up(w0r0), connect(w0r0), up(w0r0)},
-			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]Disconnection{}},
 		},
 		{
 			// A restarted engine says hello with Reset. The stream it says hello on is open; the
 			// replica-local stream count must survive the reset of the replicated state.
 			name:  "Reset hello keeps the open stream",
 			steps: []step{up(w0r0), connect(w0r0), apply(WorkerUp{Info: info(w0r0), Reset: true})},
-			want:  probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+			want:  probe{Connected: true, Disconnected: map[WorkerKey]Disconnection{}},
 		},
 		{
 			// The new process connects (Reset hello on a new stream) before the router notices that
@@ -759,7 +737,7 @@ func TestConnectionTracking(t *testing.T) {
 				apply(WorkerUp{Info: info(w0r0), Reset: true}), connect(w0r0),
 				disconnect(w0r0, 100),
 			},
-			want: probe{Connected: true, Disconnected: map[WorkerKey]int64{}},
+			want: probe{Connected: true, Disconnected: map[WorkerKey]Disconnection{}},
 		},
 	}
 	for _, tc := range tests {
@@ -1056,5 +1034,33 @@ func TestSessionBindings(t *testing.T) {
 	}
 	if _, ok := s.Session("s3", 0); ok {
 		t.Error("a rejected booking bound its session")
+	}
+}
+
+// withoutEpoch zeroes the registration epoch, which TestWorkerEpochs covers, so the state tables
+// need not spell it out.
+func withoutEpoch(st WorkerStatus) WorkerStatus {
+	st.Epoch = 0
+	return st
+}
+
+// TestWorkerEpochs: every hello bumps a worker's registration epoch, a fresh start included; a new
+// registration starts at 1; a removal names the epoch it was decided for.
+func TestWorkerEpochs(t *testing.T) {
+	s := NewState()
+	epoch := func(k WorkerKey) uint64 { return s.Worker(k).Status().Epoch }
+	run(t, s, []step{up(w0r0)})
+	if got := epoch(w0r0); got != 1 {
+		t.Errorf("epoch after the first hello = %d, want 1", got)
+	}
+	run(t, s, []step{up(w0r0), apply(WorkerUp{Info: info(w0r0), Reset: true}), up(w1)})
+	if got := []uint64{epoch(w0r0), epoch(w1)}; !cmp.Equal(got, []uint64{3, 1}) {
+		t.Errorf("epochs after re-hello, fresh start and a new worker = %v, want [3 1]", got)
+	}
+	if res, _ := s.Apply(WorkerRemoved{Key: w0r0, Epoch: 2}); !res.Skipped {
+		t.Error("WorkerRemoved for epoch 2 applied to a worker at epoch 3")
+	}
+	if res, _ := s.Apply(WorkerRemoved{Key: w0r0, Epoch: 3}); res.Skipped || s.Worker(w0r0) != nil {
+		t.Error("WorkerRemoved for the current epoch did not remove the worker")
 	}
 }
