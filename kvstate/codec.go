@@ -1,0 +1,363 @@
+package kvstate
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"math"
+)
+
+// EntryVersion is the version of the log entry encoding. A replica refuses entries of a newer
+// version, and must keep reading older ones: the log and the public API evolve separately.
+const EntryVersion = 1
+
+// ErrCorruptEntry: a log entry could not be decoded.
+var ErrCorruptEntry = errors.New("corrupt log entry")
+
+// Change kinds on the wire. Values are part of the log format: never renumber them.
+const (
+	kindWorkerUp        = 1
+	kindWorkerRemoved   = 2
+	kindKVEvents        = 3
+	kindKVDump          = 4
+	kindLoadReported    = 5
+	kindBooked          = 6
+	kindPrefillDone     = 7
+	kindFreed           = 8
+	kindBookingsExpired = 9
+	kindSessionsExpired = 10
+)
+
+// EncodeEntry appends the encoding of a log entry holding changes to dst: a version byte, the number
+// of changes, then each change as a kind byte and its fields. Integers are varints, hashes fixed
+// 8-byte little-endian (they are uniformly random, so varints would only grow them).
+func EncodeEntry(dst []byte, changes ...Change) []byte {
+	dst = append(dst, EntryVersion)
+	dst = binary.AppendUvarint(dst, uint64(len(changes)))
+	for _, c := range changes {
+		dst = encodeChange(dst, c)
+	}
+	return dst
+}
+
+func encodeChange(b []byte, c Change) []byte {
+	switch c := c.(type) {
+	case WorkerUp:
+		b = append(b, kindWorkerUp)
+		b = putInfo(b, c.Info)
+		b = putBool(b, c.Reset)
+	case WorkerRemoved:
+		b = append(b, kindWorkerRemoved)
+		b = putKey(b, c.Key)
+		b = binary.AppendUvarint(b, c.Epoch)
+	case KVEvents:
+		b = append(b, kindKVEvents)
+		b = putKey(b, c.Worker)
+		b = putEvents(b, c.Events)
+	case KVDump:
+		b = append(b, kindKVDump)
+		b = putKey(b, c.Worker)
+		b = binary.AppendUvarint(b, c.ThroughEventID)
+		b = putEvents(b, c.Events)
+	case LoadReported:
+		b = append(b, kindLoadReported)
+		b = putKey(b, c.Worker)
+		b = binary.AppendUvarint(b, c.KVUsedBlocks)
+		b = binary.AppendUvarint(b, c.WaitingRequests)
+	case Booked:
+		bk := c.Booking
+		b = append(b, kindBooked)
+		b = putString(b, bk.RequestID)
+		b = binary.AppendVarint(b, bk.At)
+		b = binary.AppendUvarint(b, uint64(len(bk.Hops)))
+		for _, h := range bk.Hops {
+			b = putKey(b, h.Worker)
+			b = putHashes(b, h.Blocks)
+			b = binary.AppendUvarint(b, h.PrefillTokens)
+		}
+		b = putString(b, bk.Session)
+		b = binary.AppendVarint(b, bk.SessionExpires)
+	case PrefillDone:
+		b = append(b, kindPrefillDone)
+		b = putString(b, c.RequestID)
+	case Freed:
+		b = append(b, kindFreed)
+		b = putString(b, c.RequestID)
+	case BookingsExpired:
+		b = append(b, kindBookingsExpired)
+		b = binary.AppendVarint(b, c.Before)
+	case SessionsExpired:
+		b = append(b, kindSessionsExpired)
+		b = binary.AppendVarint(b, c.Before)
+	default:
+		panic(fmt.Sprintf("kvstate: EncodeEntry: unknown change %T", c))
+	}
+	return b
+}
+
+func putBool(b []byte, v bool) []byte {
+	if v {
+		return append(b, 1)
+	}
+	return append(b, 0)
+}
+
+func putString(b []byte, s string) []byte {
+	b = binary.AppendUvarint(b, uint64(len(s)))
+	return append(b, s...)
+}
+
+func putKey(b []byte, k WorkerKey) []byte {
+	b = binary.AppendUvarint(b, k.ID)
+	return binary.AppendUvarint(b, uint64(k.Rank))
+}
+
+func putHashes(b []byte, hs []uint64) []byte {
+	b = binary.AppendUvarint(b, uint64(len(hs)))
+	for _, h := range hs {
+		b = binary.LittleEndian.AppendUint64(b, h)
+	}
+	return b
+}
+
+func putInfo(b []byte, w WorkerInfo) []byte {
+	b = putKey(b, w.Key)
+	b = putString(b, w.Model)
+	b = append(b, byte(w.Role))
+	b = binary.AppendUvarint(b, uint64(w.BlockSize))
+	b = binary.AppendUvarint(b, w.TotalKVBlocks)
+	b = binary.AppendUvarint(b, w.MaxNumBatchedTokens)
+	b = putString(b, w.Endpoint)
+	b = putBool(b, w.SupportsBypass)
+	return putBool(b, w.KVEventsEnabled)
+}
+
+func putEvents(b []byte, evs []Event) []byte {
+	b = binary.AppendUvarint(b, uint64(len(evs)))
+	for _, e := range evs {
+		b = binary.AppendUvarint(b, e.ID)
+		b = append(b, byte(e.Tier), byte(e.Kind))
+		switch e.Kind {
+		case EventStored:
+			b = putBool(b, e.HasParent)
+			if e.HasParent {
+				b = binary.LittleEndian.AppendUint64(b, e.Parent)
+			}
+			b = binary.AppendUvarint(b, uint64(len(e.Blocks)))
+			for _, blk := range e.Blocks {
+				b = binary.LittleEndian.AppendUint64(b, blk.Hash)
+				b = binary.LittleEndian.AppendUint64(b, blk.Local)
+			}
+		case EventRemoved:
+			b = putHashes(b, e.Removed)
+		}
+	}
+	return b
+}
+
+// DecodeEntry decodes a log entry. It never panics: corrupt or truncated input is an error
+// wrapping ErrCorruptEntry, and no count is trusted beyond the bytes that remain.
+func DecodeEntry(data []byte) ([]Change, error) {
+	r := &reader{b: data}
+	if v := r.byte(); r.err == nil && v != EntryVersion {
+		return nil, fmt.Errorf("%w: version %d, this replica reads version %d", ErrCorruptEntry, v, EntryVersion)
+	}
+	n := r.count(2)
+	changes := make([]Change, 0, n)
+	for i := 0; i < n && r.err == nil; i++ {
+		changes = append(changes, r.change())
+	}
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d trailing bytes", len(r.b))
+	}
+	if r.err != nil {
+		return nil, r.err
+	}
+	return changes, nil
+}
+
+// reader decodes with sticky errors: after the first failure every read returns zero values.
+type reader struct {
+	b   []byte
+	err error
+}
+
+func (r *reader) fail(format string, args ...any) {
+	if r.err == nil {
+		r.err = fmt.Errorf("%w: "+format, append([]any{ErrCorruptEntry}, args...)...)
+	}
+	r.b = nil
+}
+
+func (r *reader) byte() byte {
+	if len(r.b) < 1 {
+		r.fail("truncated")
+		return 0
+	}
+	v := r.b[0]
+	r.b = r.b[1:]
+	return v
+}
+
+func (r *reader) uvarint() uint64 {
+	v, n := binary.Uvarint(r.b)
+	if n <= 0 {
+		r.fail("bad varint")
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) varint() int64 {
+	v, n := binary.Varint(r.b)
+	if n <= 0 {
+		r.fail("bad varint")
+		return 0
+	}
+	r.b = r.b[n:]
+	return v
+}
+
+func (r *reader) u64() uint64 {
+	if len(r.b) < 8 {
+		r.fail("truncated")
+		return 0
+	}
+	v := binary.LittleEndian.Uint64(r.b)
+	r.b = r.b[8:]
+	return v
+}
+
+func (r *reader) u32() uint32 {
+	v := r.uvarint()
+	if v > math.MaxUint32 {
+		r.fail("value %d out of range", v)
+		return 0
+	}
+	return uint32(v)
+}
+
+// count reads an element count and checks that at least minSize bytes per element remain.
+func (r *reader) count(minSize int) int {
+	n := r.uvarint()
+	if r.err == nil && n > uint64(len(r.b)/minSize) {
+		r.fail("count %d exceeds the %d bytes left", n, len(r.b))
+		return 0
+	}
+	return int(n)
+}
+
+func (r *reader) bool() bool {
+	switch r.byte() {
+	case 0:
+		return false
+	case 1:
+		return true
+	}
+	r.fail("bad bool")
+	return false
+}
+
+func (r *reader) string() string {
+	n := r.count(1)
+	if r.err != nil {
+		return ""
+	}
+	s := string(r.b[:n])
+	r.b = r.b[n:]
+	return s
+}
+
+func (r *reader) key() WorkerKey { return WorkerKey{ID: r.uvarint(), Rank: r.u32()} }
+
+func (r *reader) hashes() []uint64 {
+	n := r.count(8)
+	if n == 0 {
+		return nil
+	}
+	hs := make([]uint64, n)
+	for i := range hs {
+		hs[i] = r.u64()
+	}
+	return hs
+}
+
+func (r *reader) info() WorkerInfo {
+	w := WorkerInfo{Key: r.key(), Model: r.string(), Role: Role(r.byte())}
+	w.BlockSize = r.u32()
+	w.TotalKVBlocks = r.uvarint()
+	w.MaxNumBatchedTokens = r.uvarint()
+	w.Endpoint = r.string()
+	w.SupportsBypass = r.bool()
+	w.KVEventsEnabled = r.bool()
+	return w
+}
+
+func (r *reader) events() []Event {
+	n := r.count(3)
+	if n == 0 {
+		return nil
+	}
+	evs := make([]Event, n)
+	for i := range evs {
+		e := &evs[i]
+		e.ID = r.uvarint()
+		e.Tier, e.Kind = Tier(r.byte()), EventKind(r.byte())
+		switch e.Kind {
+		case EventStored:
+			if e.HasParent = r.bool(); e.HasParent {
+				e.Parent = r.u64()
+			}
+			nb := r.count(16)
+			if nb > 0 {
+				e.Blocks = make([]Block, nb)
+				for j := range e.Blocks {
+					e.Blocks[j] = Block{Hash: r.u64(), Local: r.u64()}
+				}
+			}
+		case EventRemoved:
+			e.Removed = r.hashes()
+		case EventCleared:
+		default:
+			r.fail("unknown event kind %d", e.Kind)
+		}
+	}
+	return evs
+}
+
+func (r *reader) change() Change {
+	switch kind := r.byte(); kind {
+	case kindWorkerUp:
+		return WorkerUp{Info: r.info(), Reset: r.bool()}
+	case kindWorkerRemoved:
+		return WorkerRemoved{Key: r.key(), Epoch: r.uvarint()}
+	case kindKVEvents:
+		return KVEvents{Worker: r.key(), Events: r.events()}
+	case kindKVDump:
+		return KVDump{Worker: r.key(), ThroughEventID: r.uvarint(), Events: r.events()}
+	case kindLoadReported:
+		return LoadReported{Worker: r.key(), KVUsedBlocks: r.uvarint(), WaitingRequests: r.uvarint()}
+	case kindBooked:
+		b := Booking{RequestID: r.string(), At: r.varint()}
+		if n := r.count(3); n > 0 {
+			b.Hops = make([]HopBooking, n)
+			for i := range b.Hops {
+				b.Hops[i] = HopBooking{Worker: r.key(), Blocks: r.hashes(), PrefillTokens: r.uvarint()}
+			}
+		}
+		b.Session, b.SessionExpires = r.string(), r.varint()
+		return Booked{Booking: b}
+	case kindPrefillDone:
+		return PrefillDone{RequestID: r.string()}
+	case kindFreed:
+		return Freed{RequestID: r.string()}
+	case kindBookingsExpired:
+		return BookingsExpired{Before: r.varint()}
+	case kindSessionsExpired:
+		return SessionsExpired{Before: r.varint()}
+	default:
+		r.fail("unknown change kind %d", kind)
+		return nil
+	}
+}
