@@ -66,7 +66,7 @@ type CDDiagnostics struct {
 	PrefillEvaluated bool // the policy needed the prefill-busy signal
 	GateEvaluated    bool // the decode gate computed its signal
 	PolicySaysBypass bool
-	Gate             GateDecision
+	Gate             GateDecision // empty when the gate was not consulted
 	PotentialBlocks  uint64
 	EffISLThreshold  uint64
 	RatioThreshold   float64
@@ -124,6 +124,12 @@ func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefill
 	}
 	d.EffectiveISL, d.Ratio = in.EffectiveISL()
 	d.PolicySaysBypass = cd.SaysBypass(in)
+	if d.PolicySaysBypass && !choice.Worker.Info.SupportsBypass {
+		// A worker that never said it honours the annotation would wait for a KV transfer that never
+		// comes. The gate is not consulted (its label stays empty, and uncounted).
+		dec.Reason = ReasonDecodeCannotBypass
+		return nil
+	}
 	gateOn := cd.DecodeBusyThreshold != nil
 	if d.PolicySaysBypass && gateOn {
 		d.DecodeBusy = DecodeBusy(choice.PotentialDecodeBlocks, choice.Worker.Info.TotalKVBlocks, *cd.DecodeBusyThreshold)
@@ -138,11 +144,6 @@ func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefill
 		dec.Reason = ReasonDecodeBusy
 	case d.Gate == GateDeniedBusyUnknown:
 		dec.Reason = ReasonDecodeBusyUnknown
-	case !choice.Worker.Info.SupportsBypass:
-		// A worker that never said it honours the annotation would wait for a KV transfer that
-		// never comes.
-		dec.Reason = ReasonDecodeCannotBypass
-		bypass = false
 	default:
 		dec.Reason = ReasonBypass
 	}

@@ -438,3 +438,15 @@ func TestSessionFollowsItsDecodeWorker(t *testing.T) {
 		t.Errorf("second turn = %v to %d, want disaggregated to 22", second.Mode, second.Decode)
 	}
 }
+
+// TestCannotBypassSkipsTheGate: a decode worker without bypass support ends the decision before the
+// gate, so no gate label is recorded (and counted) for a bypass that cannot happen.
+func TestCannotBypassSkipsTheGate(t *testing.T) {
+	f, tokens := cdFleet(t)
+	f.register(22, 0, kvstate.RoleDecode, 100, false)
+	f.cache(22, tokens, 15)
+	got, dec := route(t, f, cdOn(), Request{ID: "r", Tokens: tokens})
+	if got.Reason != ReasonDecodeCannotBypass || dec.CD == nil || dec.CD.Gate != "" || !dec.CD.PolicySaysBypass {
+		t.Errorf("Route() reason %v, diagnostics %+v; want decode_cannot_bypass, policy yes, no gate label", got.Reason, dec.CD)
+	}
+}

@@ -159,3 +159,16 @@ func TestBypassOnTheWire(t *testing.T) {
 		t.Errorf("kvrouter_route_decisions_total{reason=bypass} = %v, want 1", got)
 	}
 }
+
+// TestCDOverrideNeedsKVEvents: turning conditional disaggregation on per request while the router
+// runs without KV events is refused, naming the field.
+func TestCDOverrideNeedsKVEvents(t *testing.T) {
+	e := newTestEnv(t, func(o *Options) { o.Router.Config.UseKVEvents = false })
+	p := registerRole(e, 1, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, true)
+	defer p.stream.CloseSend()
+	on := true
+	_, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: promptTokens(2),
+		ConfigOverride: &kvrouterv1.RouterConfigOverride{ConditionalDisagg: &kvrouterv1.ConditionalDisaggOverride{Enabled: &on}}})
+	wantStatus(t, err, codes.InvalidArgument,
+		"config_override.conditional_disagg.enabled: requires use_kv_events: without KV events no decode worker shows cache overlap")
+}

@@ -58,7 +58,9 @@ func (m *metrics) observeRoute(model string, d *policy.Decision, took time.Durat
 	m.routeDecisions.WithLabelValues(d.Mode.String(), d.Reason.String(), model).Inc()
 	m.routeDuration.Observe(took.Seconds())
 	if cd := d.CD; cd != nil {
-		m.gate.WithLabelValues(string(cd.Gate), cd.Policy.String()).Inc()
+		if cd.Gate != "" {
+			m.gate.WithLabelValues(string(cd.Gate), cd.Policy.String()).Inc()
+		}
 		m.effectiveISL.Observe(cd.EffectiveISL)
 	}
 }

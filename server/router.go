@@ -42,7 +42,7 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 		s.logger.DebugContext(ctx, "conditional disagg decision", "request_id", req.GetRequestId(),
 			"worker_id", cd.Decode.Info.Key.ID, "dp_rank", cd.Decode.Info.Key.Rank, "prompt_tokens", dec.PromptTokens,
 			"net_new_tokens", cd.EffectiveISL, "cached_tokens", cd.CachedTokens, "ratio", cd.Ratio,
-			"prefill_chosen_worker_busy", cd.PrefillBusy.String(), "decode_chosen_worker_busy", cd.DecodeBusy.String(),
+			"prefill_chosen_worker_busy", signalLog(cd.PrefillEvaluated, cd.PrefillBusy), "decode_chosen_worker_busy", signalLog(cd.GateEvaluated, cd.DecodeBusy),
 			"potential_decode_blocks", cd.PotentialBlocks, "decode_gate_decision", string(cd.Gate),
 			"bypass", dec.Mode == policy.ModeBypass, "reason", dec.Reason.String())
 	}
@@ -169,7 +169,11 @@ func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (pol
 	if _, err := s.router.Config.EffectiveCD(out); err != nil {
 		var fe *policy.FieldError
 		if errors.As(err, &fe) {
-			return out, invalidArgument(field+strings.TrimPrefix(strings.TrimPrefix(fe.Field, "conditional_disagg_"), "conditional_disagg"), fe.Rule)
+			name := strings.TrimPrefix(fe.Field, "conditional_disagg_")
+			if name == "conditional_disagg" {
+				name = "enabled"
+			}
+			return out, invalidArgument(field+name, fe.Rule)
 		}
 		return out, toStatus(err)
 	}
@@ -189,6 +193,14 @@ var reasonToProto = map[policy.Reason]kvrouterv1.DecisionReason{
 	policy.ReasonDecodeBusyUnknown:        kvrouterv1.DecisionReason_DECISION_REASON_DECODE_BUSY_UNKNOWN,
 	policy.ReasonBypass:                   kvrouterv1.DecisionReason_DECISION_REASON_BYPASS,
 	policy.ReasonDecodeAffinityUnresolved: kvrouterv1.DecisionReason_DECISION_REASON_DECODE_AFFINITY_UNRESOLVED,
+}
+
+// signalLog formats a busy signal for logs, as "not_evaluated" when it was not needed.
+func signalLog(evaluated bool, t policy.Tristate) string {
+	if !evaluated {
+		return "not_evaluated"
+	}
+	return t.String()
 }
 
 // busySignal maps a signal to the wire: UNSPECIFIED when it was not evaluated.

@@ -121,7 +121,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err != nil {
 		return toStatus(err)
 	}
-	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key, "model", info.Model, "role", info.Role)}
+	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
 	if s.conditionalDisagg && info.Role == kvstate.RoleDecode && !info.KVEventsEnabled {
 		ps.logger.Warn("decode worker publishes no KV events: its cache is invisible to the router, so conditional disaggregation will never bypass to it; enable KV events on the engine (vLLM --kv-events-config, TensorRT-LLM --publish-kv-events)")

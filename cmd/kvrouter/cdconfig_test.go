@@ -81,6 +81,10 @@ func TestConditionalDisaggConfig(t *testing.T) {
 			want: policy.CDConfig{Enabled: true, Policy: policy.ISLOrLoad, EffISLThreshold: 512, EffISLRatioThreshold: 0.7, PrefillBusyThreshold: f(2.5)}},
 		{name: "YAML mapping checked like the flag", file: "conditional_disagg: true\nconditional_disagg_config:\n  eff_isl_threshold: 1.5\n",
 			err: "--conditional-disagg-config eff_isl_threshold must be an integer"},
+		{name: "YAML float written as 2048.0 is not an integer", file: "conditional_disagg: true\nconditional_disagg_config:\n  eff_isl_threshold: 2048.0\n",
+			err: "--conditional-disagg-config eff_isl_threshold must be an integer"},
+		{name: "YAML null busy threshold is unset", file: "conditional_disagg: true\nconditional_disagg_config:\n  decode_busy_threshold: null\n  policy: isl_bounding\n",
+			want: policy.CDConfig{Enabled: true, Policy: policy.ISLBounding, EffISLThreshold: 2048, EffISLRatioThreshold: 0.7}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

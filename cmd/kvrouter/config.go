@@ -346,16 +346,14 @@ func (c *loadedConfig) applyFile(path string) error {
 		v := node.Value
 		switch {
 		case s.key == "conditional_disagg_config" && node.Kind == yaml.MappingNode:
-			// The same keys as the flag's JSON, written as a YAML mapping.
-			var m map[string]any
-			if err := node.Decode(&m); err != nil {
-				return fmt.Errorf("config file %s: %s: %w", path, s.key, err)
-			}
-			js, err := json.Marshal(m)
+			// The same keys as the flag's JSON, written as a YAML mapping: each scalar keeps its
+			// written form, so 2048.0 is a float here as in the JSON, and is refused where an
+			// integer is required.
+			js, err := yamlMappingToJSON(&node)
 			if err != nil {
 				return fmt.Errorf("config file %s: %s: %w", path, s.key, err)
 			}
-			v = string(js)
+			v = js
 		case node.Kind != yaml.ScalarNode:
 			return fmt.Errorf("config file %s: %s must be a single value", path, s.key)
 		}
@@ -397,4 +395,35 @@ func (c *loadedConfig) validate(logger *slog.Logger) error {
 		return fmt.Errorf("%s: must be > 0", c.describe("booking_expiry"))
 	}
 	return nil
+}
+
+// yamlMappingToJSON converts a flat YAML mapping of scalars to a JSON object, keeping each number as
+// written.
+func yamlMappingToJSON(node *yaml.Node) (string, error) {
+	obj := make(map[string]json.RawMessage, len(node.Content)/2)
+	for i := 0; i+1 < len(node.Content); i += 2 {
+		k, v := node.Content[i], node.Content[i+1]
+		if v.Kind != yaml.ScalarNode {
+			return "", fmt.Errorf("%s must be a single value", k.Value)
+		}
+		switch v.Tag {
+		case "!!int", "!!float":
+			if _, err := strconv.ParseFloat(v.Value, 64); err != nil {
+				return "", fmt.Errorf("%s: %q is not a number", k.Value, v.Value)
+			}
+			obj[k.Value] = json.RawMessage(v.Value)
+		case "!!bool", "!!null":
+			var x any
+			if err := v.Decode(&x); err != nil {
+				return "", err
+			}
+			b, _ := json.Marshal(x)
+			obj[k.Value] = b
+		default:
+			b, _ := json.Marshal(v.Value)
+			obj[k.Value] = b
+		}
+	}
+	out, err := json.Marshal(obj)
+	return string(out), err
 }

@@ -1073,7 +1073,8 @@ type CandidateCost struct {
 	Worker *WorkerTarget `protobuf:"bytes,1,opt,name=worker,proto3" json:"worker,omitempty"`
 	// role is the candidate's role.
 	Role WorkerRole `protobuf:"varint,2,opt,name=role,proto3,enum=kvrouter.v1.WorkerRole" json:"role,omitempty"`
-	// hop is which hop it was scored for: "prefill", "decode" or "aggregated".
+	// hop is which selection scored it: "prefill", "decode" or "aggregated", or the advisory previews of
+	// conditional disaggregation, "decode_preview" and "prefill_preview".
 	Hop string `protobuf:"bytes,3,opt,name=hop,proto3" json:"hop,omitempty"`
 	// overlap_blocks is the candidate's overlap per tier.
 	OverlapBlocks *TierBlocks `protobuf:"bytes,4,opt,name=overlap_blocks,json=overlapBlocks,proto3" json:"overlap_blocks,omitempty"`
