@@ -47,14 +47,17 @@ type Booked struct {
 	Booking Booking
 }
 
-// PrefillDone ends the prefill phase of a booked request.
+// PrefillDone ends the prefill phase of a booked request. At (unix nanoseconds) is when it was
+// appended; it bounds how long a replica remembers one that arrived before its booking.
 type PrefillDone struct {
 	RequestID string
+	At        int64
 }
 
-// Freed releases a booked request.
+// Freed releases a booked request. At is as for PrefillDone.
 type Freed struct {
 	RequestID string
+	At        int64
 }
 
 // BookingsExpired frees every booking made before Before (unix nanoseconds). Appended by whichever

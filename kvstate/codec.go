@@ -80,9 +80,11 @@ func encodeChange(b []byte, c Change) []byte {
 	case PrefillDone:
 		b = append(b, kindPrefillDone)
 		b = putString(b, c.RequestID)
+		b = binary.AppendVarint(b, c.At)
 	case Freed:
 		b = append(b, kindFreed)
 		b = putString(b, c.RequestID)
+		b = binary.AppendVarint(b, c.At)
 	case BookingsExpired:
 		b = append(b, kindBookingsExpired)
 		b = binary.AppendVarint(b, c.Before)
@@ -349,9 +351,9 @@ func (r *reader) change() Change {
 		b.Session, b.SessionExpires = r.string(), r.varint()
 		return Booked{Booking: b}
 	case kindPrefillDone:
-		return PrefillDone{RequestID: r.string()}
+		return PrefillDone{RequestID: r.string(), At: r.varint()}
 	case kindFreed:
-		return Freed{RequestID: r.string()}
+		return Freed{RequestID: r.string(), At: r.varint()}
 	case kindBookingsExpired:
 		return BookingsExpired{Before: r.varint()}
 	case kindSessionsExpired:

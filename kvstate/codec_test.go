@@ -26,8 +26,8 @@ func everyChange() []Change {
 			{Worker: WorkerKey{ID: 2}, PrefillTokens: 900},
 			{Worker: WorkerKey{ID: 9}, Blocks: []uint64{11, 12, 13}},
 		}}},
-		PrefillDone{RequestID: "req-1"},
-		Freed{RequestID: "req-1"},
+		PrefillDone{RequestID: "req-1", At: 5},
+		Freed{RequestID: "req-1", At: -7},
 		BookingsExpired{Before: 1234},
 		SessionsExpired{Before: -1},
 	}

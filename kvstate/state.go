@@ -98,6 +98,8 @@ type State struct {
 
 	sessMu   sync.RWMutex
 	sessions map[string]sessionBinding
+
+	rep replicated // see ApplyReplicated
 }
 
 // sessionBinding is the decode worker a session's turns go to, until it expires.
@@ -292,7 +294,7 @@ func (s *State) apply(c Change) (Result, error) {
 		w.track.mu.Unlock()
 		return Result{}, nil
 	case Booked:
-		return Result{}, s.book(c.Booking)
+		return Result{}, s.book(c.Booking, false)
 	case PrefillDone:
 		return Result{}, s.load.prefillDone(c.RequestID)
 	case Freed:
@@ -513,17 +515,25 @@ func (s *State) kvDump(c KVDump) (Result, error) {
 }
 
 // book resolves the hops' workers and records the booking. The state lock is held across, so a
-// worker cannot be removed between its resolution and the booking.
-func (s *State) book(b Booking) error {
+// worker cannot be removed between its resolution and the booking. Strictly, a hop naming an unknown
+// worker fails the booking; leniently (replicated apply) the hop is skipped, as the worker's removal
+// would have dropped it had the booking come first.
+func (s *State) book(b Booking, lenient bool) error {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	hops := make([]bookedHop, len(b.Hops))
-	for i, h := range b.Hops {
+	hops := make([]bookedHop, 0, len(b.Hops))
+	for _, h := range b.Hops {
 		w := s.workers[h.Worker]
 		if w == nil {
+			if lenient {
+				continue
+			}
 			return fmt.Errorf("%w: %v", ErrUnknownWorker, h.Worker)
 		}
-		hops[i] = bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens}
+		hops = append(hops, bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens})
+	}
+	if len(hops) == 0 && lenient {
+		return nil
 	}
 	if err := s.load.book(b.RequestID, b.At, hops); err != nil {
 		return err

@@ -53,7 +53,7 @@ func (s *routerService) MarkPrefillComplete(ctx context.Context, req *kvrouterv1
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if _, err := s.log.Append(ctx, kvstate.PrefillDone{RequestID: req.GetRequestId()}); err != nil {
+	if _, err := s.log.Append(ctx, kvstate.PrefillDone{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
 		return nil, toStatus(err)
 	}
 	return &kvrouterv1.MarkPrefillCompleteResponse{}, nil
@@ -63,7 +63,7 @@ func (s *routerService) Free(ctx context.Context, req *kvrouterv1.FreeRequest) (
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if _, err := s.log.Append(ctx, kvstate.Freed{RequestID: req.GetRequestId()}); err != nil {
+	if _, err := s.log.Append(ctx, kvstate.Freed{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
 		return nil, toStatus(err)
 	}
 	return &kvrouterv1.FreeResponse{}, nil

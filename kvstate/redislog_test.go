@@ -1,0 +1,162 @@
+package kvstate_test
+
+import (
+	"context"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+)
+
+const redisTestTimeout = 10 * time.Second
+
+// replica is one router's state and log over a shared Redis.
+type replica struct {
+	state *kvstate.State
+	log   *kvstate.RedisLog
+}
+
+func startReplicas(t *testing.T, rdb redis.UniversalClient, n int) []replica {
+	t.Helper()
+	ctx, cancel := context.WithCancel(context.Background())
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	var out []replica
+	done := make(chan struct{}, n)
+	for i := range n {
+		st := kvstate.NewState()
+		l := kvstate.NewRedisLog(rdb, st, kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("r%d", i), ReadBlock: 100 * time.Millisecond})
+		go func() { l.Run(ctx); done <- struct{}{} }()
+		out = append(out, replica{st, l})
+	}
+	t.Cleanup(func() {
+		cancel()
+		for range n {
+			<-done
+		}
+	})
+	return out
+}
+
+// eventually polls cond until it holds or the test times out.
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(redisTestTimeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+var (
+	wk   = kvstate.WorkerKey{ID: 7}
+	info = kvstate.WorkerInfo{Key: wk, Model: "m", Role: kvstate.RoleAggregated, BlockSize: 16, TotalKVBlocks: 100, KVEventsEnabled: true}
+)
+
+func overlap(st *kvstate.State, locals ...uint64) uint64 {
+	m := st.Model("m")
+	w := st.Worker(wk)
+	if m == nil || w == nil {
+		return 0
+	}
+	var o kvstate.Overlaps
+	m.Index.Overlaps(kvstate.SequenceHashes(nil, locals), &o)
+	return o.Blocks(w.Slot)[kvstate.TierDevice]
+}
+
+func runRedisLogSuite(t *testing.T, rdb redis.UniversalClient) {
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+
+	// A worker registers and stores blocks through A; B applies the same entries.
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("A.Append(WorkerUp) = %v", err)
+	}
+	res, err := a.log.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{
+		{ID: 0, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: 1, Local: 11}, {Hash: 2, Local: 12}, {Hash: 3, Local: 13}}},
+	}})
+	if err != nil || !res.HasLastEvent || res.LastEventID != 0 || res.Applied != 1 {
+		t.Fatalf("A.Append(KVEvents) = %+v, %v; want event 0 applied", res, err)
+	}
+	if got := overlap(a.state, 11, 12, 13); got != 3 {
+		t.Errorf("A's overlap right after the ack = %d, want 3 (acked means applied)", got)
+	}
+	eventually(t, "B to see the worker's 3 blocks", func() bool { return overlap(b.state, 11, 12, 13) == 3 })
+
+	// A duplicate batch through B (a worker replaying after reconnecting) is dropped in log order.
+	res, err = b.log.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{{ID: 0, Kind: kvstate.EventCleared}}})
+	if err != nil || res.Duplicates != 1 {
+		t.Fatalf("B.Append(replayed event 0) = %+v, %v; want 1 duplicate", res, err)
+	}
+
+	// A booking made on B is visible in A's load; a Free sent to A releases it everywhere.
+	booking := kvstate.Booking{RequestID: "req", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{100, 101}, PrefillTokens: 32}}}
+	if _, err := b.log.Append(ctx, kvstate.Booked{Booking: booking}); err != nil {
+		t.Fatalf("B.Append(Booked) = %v", err)
+	}
+	if got := b.state.Load().Slot(b.state.Worker(wk).Slot); got.ActiveRequests != 1 {
+		t.Errorf("B's load right after booking = %+v, want the booking applied at once", got)
+	}
+	want := kvstate.SlotLoad{ActiveBlocks: 2, ActivePrefillTokens: 32, ActiveRequests: 1}
+	eventually(t, "A to see B's booking", func() bool { return a.state.Load().Slot(a.state.Worker(wk).Slot) == want })
+	if _, err := a.log.Append(ctx, kvstate.Freed{RequestID: "req", At: time.Now().UnixNano()}); err != nil {
+		t.Fatalf("A.Append(Freed) = %v", err)
+	}
+	for name, r := range map[string]replica{"A": a, "B": b} {
+		eventually(t, name+" to see the request freed", func() bool { return r.state.Load().Bookings() == 0 })
+	}
+
+	// A Free that reaches the log before its booking (sent to another replica while the booking was
+	// still being published) leaves a tombstone; the booking, when it arrives, is dropped.
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "early", At: time.Now().UnixNano()}); err != nil {
+		t.Fatalf("B.Append(early Freed) = %v", err)
+	}
+	eventually(t, "A to remember the early Free", func() bool { return a.state.Tombstones() == 1 })
+	data := kvstate.EncodeEntry(nil, kvstate.Booked{Booking: kvstate.Booking{RequestID: "early", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk}}}})
+	if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: fmt.Sprintf("kvr:{%s}:log", t.Name()), Values: []any{"e", data, "r", "elsewhere", "s", "1"}}).Err(); err != nil {
+		t.Fatalf("XAdd = %v", err)
+	}
+	for name, r := range map[string]replica{"A": a, "B": b} {
+		eventually(t, name+" to consume the tombstone", func() bool { return r.state.Tombstones() == 0 })
+		if n := r.state.Load().Bookings(); n != 0 {
+			t.Errorf("%s holds %d bookings after a booking that was freed first, want 0", name, n)
+		}
+	}
+
+	// Both replicas applied the same stream.
+	eventually(t, "both replicas at the same position", func() bool { return a.log.LastID() == b.log.LastID() })
+	if diff := cmp.Diff(a.log.Position(), b.log.Position()); diff != "" {
+		t.Errorf("positions differ: %s", diff)
+	}
+}
+
+func TestRedisLogReplicas(t *testing.T) {
+	runRedisLogSuite(t, redistest.Start(t).Client())
+}
+
+func TestRedisLogReplicasOnCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("cluster test skipped in -short mode")
+	}
+	runRedisLogSuite(t, redistest.StartCluster(t, 3).Client())
+}
+
+// TestRedisLogUnavailable: with Redis gone, a worker change is refused (never acked) and says why.
+func TestRedisLogUnavailable(t *testing.T) {
+	srv := redistest.Start(t)
+	rs := startReplicas(t, srv.Client(), 1)
+	srv.Stop()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err == nil {
+		t.Fatal("Append with Redis down = nil, want ErrLogUnavailable")
+	}
+}

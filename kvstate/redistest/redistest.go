@@ -1,0 +1,179 @@
+// Package redistest runs private redis-server processes for tests: one server, or a local Redis
+// Cluster, on free loopback ports, in a temporary directory, stopped when the test ends. Tests never
+// touch a Redis they did not start.
+package redistest
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+const startTimeout = 10 * time.Second
+
+// quietLogger drops go-redis's own log lines (dial failures while a test has stopped Redis on
+// purpose); tests assert on errors instead.
+type quietLogger struct{}
+
+func (quietLogger) Printf(context.Context, string, ...any) {}
+
+func init() { redis.SetLogger(quietLogger{}) }
+
+// Server is a running private redis-server.
+type Server struct {
+	Addr string
+	dir  string
+	cmd  *exec.Cmd
+	t    testing.TB
+}
+
+// serverBinary finds redis-server. Without it the test is skipped locally but fails in CI, where
+// .ci/run installs it.
+func serverBinary(t testing.TB) string {
+	t.Helper()
+	if p, err := exec.LookPath("redis-server"); err == nil {
+		return p
+	}
+	if os.Getenv("CI") != "" {
+		t.Fatal("redis-server not found: .ci/run installs it (apt-get install redis-server)")
+	}
+	t.Skip("redis-server not found; install it (apt-get install redis-server) to run the Redis tests")
+	return ""
+}
+
+func freePort(t testing.TB) int {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("net.Listen() = %v", err)
+	}
+	defer l.Close()
+	return l.Addr().(*net.TCPAddr).Port
+}
+
+// Start runs a redis-server with persistence off on a free port and stops it at cleanup.
+func Start(t testing.TB, extraArgs ...string) *Server {
+	t.Helper()
+	bin := serverBinary(t)
+	dir := t.TempDir()
+	s := &Server{dir: dir, t: t}
+	s.start(bin, freePort(t), extraArgs...)
+	t.Cleanup(s.Stop)
+	return s
+}
+
+func (s *Server) start(bin string, port int, extraArgs ...string) {
+	s.t.Helper()
+	s.Addr = "127.0.0.1:" + strconv.Itoa(port)
+	args := append([]string{
+		"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log"),
+	}, extraArgs...)
+	s.cmd = exec.Command(bin, args...)
+	if err := s.cmd.Start(); err != nil {
+		s.t.Fatalf("starting redis-server = %v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	defer c.Close()
+	for {
+		if err := c.Ping(ctx).Err(); err == nil {
+			return
+		}
+		select {
+		case <-ctx.Done():
+			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
+			s.t.Fatalf("redis-server on %s did not answer PING within %v:\n%s", s.Addr, startTimeout, log)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// Stop kills the server (data is not kept). Stopping twice is harmless.
+func (s *Server) Stop() {
+	if s.cmd == nil || s.cmd.Process == nil {
+		return
+	}
+	_ = s.cmd.Process.Kill()
+	_ = s.cmd.Wait()
+	s.cmd = nil
+}
+
+// Restart starts the server again on the same address (empty: persistence is off), as after an
+// outage.
+func (s *Server) Restart() {
+	s.t.Helper()
+	s.Stop()
+	port, _ := strconv.Atoi(s.Addr[strings.LastIndexByte(s.Addr, ':')+1:])
+	s.start(serverBinary(s.t), port)
+}
+
+// Client returns a client of the server, closed at cleanup.
+func (s *Server) Client() redis.UniversalClient {
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{s.Addr}})
+	s.t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// Cluster is a running local Redis Cluster of masters without replicas.
+type Cluster struct {
+	Addrs   []string
+	servers []*Server
+	t       testing.TB
+}
+
+// StartCluster runs n cluster-enabled redis-servers and joins them with redis-cli --cluster create.
+func StartCluster(t testing.TB, n int) *Cluster {
+	t.Helper()
+	cli, err := exec.LookPath("redis-cli")
+	if err != nil {
+		serverBinary(t) // skips or fails the same way
+		t.Fatal("redis-cli not found")
+	}
+	c := &Cluster{t: t}
+	for i := 0; i < n; i++ {
+		s := Start(t, "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "2000")
+		c.servers = append(c.servers, s)
+		c.Addrs = append(c.Addrs, s.Addr)
+	}
+	args := append([]string{"--cluster", "create"}, c.Addrs...)
+	args = append(args, "--cluster-replicas", "0", "--cluster-yes")
+	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
+		t.Fatalf("redis-cli --cluster create = %v\n%s", err, out)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
+	defer cancel()
+	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs})
+	defer client.Close()
+	for {
+		info, err := client.ClusterInfo(ctx).Result()
+		if err == nil && strings.Contains(info, "cluster_state:ok") {
+			return c
+		}
+		select {
+		case <-ctx.Done():
+			t.Fatalf("cluster not ok within %v: %v %s", startTimeout, err, info)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// Client returns a cluster client, closed at cleanup.
+func (c *Cluster) Client() redis.UniversalClient {
+	cl := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: c.Addrs, IsClusterMode: true})
+	c.t.Cleanup(func() { cl.Close() })
+	return cl
+}
+
+// String describes the cluster.
+func (c *Cluster) String() string { return fmt.Sprintf("cluster%v", c.Addrs) }
