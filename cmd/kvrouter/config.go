@@ -35,6 +35,12 @@ type Options struct {
 	ShutdownDrain        time.Duration // NOT_SERVING before stopping
 	ShutdownTimeout      time.Duration // graceful stop deadline
 
+	// Shared state (Redis mode); both empty means the embedded, in-process log.
+	RedisAddr         string // one Redis server
+	RedisClusterAddrs string // comma-separated Redis Cluster seed nodes
+	RedisPrefix       string // key prefix; its hash tag keeps the layout on one cluster slot
+	ReplicaID         string // this replica's name in the log (default: hostname-pid)
+
 	// Routing.
 	Router                  policy.Config
 	ConditionalDisagg       bool   // --conditional-disagg
@@ -159,6 +165,10 @@ var settings = []setting{
 	durationSetting("shutdown_drain", "how long health reports NOT_SERVING before the server stops", func(o *Options) *time.Duration { return &o.ShutdownDrain }),
 	durationSetting("shutdown_timeout", "deadline for in-flight calls to finish on shutdown", func(o *Options) *time.Duration { return &o.ShutdownTimeout }),
 
+	stringSetting("redis_addr", "share state with other replicas through this Redis server (host:port); empty: embedded state", func(o *Options) *string { return &o.RedisAddr }),
+	stringSetting("redis_cluster_addrs", "share state through this Redis Cluster (comma-separated seed host:port list)", func(o *Options) *string { return &o.RedisClusterAddrs }),
+	stringSetting("redis_prefix", "prefix of every Redis key, with the hash tag that keeps them on one cluster slot", func(o *Options) *string { return &o.RedisPrefix }),
+	stringSetting("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	floatSetting("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),
 	floatSetting("overlap_score_credit_decay", "shrinks the credit of workers with more prefill load than the least loaded", func(o *Options) *float64 { return &o.Router.OverlapScoreCreditDecay }),
 	floatSetting("prefill_load_scale", "weight of the prefill term of the cost", func(o *Options) *float64 { return &o.Router.PrefillLoadScale }),
@@ -193,6 +203,7 @@ func defaultOptions() Options {
 		BookingExpiry:        300 * time.Second,
 		ShutdownDrain:        2 * time.Second,
 		ShutdownTimeout:      15 * time.Second,
+		RedisPrefix:          "kvr:{default}",
 		Router:               policy.DefaultConfig(),
 	}
 }
@@ -387,6 +398,12 @@ func (c *loadedConfig) validate(logger *slog.Logger) error {
 	}
 	if c.Listen == "" {
 		return fmt.Errorf("%s: must not be empty", c.describe("listen"))
+	}
+	if c.RedisAddr != "" && c.RedisClusterAddrs != "" {
+		return fmt.Errorf("%s and %s: set one, not both", c.describe("redis_addr"), c.describe("redis_cluster_addrs"))
+	}
+	if open, close := strings.Index(c.RedisPrefix, "{"), strings.Index(c.RedisPrefix, "}"); open < 0 || close < open+2 {
+		return fmt.Errorf("%s: must contain a non-empty hash tag such as {default} (got %q)", c.describe("redis_prefix"), c.RedisPrefix)
 	}
 	if c.WorkerGracePeriod == 0 {
 		return fmt.Errorf("%s: must be > 0", c.describe("worker_grace_period"))

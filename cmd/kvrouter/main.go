@@ -18,12 +18,14 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
@@ -77,7 +79,16 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 
 	state := kvstate.NewState()
-	log := kvstate.NewMemLog(state)
+	runCtx, stopRun := context.WithCancel(context.Background())
+	log, mode, waitLog, err := openLog(runCtx, cfg, state, logger)
+	if err != nil {
+		stopRun()
+		return err
+	}
+	defer func() {
+		stopRun() // the housekeeper and the log's tailer stop, then the Redis client closes
+		waitLog()
+	}()
 	router := policy.NewRouter(state, log, cfg.Router)
 
 	registry := prometheus.NewRegistry()
@@ -112,13 +123,11 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	housekeeper := &kvstate.Housekeeper{
 		State: state, Log: log, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
 	}
-	hkCtx, stopHousekeeper := context.WithCancel(context.Background())
-	defer stopHousekeeper()
-	go housekeeper.Run(hkCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
+	go housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
 
 	serveErr := make(chan error, 1)
 	go func() { serveErr <- srv.Serve(lis) }()
-	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", "embedded")
+	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", mode)
 
 	select {
 	case err := <-serveErr:
@@ -133,4 +142,46 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	}
 	logger.Info("stopped")
 	return <-serveErr
+}
+
+// openLog returns the state's log: in-process by default, or a Redis stream shared with the other
+// replicas, tailed until ctx ends.
+func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (kvstate.Log, string, func(), error) {
+	var addrs []string
+	cluster := false
+	switch {
+	case cfg.RedisAddr != "":
+		addrs = []string{cfg.RedisAddr}
+	case cfg.RedisClusterAddrs != "":
+		addrs, cluster = strings.Split(cfg.RedisClusterAddrs, ","), true
+	default:
+		return kvstate.NewMemLog(state), "embedded", func() {}, nil
+	}
+	redis.SetLogger(redisLogger{logger})
+	rdb := redis.NewUniversalClient(&redis.UniversalOptions{
+		Addrs: addrs, IsClusterMode: cluster,
+		DialTimeout: 2 * time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second,
+		ContextTimeoutEnabled: true,
+	})
+	replica := cfg.ReplicaID
+	if replica == "" {
+		host, _ := os.Hostname()
+		replica = fmt.Sprintf("%s-%d", host, os.Getpid())
+	}
+	l := kvstate.NewRedisLog(rdb, state, kvstate.RedisOptions{Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		_ = l.Run(ctx)
+	}()
+	mode := "redis " + strings.Join(addrs, ",")
+	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica)
+	return l, mode, func() { <-done; rdb.Close() }, nil
+}
+
+// redisLogger sends go-redis's own log lines to slog.
+type redisLogger struct{ l *slog.Logger }
+
+func (r redisLogger) Printf(ctx context.Context, format string, v ...any) {
+	r.l.WarnContext(ctx, "redis client: "+fmt.Sprintf(format, v...))
 }

@@ -1,0 +1,70 @@
+package main
+
+import (
+	"encoding/json"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+)
+
+// TestReplicasShareState runs two kvrouter processes on one private redis-server: a worker publishes
+// to replica A, and replica B routes with its overlap; the request B books shows in A's load.
+func TestReplicasShareState(t *testing.T) {
+	grpcurl := grpcurlPath(t)
+	bin := buildBinary(t)
+	redisAddr := redistest.Start(t).Addr
+	a, _ := startServer(t, bin, "--redis-addr", redisAddr, "--replica-id", "a")
+	b, _ := startServer(t, bin, "--redis-addr", redisAddr, "--replica-id", "b")
+
+	prompt := tokenRange(1, 1024)
+	publishFleet(t, grpcurl, a, prompt) // P1, D1 caching 15 of 16 blocks, D2
+
+	deadline := time.Now().Add(defaultTestTimeout)
+	var got routeAnswer
+	for {
+		got = routeVia(t, grpcurl, b, map[string]any{"model": "llama", "tokenIds": prompt, "queryOnly": true, "explain": true})
+		if got.Decode == "11" {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica B never routed to D1 by its cache: last answer %+v", got)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	// Replica B books a request; replica A's ListWorkers shows it on the decode worker.
+	booked := routeVia(t, grpcurl, b, map[string]any{"requestId": "shared-1", "model": "llama", "tokenIds": prompt})
+	if booked.Mode != "ROUTE_MODE_DISAGGREGATED" {
+		t.Fatalf("B's Route = %+v, want disaggregated (conditional disagg is off)", booked)
+	}
+	for {
+		out := grpcurlCall(t, grpcurl, a, "kvrouter.v1.AdminService/ListWorkers", `{"model": "llama"}`)
+		var resp struct {
+			Workers []struct {
+				Worker struct {
+					WorkerID string `json:"workerId"`
+				} `json:"worker"`
+				Load struct {
+					ActiveRequests string `json:"activeRequests"`
+				} `json:"load"`
+			} `json:"workers"`
+		}
+		if err := json.Unmarshal([]byte(out), &resp); err != nil {
+			t.Fatalf("ListWorkers output: %v\n%s", err, out)
+		}
+		var busy []string
+		for _, w := range resp.Workers {
+			if w.Load.ActiveRequests == "1" {
+				busy = append(busy, w.Worker.WorkerID)
+			}
+		}
+		if strings.Join(busy, ",") == "1,"+booked.Decode {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("replica A never showed B's booking on P1 and D%s:\n%s", booked.Decode, out)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
