@@ -160,3 +160,56 @@ func TestRedisLogUnavailable(t *testing.T) {
 		t.Fatal("Append with Redis down = nil, want ErrLogUnavailable")
 	}
 }
+
+// TestLeasesRemoveAWorkerWhoseReplicaDied: replica A holds a worker's lease; when A stops refreshing
+// (its process died), the lease runs out and replica B removes the worker everywhere, exactly once.
+// A worker that re-registered since (a newer epoch) is left alone.
+func TestLeasesRemoveAWorkerWhoseReplicaDied(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	const grace = 300 * time.Millisecond
+	leasesA := kvstate.NewRedisLeases(rdb, prefix, a.log, grace, nil)
+	leasesB := kvstate.NewRedisLeases(rdb, prefix, b.log, grace, nil)
+
+	other := kvstate.WorkerKey{ID: 8}
+	for _, k := range []kvstate.WorkerKey{wk, other} {
+		inf := info
+		inf.Key = k
+		if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: inf}); err != nil {
+			t.Fatalf("Append(WorkerUp) = %v", err)
+		}
+	}
+	if _, err := a.log.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{
+		{ID: 0, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: 1, Local: 11}}}}}); err != nil {
+		t.Fatalf("Append(KVEvents) = %v", err)
+	}
+	leasesA.Hold(wk, a.state.Worker(wk).Status().Epoch)
+	leasesA.Hold(other, a.state.Worker(other).Status().Epoch)
+	// "other" reconnects to B before A dies: its hello bumps the epoch, and B holds the new lease.
+	inf := info
+	inf.Key = other
+	if _, err := b.log.Append(ctx, kvstate.WorkerUp{Info: inf}); err != nil {
+		t.Fatalf("B.Append(WorkerUp) = %v", err)
+	}
+	leasesB.Hold(other, b.state.Worker(other).Status().Epoch)
+
+	// A dies: it never refreshes again. B keeps sweeping.
+	time.Sleep(grace + 50*time.Millisecond)
+	leasesB.Sweep(ctx)
+	for name, r := range map[string]replica{"A": a, "B": b} {
+		eventually(t, name+" to remove the worker", func() bool { return r.state.Worker(wk) == nil })
+		if r.state.Worker(other) == nil {
+			t.Errorf("%s removed the worker that re-registered on B", name)
+		}
+		if m := r.state.Model("m"); m == nil || m.Index.Len() != 0 {
+			t.Errorf("%s still indexes the removed worker's blocks", name)
+		}
+	}
+	if n, _ := rdb.ZCard(ctx, prefix+":leases").Result(); n != 1 {
+		t.Errorf("leases left = %d, want 1 (the re-registered worker's)", n)
+	}
+}

@@ -36,6 +36,7 @@ type Options struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry
 	Now      func() time.Time
+	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
 	MaxRecvMsgBytes      int    // largest accepted message
@@ -61,6 +62,9 @@ var serviceNames = []string{
 func New(o Options) *Server {
 	if o.Now == nil {
 		o.Now = time.Now
+	}
+	if o.Liveness == nil {
+		o.Liveness = kvstate.LocalLiveness{}
 	}
 	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),
@@ -106,7 +110,7 @@ func New(o Options) *Server {
 	m := newMetrics(o.Registry, o.State, o.Log, o.Router)
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled})
+		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)

@@ -27,6 +27,8 @@ type workerService struct {
 	stopping <-chan struct{} // closed when the server shuts down: streams end so workers reconnect elsewhere
 	// conditionalDisagg is on: decode workers without KV events are worth a warning (§8 item 8).
 	conditionalDisagg bool
+	// liveness keeps a worker alive (for every replica) while its stream is open here.
+	liveness kvstate.Liveness
 }
 
 var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
@@ -50,12 +52,24 @@ var tierFromProto = map[kvrouterv1.StorageTier]kvstate.Tier{
 
 // publishStream is the per-stream state of one Publish call.
 type publishStream struct {
-	svc    *workerService
-	stream grpc.BidiStreamingServer[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
-	info   kvstate.WorkerInfo // the registered hello
-	acked  uint64
-	hasAck bool
-	logger *slog.Logger
+	svc     *workerService
+	stream  grpc.BidiStreamingServer[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
+	info    kvstate.WorkerInfo // the registered hello
+	acked   uint64
+	hasAck  bool
+	logger  *slog.Logger
+	release func() // lets go of the worker's lease
+}
+
+// hold takes the worker's lease at its current registration epoch (every hello bumps the epoch).
+func (ps *publishStream) hold() {
+	if ps.release != nil {
+		ps.release()
+	}
+	ps.release = func() {}
+	if w := ps.svc.state.Worker(ps.info.Key); w != nil {
+		ps.release = ps.svc.liveness.Hold(ps.info.Key, w.Status().Epoch)
+	}
 }
 
 // recvResult is one message (or the error that ended the stream) from the receiving goroutine.
@@ -122,6 +136,8 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		return toStatus(err)
 	}
 	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
+	ps.hold()
+	defer func() { ps.release() }()
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
 	if s.conditionalDisagg && info.Role == kvstate.RoleDecode && !info.KVEventsEnabled {
 		ps.logger.Warn("decode worker publishes no KV events: its cache is invisible to the router, so conditional disaggregation will never bypass to it; enable KV events on the engine (vLLM --kv-events-config, TensorRT-LLM --publish-kv-events)")
@@ -161,6 +177,7 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return toStatus(err)
 		}
 		ps.info = info
+		ps.hold()
 		return ps.sendRegistered()
 	case *kvrouterv1.PublishRequest_Events:
 		events, err := ps.convertEvents("events.events", m.Events.GetEvents(), true)

@@ -80,7 +80,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 
 	state := kvstate.NewState()
 	runCtx, stopRun := context.WithCancel(context.Background())
-	log, mode, waitLog, err := openLog(runCtx, cfg, state, logger)
+	log, liveness, mode, waitLog, err := openLog(runCtx, cfg, state, logger)
 	if err != nil {
 		stopRun()
 		return err
@@ -94,7 +94,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := server.New(server.Options{
-		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry,
+		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 	})
 
@@ -146,7 +146,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 
 // openLog returns the state's log: in-process by default, or a Redis stream shared with the other
 // replicas, tailed until ctx ends.
-func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (kvstate.Log, string, func(), error) {
+func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (kvstate.Log, kvstate.Liveness, string, func(), error) {
 	var addrs []string
 	cluster := false
 	switch {
@@ -155,7 +155,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 	case cfg.RedisClusterAddrs != "":
 		addrs, cluster = strings.Split(cfg.RedisClusterAddrs, ","), true
 	default:
-		return kvstate.NewMemLog(state), "embedded", func() {}, nil
+		return kvstate.NewMemLog(state), kvstate.LocalLiveness{}, "embedded", func() {}, nil
 	}
 	redis.SetLogger(redisLogger{logger})
 	rdb := redis.NewUniversalClient(&redis.UniversalOptions{
@@ -174,9 +174,12 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		defer close(done)
 		_ = l.Run(ctx)
 	}()
+	// Workers whose replica died are removed by whichever replica sees their lease run out.
+	leases := kvstate.NewRedisLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
+	go leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
 	mode := "redis " + strings.Join(addrs, ",")
 	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica)
-	return l, mode, func() { <-done; rdb.Close() }, nil
+	return l, leases, mode, func() { <-done; rdb.Close() }, nil
 }
 
 // redisLogger sends go-redis's own log lines to slog.

@@ -87,18 +87,42 @@ func buildBinary(t *testing.T) string {
 // startServer runs `kvrouter serve` with extra args and waits until its health is SERVING. The
 // process gets SIGTERM at cleanup, and must exit 0.
 func startServer(t *testing.T, bin string, extra ...string) (addr string, logs *bytes.Buffer) {
+	p := startProcess(t, bin, extra...)
+	return p.addr, p.logs
+}
+
+// serverProcess is a running `kvrouter serve`.
+type serverProcess struct {
+	addr   string
+	logs   *bytes.Buffer
+	cmd    *exec.Cmd
+	killed bool
+}
+
+// kill ends the process abruptly (SIGKILL), as a crash would.
+func (p *serverProcess) kill() {
+	p.killed = true
+	_ = p.cmd.Process.Kill()
+}
+
+func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 	t.Helper()
-	addr = freePort(t)
+	addr := freePort(t)
 	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
 	cmd := exec.Command(bin, args...)
-	logs = &bytes.Buffer{}
+	logs := &bytes.Buffer{}
 	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting kvrouter = %v", err)
 	}
+	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() {
+		if p.killed {
+			<-exited
+			return
+		}
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
 		case err := <-exited:
@@ -121,7 +145,7 @@ func startServer(t *testing.T, bin string, extra ...string) (addr string, logs *
 		resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
 		cancel()
 		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
-			return addr, logs
+			return p
 		}
 		select {
 		case err := <-exited:

@@ -1,0 +1,160 @@
+package kvstate
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// Liveness keeps workers alive while a replica holds their stream. When the holder lets go (the
+// stream ended) or dies, the worker is removed after a grace period, by whichever replica notices.
+type Liveness interface {
+	// Hold marks the worker rank at this registration epoch as alive until release is called.
+	Hold(key WorkerKey, epoch uint64) (release func())
+}
+
+// LocalLiveness is the embedded mode's liveness: the Housekeeper removes workers whose streams on
+// this (only) replica stayed closed past the grace period, so holding needs no bookkeeping here.
+type LocalLiveness struct{}
+
+// Hold does nothing: State.Connected and State.Disconnected track streams.
+func (LocalLiveness) Hold(WorkerKey, uint64) func() { return func() {} }
+
+// RedisLeases keeps worker leases in one sorted set, <prefix>:leases, member "id/rank/epoch", score
+// the lease's deadline in unix milliseconds. The replica holding a worker's stream pushes the deadline
+// forward; every replica claims expired leases with a script that removes them atomically, so exactly
+// one replica appends each removal. The removal names the epoch, so a worker that re-registered (on
+// any replica) since is left alone.
+type RedisLeases struct {
+	rdb    redis.UniversalClient
+	key    string
+	log    Log
+	grace  time.Duration
+	now    func() time.Time
+	logger *slog.Logger
+
+	mu   sync.Mutex
+	held map[string]int // member -> holders on this replica
+}
+
+// claimExpired removes and returns up to ARGV[2] members whose deadline is before ARGV[1].
+var claimExpired = redis.NewScript(`
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1], 'LIMIT', 0, tonumber(ARGV[2]))
+if #expired > 0 then
+  redis.call('ZREM', KEYS[1], unpack(expired))
+end
+return expired
+`)
+
+// NewRedisLeases returns leases under prefix that expire grace after the last refresh.
+func NewRedisLeases(rdb redis.UniversalClient, prefix string, log Log, grace time.Duration, logger *slog.Logger) *RedisLeases {
+	if logger == nil {
+		logger = slog.Default()
+	}
+	return &RedisLeases{rdb: rdb, key: prefix + ":leases", log: log, grace: grace, now: time.Now, logger: logger, held: make(map[string]int)}
+}
+
+func leaseMember(key WorkerKey, epoch uint64) string {
+	return fmt.Sprintf("%d/%d/%d", key.ID, key.Rank, epoch)
+}
+
+func parseLeaseMember(m string) (WorkerKey, uint64, error) {
+	parts := strings.Split(m, "/")
+	if len(parts) != 3 {
+		return WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
+	}
+	id, err1 := strconv.ParseUint(parts[0], 10, 64)
+	rank, err2 := strconv.ParseUint(parts[1], 10, 32)
+	epoch, err3 := strconv.ParseUint(parts[2], 10, 64)
+	if err1 != nil || err2 != nil || err3 != nil {
+		return WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
+	}
+	return WorkerKey{ID: id, Rank: uint32(rank)}, epoch, nil
+}
+
+// Hold starts refreshing the worker's lease; release stops (the lease then runs out after grace).
+func (r *RedisLeases) Hold(key WorkerKey, epoch uint64) func() {
+	m := leaseMember(key, epoch)
+	r.mu.Lock()
+	r.held[m]++
+	r.mu.Unlock()
+	r.refresh(context.Background(), []string{m})
+	var once sync.Once
+	return func() {
+		once.Do(func() {
+			r.mu.Lock()
+			defer r.mu.Unlock()
+			if r.held[m]--; r.held[m] <= 0 {
+				delete(r.held, m)
+			}
+		})
+	}
+}
+
+func (r *RedisLeases) refresh(ctx context.Context, members []string) {
+	if len(members) == 0 {
+		return
+	}
+	deadline := float64(r.now().Add(r.grace).UnixMilli())
+	zs := make([]redis.Z, len(members))
+	for i, m := range members {
+		zs[i] = redis.Z{Score: deadline, Member: m}
+	}
+	if err := r.rdb.ZAdd(ctx, r.key, zs...).Err(); err != nil {
+		r.logger.Warn("refreshing worker leases failed", "err", err, "leases", len(members))
+	}
+}
+
+// Sweep refreshes the leases this replica holds, then claims expired ones and appends a removal for
+// each worker it claimed.
+func (r *RedisLeases) Sweep(ctx context.Context) {
+	r.mu.Lock()
+	members := make([]string, 0, len(r.held))
+	for m := range r.held {
+		members = append(members, m)
+	}
+	r.mu.Unlock()
+	r.refresh(ctx, members)
+
+	claimed, err := claimExpired.Run(ctx, r.rdb, []string{r.key}, r.now().UnixMilli(), 100).StringSlice()
+	if err != nil {
+		if err != redis.Nil {
+			r.logger.Warn("claiming expired worker leases failed", "err", err)
+		}
+		return
+	}
+	for _, m := range claimed {
+		key, epoch, err := parseLeaseMember(m)
+		if err != nil {
+			r.logger.Error("dropping a malformed lease", "err", err)
+			continue
+		}
+		res, err := r.log.Append(ctx, WorkerRemoved{Key: key, Epoch: epoch})
+		switch {
+		case err != nil:
+			r.logger.Error("removing a worker whose lease expired failed", "worker", key, "err", err)
+		case !res.Skipped:
+			r.logger.Info("removed worker whose lease expired", "worker", key, "epoch", epoch, "grace", r.grace)
+		}
+	}
+}
+
+// Run sweeps every interval until ctx ends.
+func (r *RedisLeases) Run(ctx context.Context, interval time.Duration) {
+	t := time.NewTicker(interval)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			r.Sweep(ctx)
+		}
+	}
+}
