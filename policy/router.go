@@ -208,7 +208,7 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 	if decodePin == nil {
 		decodePin = affinity
 	}
-	var booking kvstate.Booking
+	var hops []hopLoad // what the decision books, built into a booking only if it is booked
 	switch {
 	case len(prefillPool) == 0:
 		// No prefill pool (§5.4): the decode worker runs the whole request.
@@ -220,14 +220,14 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 			return nil, err
 		}
 		dec.Mode, dec.Reason, dec.Decode = ModeAggregated, ReasonNoPrefillWorkers, dc
-		booking = r.booking(rc, hopLoad{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens})
+		hops = []hopLoad{{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens}}
 	default:
 		if bypass := r.conditionalDisagg(rc, cd, weights, prefillPool, decodePool, affinity, affinityStale); bypass != nil {
 			// The decode worker prefills locally: it is booked with the request's own weights,
 			// prefill tokens included (§5.2 step 4).
 			dec.Mode, dec.Decode = ModeBypass, *bypass
 			dec.Annotations = append(dec.Annotations, BypassAnnotation)
-			booking = r.booking(rc, hopLoad{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens})
+			hops = []hopLoad{{&dec.Decode, weights.AssumeKVReuse, weights.TrackPrefillTokens}}
 			break
 		}
 		pc, err := r.choose(rc, HopPrefill, prefillPool, weights, req.PrefillPin)
@@ -241,13 +241,12 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 			return nil, err
 		}
 		dec.Mode, dec.Prefill, dec.Decode = ModeDisaggregated, &pc, dc
-		booking = r.booking(rc,
-			hopLoad{dec.Prefill, false, weights.TrackPrefillTokens},
-			hopLoad{&dec.Decode, false, false})
+		hops = []hopLoad{{dec.Prefill, false, weights.TrackPrefillTokens}, {&dec.Decode, false, false}}
 	}
 	if req.QueryOnly {
 		return dec, nil
 	}
+	booking := r.booking(rc, hops...)
 	if r.Config.SessionAffinityTTL > 0 && req.SessionID != "" {
 		booking.Session, booking.SessionExpires = req.SessionID, booking.At+r.Config.SessionAffinityTTL.Nanoseconds()
 	}

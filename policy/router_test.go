@@ -198,7 +198,9 @@ func TestRouteErrors(t *testing.T) {
 				tt.cfg(&cfg)
 			}
 			before := f.state.Load().BookingIDs()
-			_, err := f.router(cfg).Route(context.Background(), &tt.req)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			_, err := f.router(cfg).Route(ctx, &tt.req)
 			if !errors.Is(err, tt.want) {
 				t.Fatalf("Route() = %v, want %v", err, tt.want)
 			}

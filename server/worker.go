@@ -307,23 +307,24 @@ func (ps *publishStream) convertEvents(field string, in []*kvrouterv1.KvEvent, c
 	var salt uint64
 	saltFor := ""
 	for i, ev := range in {
-		f := fmt.Sprintf("%s[%d]", field, i)
+		// Field paths are formatted only for errors: a batch can hold thousands of blocks.
+		f := func() string { return fmt.Sprintf("%s[%d]", field, i) }
 		if checkOrder && i > 0 && ev.GetEventId() <= in[i-1].GetEventId() {
-			return nil, invalidArgumentf(f+".event_id", "must be greater than the previous event's id %d within a batch (got %d)", in[i-1].GetEventId(), ev.GetEventId())
+			return nil, invalidArgumentf(f()+".event_id", "must be greater than the previous event's id %d within a batch (got %d)", in[i-1].GetEventId(), ev.GetEventId())
 		}
 		if ev.GetDpRank() != ps.info.Key.Rank {
-			return nil, invalidArgumentf(f+".dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, ev.GetDpRank())
+			return nil, invalidArgumentf(f()+".dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, ev.GetDpRank())
 		}
 		tier, ok := tierFromProto[ev.GetStorageTier()]
 		if !ok {
-			return nil, invalidArgumentf(f+".storage_tier", "must be DEVICE, HOST, DISK or EXTERNAL (got %v)", ev.GetStorageTier())
+			return nil, invalidArgumentf(f()+".storage_tier", "must be DEVICE, HOST, DISK or EXTERNAL (got %v)", ev.GetStorageTier())
 		}
 		e := kvstate.Event{ID: ev.GetEventId(), Tier: tier}
 		switch d := ev.GetData().(type) {
 		case *kvrouterv1.KvEvent_Stored:
 			st := d.Stored
 			if len(st.GetBlocks()) == 0 {
-				return nil, invalidArgument(f+".stored.blocks", "must not be empty")
+				return nil, invalidArgument(f()+".stored.blocks", "must not be empty")
 			}
 			e.Kind = kvstate.EventStored
 			if st.ParentHash != nil {
@@ -334,30 +335,30 @@ func (ps *publishStream) convertEvents(field string, in []*kvrouterv1.KvEvent, c
 			}
 			e.Blocks = make([]kvstate.Block, len(st.GetBlocks()))
 			for j, b := range st.GetBlocks() {
-				bf := fmt.Sprintf("%s.stored.blocks[%d]", f, j)
+				bf := func() string { return fmt.Sprintf("%s.stored.blocks[%d]", f(), j) }
 				switch {
 				case b.TokensHash != nil && len(b.GetTokenIds()) > 0:
-					return nil, invalidArgument(bf, "must set exactly one of token_ids and tokens_hash (both are set)")
+					return nil, invalidArgument(bf(), "must set exactly one of token_ids and tokens_hash (both are set)")
 				case b.TokensHash != nil:
 					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: b.GetTokensHash()}
 				case len(b.GetTokenIds()) != int(ps.info.BlockSize):
 					if len(b.GetTokenIds()) == 0 {
-						return nil, invalidArgument(bf, "must set exactly one of token_ids and tokens_hash (neither is set)")
+						return nil, invalidArgument(bf(), "must set exactly one of token_ids and tokens_hash (neither is set)")
 					}
-					return nil, invalidArgumentf(bf+".token_ids", "must hold exactly block_size %d tokens (got %d)", ps.info.BlockSize, len(b.GetTokenIds()))
+					return nil, invalidArgumentf(bf()+".token_ids", "must hold exactly block_size %d tokens (got %d)", ps.info.BlockSize, len(b.GetTokenIds()))
 				default:
 					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: kvstate.LocalBlockHash(b.GetTokenIds(), salt)}
 				}
 			}
 		case *kvrouterv1.KvEvent_Removed:
 			if len(d.Removed.GetBlockHashes()) == 0 {
-				return nil, invalidArgument(f+".removed.block_hashes", "must not be empty")
+				return nil, invalidArgument(f()+".removed.block_hashes", "must not be empty")
 			}
 			e.Kind, e.Removed = kvstate.EventRemoved, d.Removed.GetBlockHashes()
 		case *kvrouterv1.KvEvent_Cleared:
 			e.Kind = kvstate.EventCleared
 		default:
-			return nil, invalidArgument(f, "must set one of stored, removed, cleared")
+			return nil, invalidArgument(f(), "must set one of stored, removed, cleared")
 		}
 		out = append(out, e)
 	}

@@ -1,0 +1,421 @@
+// Binary kvload seeds a running kvrouter with a synthetic worker fleet for load tests, and writes a
+// Route request for ghz.
+//
+// It registers --workers workers of one model, each on its own WorkerService/Publish stream as a
+// real worker would, and publishes --blocks KV blocks in all: prompts of --prompt-blocks blocks that
+// share prefixes of --roots "system prompts", sent as stored events with token ids (a worker that
+// already holds a prompt's prefix sends only the new blocks, chained onto it by parent_hash). It
+// waits until the router has acked every event, then writes to --out a RouteRequest in the JSON that
+// ghz takes with -D: a prompt of --route-tokens tokens that shares a cached root prefix. The request
+// is query_only unless --query-only=false; then every call books load under its own request id,
+// made unique by ghz's {{.RequestNumber}} and {{.TimestampUnixNano}} templates.
+//
+// With --hold the streams stay open that long (or until SIGINT or SIGTERM), so the workers stay
+// connected while ghz runs; without it kvload returns once seeded, and the router keeps the workers
+// for its --worker-grace-period. The --out file appears only when seeding is complete, so a script
+// can wait for it.
+//
+// Usage:
+//
+//	kvload --addr 127.0.0.1:50051 --workers 64 --blocks 1000000 --out route.json --hold 10m
+//	ghz --insecure --call kvrouter.v1.RouterService/Route -D route.json -n 20000 -c 8 127.0.0.1:50051
+//
+// scripts/loadtest.sh runs both against a fresh kvrouter on loopback.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/encoding/protojson"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stderr))
+}
+
+// config is the command line.
+type config struct {
+	addr, model, out     string
+	workers, prefill     int
+	blockSize, blocks    int
+	promptBlocks, roots  int
+	sharedMin, sharedMax float64
+	batch, routeTokens   int
+	queryOnly            bool
+	hold, timeout        time.Duration
+	seed                 uint64
+}
+
+// vocab is the token id range (Llama 3's vocabulary), so prompts look like real ones.
+const vocab = 128256
+
+func parseFlags(args []string, stderr io.Writer) (*config, error) {
+	c := &config{}
+	fs := flag.NewFlagSet("kvload", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "kvrouter gRPC address")
+	fs.StringVar(&c.model, "model", "bench", "model the workers serve")
+	fs.StringVar(&c.out, "out", "", "file to write the ghz RouteRequest JSON to (required)")
+	fs.IntVar(&c.workers, "workers", 64, "workers to register")
+	fs.IntVar(&c.prefill, "prefill-workers", 0, "how many of the workers are prefill workers, the rest decode (0: all aggregated)")
+	fs.IntVar(&c.blockSize, "block-size", 16, "tokens per KV block")
+	fs.IntVar(&c.blocks, "blocks", 65536, "KV blocks to publish, over all workers")
+	fs.IntVar(&c.promptBlocks, "prompt-blocks", 128, "blocks per published prompt")
+	fs.IntVar(&c.roots, "roots", 16, "shared system prompts the prompts start with")
+	fs.Float64Var(&c.sharedMin, "shared-min", 0.25, "least fraction of a prompt taken from its root")
+	fs.Float64Var(&c.sharedMax, "shared-max", 0.75, "largest fraction of a prompt taken from its root (< 1)")
+	fs.IntVar(&c.batch, "batch", 16, "stored events per Publish message")
+	fs.IntVar(&c.routeTokens, "route-tokens", 2048, "tokens of the Route request written to --out")
+	fs.BoolVar(&c.queryOnly, "query-only", true, "write a query_only request; false books load with a unique request id per call")
+	fs.DurationVar(&c.hold, "hold", 0, "keep the worker streams open this long after seeding (0: close them at once)")
+	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "deadline for seeding")
+	fs.Uint64Var(&c.seed, "seed", 1, "seed of the generated prompts")
+	if err := fs.Parse(args); err != nil {
+		return nil, err
+	}
+	switch {
+	case fs.NArg() > 0:
+		return nil, fmt.Errorf("unexpected arguments %q", fs.Args())
+	case c.out == "":
+		return nil, errors.New("--out is required")
+	case c.workers < 1 || c.prefill < 0 || c.prefill >= c.workers:
+		return nil, fmt.Errorf("--workers must be >= 1 and --prefill-workers in [0, workers) (got %d and %d)", c.workers, c.prefill)
+	case c.blockSize < 1 || c.blocks < 0 || c.promptBlocks < 1 || c.roots < 1 || c.batch < 1:
+		return nil, errors.New("--block-size, --prompt-blocks, --roots and --batch must be >= 1, --blocks >= 0")
+	case c.sharedMin < 0 || c.sharedMin > c.sharedMax || c.sharedMax >= 1:
+		// Below 1, every prompt ends in a block no worker holds yet, so publishing always progresses.
+		return nil, fmt.Errorf("need 0 <= --shared-min <= --shared-max < 1 (got %v and %v)", c.sharedMin, c.sharedMax)
+	case c.routeTokens < c.blockSize:
+		return nil, fmt.Errorf("--route-tokens must be at least --block-size (got %d)", c.routeTokens)
+	}
+	return c, nil
+}
+
+// run executes the command line and returns the exit code: 0 done, 1 failed, 2 bad command line.
+func run(ctx context.Context, args []string, stderr io.Writer) int {
+	c, err := parseFlags(args, stderr)
+	if errors.Is(err, flag.ErrHelp) {
+		return 0
+	}
+	if err != nil {
+		fmt.Fprintf(stderr, "kvload: %v\n", err)
+		return 2
+	}
+	if err := load(ctx, c, stderr); err != nil {
+		fmt.Fprintf(stderr, "kvload: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func load(ctx context.Context, c *config, stderr io.Writer) error {
+	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	if err != nil {
+		return err
+	}
+	defer conn.Close()
+	client := kvrouterv1.NewWorkerServiceClient(conn)
+
+	// The streams live on streamCtx (until the hold ends); seeding has its own deadline.
+	streamCtx, cancelStreams := context.WithCancel(ctx)
+	defer cancelStreams()
+	seedCtx, cancelSeed := context.WithTimeout(ctx, c.timeout)
+	defer cancelSeed()
+
+	g := newGenerator(c)
+	plans := g.plans()
+	start := time.Now()
+	workers := make([]*worker, len(plans))
+	errs := make([]error, len(plans))
+	var wg sync.WaitGroup
+	for i, p := range plans {
+		wg.Go(func() {
+			workers[i], errs[i] = seedWorker(seedCtx, streamCtx, client, c, p)
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return err
+	}
+	events, blocks := 0, 0
+	for _, p := range plans {
+		events += len(p.events)
+		for _, ev := range p.events {
+			blocks += len(ev.GetStored().GetBlocks())
+		}
+	}
+	fmt.Fprintf(stderr, "kvload: seeded %d workers of model %q at %s: %d stored events, %d blocks, acked in %v\n",
+		len(plans), c.model, c.addr, events, blocks, time.Since(start).Round(time.Millisecond))
+
+	if err := writeRequest(c.out, g.routeRequest()); err != nil {
+		return err
+	}
+	fmt.Fprintf(stderr, "kvload: wrote the Route request (%d tokens, query_only %v) to %s\n", c.routeTokens, c.queryOnly, c.out)
+
+	if c.hold > 0 {
+		fmt.Fprintf(stderr, "kvload: holding %d worker streams open for %v\n", len(workers), c.hold)
+		select {
+		case <-time.After(c.hold):
+		case <-ctx.Done():
+		}
+	}
+	for _, w := range workers {
+		w.close()
+	}
+	return nil
+}
+
+// plan is what one worker publishes.
+type plan struct {
+	hello  *kvrouterv1.WorkerHello
+	events []*kvrouterv1.KvEvent
+}
+
+// generator makes the fleet's prompts from content ids: root r's block i is r<<32|i and unique
+// blocks count up from 1<<48. A block's tokens follow from its id, and its engine block_hash is its
+// sequence hash, so equal prefixes are equal blocks on every worker, as with real engines.
+type generator struct {
+	c      *config
+	rng    *rand.Rand
+	salt   uint64
+	nextID uint64
+}
+
+func newGenerator(c *config) *generator {
+	return &generator{c: c, rng: rand.New(rand.NewPCG(c.seed, 0x6b766c6f6164)), salt: kvstate.SaltHash("", ""), nextID: 1 << 48}
+}
+
+func (g *generator) tokens(id uint64) []uint32 {
+	out := make([]uint32, g.c.blockSize)
+	x := id * uint64(g.c.blockSize)
+	for i := range out {
+		x++
+		out[i] = uint32(mix(x) % vocab)
+	}
+	return out
+}
+
+// mix is a 64-bit finalizer (MurmurHash3's).
+func mix(x uint64) uint64 {
+	x ^= x >> 33
+	x *= 0xff51afd7ed558ccd
+	x ^= x >> 33
+	x *= 0xc4ceb9fe1a85ec53
+	x ^= x >> 33
+	return x
+}
+
+// prompt returns the content ids of a prompt of n blocks: shared blocks of root, then unique ones.
+func (g *generator) prompt(root, shared, n int) []uint64 {
+	ids := make([]uint64, n)
+	for i := range ids {
+		if i < shared {
+			ids[i] = uint64(root)<<32 | uint64(i)
+		} else {
+			ids[i] = g.nextID
+			g.nextID++
+		}
+	}
+	return ids
+}
+
+func (g *generator) sharedBlocks(n int) int {
+	lo, hi := int(g.c.sharedMin*float64(n)), int(g.c.sharedMax*float64(n))
+	return lo + g.rng.IntN(hi-lo+1)
+}
+
+// plans generates every worker's hello and stored events: prompts on random workers until the
+// fleet holds --blocks blocks.
+func (g *generator) plans() []*plan {
+	c := g.c
+	plans := make([]*plan, c.workers)
+	held := make([]map[uint64]bool, c.workers) // sequence hashes each worker holds
+	for i := range plans {
+		role := kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED
+		if c.prefill > 0 {
+			role = kvrouterv1.WorkerRole_WORKER_ROLE_DECODE
+			if i < c.prefill {
+				role = kvrouterv1.WorkerRole_WORKER_ROLE_PREFILL
+			}
+		}
+		plans[i] = &plan{hello: &kvrouterv1.WorkerHello{
+			WorkerId: uint64(i) + 1, Model: c.model, Role: role, BlockSize: uint32(c.blockSize),
+			TotalKvBlocks: 1 << 20, MaxNumBatchedTokens: 8192, Endpoint: fmt.Sprintf("kvload-worker-%d:8000", i+1),
+			KvEventsEnabled: true, FreshStart: true,
+		}}
+		held[i] = map[uint64]bool{}
+	}
+	for published := 0; published < c.blocks; {
+		w := g.rng.IntN(c.workers)
+		root := g.rng.IntN(c.roots)
+		ids := g.prompt(root, g.sharedBlocks(c.promptBlocks), c.promptBlocks)
+		stored := &kvrouterv1.BlocksStored{}
+		var seq uint64
+		for i, id := range ids {
+			tokens := g.tokens(id)
+			local := kvstate.LocalBlockHash(tokens, g.salt)
+			if i == 0 {
+				seq = local
+			} else {
+				seq = kvstate.ChainHash(seq, local)
+			}
+			if held[w][seq] {
+				// Held already: the worker reports only what follows, chained onto this block.
+				parent := seq
+				stored.ParentHash = &parent
+				continue
+			}
+			held[w][seq] = true
+			stored.Blocks = append(stored.Blocks, &kvrouterv1.StoredBlock{BlockHash: seq, TokenIds: tokens})
+		}
+		if len(stored.Blocks) == 0 {
+			continue
+		}
+		p := plans[w]
+		p.events = append(p.events, &kvrouterv1.KvEvent{
+			EventId: uint64(len(p.events)), StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE,
+			Data: &kvrouterv1.KvEvent_Stored{Stored: stored},
+		})
+		published += len(stored.Blocks)
+	}
+	return plans
+}
+
+// routeRequest is a prompt of --route-tokens tokens that starts with half of a root (as much as the
+// published prompts share with their roots on average), then unseen blocks and a partial tail.
+func (g *generator) routeRequest() *kvrouterv1.RouteRequest {
+	c := g.c
+	n := (c.routeTokens + c.blockSize - 1) / c.blockSize
+	shared := int(float64(min(n, c.promptBlocks)) * (c.sharedMin + c.sharedMax) / 2)
+	req := &kvrouterv1.RouteRequest{Model: c.model, QueryOnly: c.queryOnly}
+	for _, id := range g.prompt(g.rng.IntN(c.roots), shared, n) {
+		req.TokenIds = append(req.TokenIds, g.tokens(id)...)
+	}
+	req.TokenIds = req.TokenIds[:c.routeTokens]
+	if !c.queryOnly {
+		req.RequestId = "kvload-{{.RequestNumber}}-{{.TimestampUnixNano}}"
+	}
+	return req
+}
+
+// writeRequest writes the request as JSON, atomically: the file appears complete or not at all.
+func writeRequest(path string, req *kvrouterv1.RouteRequest) error {
+	b, err := protojson.Marshal(req)
+	if err != nil {
+		return err
+	}
+	tmp, err := os.CreateTemp(filepath.Dir(path), ".kvload-*.json")
+	if err != nil {
+		return err
+	}
+	defer os.Remove(tmp.Name())
+	if _, err := tmp.Write(b); err != nil {
+		tmp.Close()
+		return err
+	}
+	if err := tmp.Close(); err != nil {
+		return err
+	}
+	return os.Rename(tmp.Name(), path)
+}
+
+// worker is one seeded worker's open stream.
+type worker struct {
+	id     uint64
+	stream grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
+	cancel context.CancelFunc
+}
+
+// seedWorker opens the worker's stream on streamCtx, registers it and publishes its events in
+// batches, and returns once the router has acked the last one (or seedCtx ends).
+func seedWorker(seedCtx, streamCtx context.Context, client kvrouterv1.WorkerServiceClient, c *config, p *plan) (*worker, error) {
+	ctx, cancel := context.WithCancel(streamCtx)
+	stream, err := client.Publish(ctx)
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	w := &worker{id: p.hello.GetWorkerId(), stream: stream, cancel: cancel}
+	// Past the seeding deadline the stream is cut; once seeded it lives on (stop disarms this).
+	stop := context.AfterFunc(seedCtx, cancel)
+	defer stop()
+	fail := func(what string, err error) (*worker, error) {
+		cancel()
+		if seedCtx.Err() != nil {
+			err = fmt.Errorf("%w (%v)", seedCtx.Err(), err)
+		}
+		return nil, fmt.Errorf("worker %d: %s: %w", w.id, what, err)
+	}
+	// A send fails with io.EOF when the server ended the stream; the status comes from Recv.
+	send := func(m *kvrouterv1.PublishRequest) error {
+		err := stream.Send(m)
+		if errors.Is(err, io.EOF) {
+			_, err = stream.Recv()
+		}
+		return err
+	}
+	if err := send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: p.hello}}); err != nil {
+		return fail("hello", err)
+	}
+	first, err := stream.Recv()
+	if err != nil {
+		return fail("registration", err)
+	}
+	if first.GetRegistered() == nil {
+		return fail("registration", fmt.Errorf("got %v, want registered", first))
+	}
+	for start := 0; start < len(p.events); start += c.batch {
+		batch := &kvrouterv1.EventBatch{Events: p.events[start:min(start+c.batch, len(p.events))]}
+		if err := send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: batch}}); err != nil {
+			return fail("events", err)
+		}
+	}
+	if len(p.events) == 0 {
+		return w, nil
+	}
+	last := uint64(len(p.events) - 1)
+	for {
+		m, err := stream.Recv()
+		if err != nil {
+			return fail("waiting for acks", err)
+		}
+		if r := m.GetResync(); r != nil {
+			return fail("events", fmt.Errorf("router asked for a resync: %s", r.GetReason()))
+		}
+		if a := m.GetAck(); a != nil && a.GetEventId() >= last {
+			return w, nil
+		}
+	}
+}
+
+// close ends the stream and waits for the router to close its side.
+func (w *worker) close() {
+	defer w.cancel()
+	if err := w.stream.CloseSend(); err != nil {
+		return
+	}
+	for {
+		if _, err := w.stream.Recv(); err != nil {
+			return
+		}
+	}
+}
