@@ -52,9 +52,11 @@ type RedisLog struct {
 	position atomic.Uint64 // entries applied from the stream
 	lastID   atomic.Value  // string: stream id of the last applied entry
 
-	mu        sync.Mutex
-	waiters   map[uint64]chan appliedEntry // own entries awaited by Append
-	appliedBy map[uint64]struct{}          // own entries already applied locally (bookings)
+	mu      sync.Mutex
+	waiters map[uint64]chan appliedEntry // own entries awaited by Append
+	// unechoed are own entries published in the background and not yet read back from the stream;
+	// true if they were applied locally when appended (the tailer then skips them).
+	unechoed map[uint64]bool
 
 	outbox chan outgoing // locally applied bookings to publish
 }
@@ -89,8 +91,8 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	}
 	l := &RedisLog{
 		rdb: rdb, state: state, opts: opts,
-		waiters:   make(map[uint64]chan appliedEntry),
-		appliedBy: make(map[uint64]struct{}),
+		waiters:  make(map[uint64]chan appliedEntry),
+		unechoed: make(map[uint64]bool),
 		outbox:    make(chan outgoing, 4096),
 	}
 	l.lastID.Store("0")
@@ -99,6 +101,15 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 
 // Position returns how many stream entries this replica has applied.
 func (l *RedisLog) Position() uint64 { return l.position.Load() }
+
+// Pending returns how many of this replica's changes were published in the background and have not
+// yet come back through the stream: while it is 0 and the replica has read the whole stream, it has
+// applied exactly what every other caught-up replica has.
+func (l *RedisLog) Pending() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.unechoed)
+}
 
 // LastID returns the stream id of the last applied entry ("0" before the first).
 func (l *RedisLog) LastID() string { return l.lastID.Load().(string) }
@@ -144,14 +155,14 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	res, err := l.state.Apply(c)
 	switch {
 	case err == nil:
-		l.mu.Lock()
-		l.appliedBy[seq] = struct{}{}
-		l.mu.Unlock()
 	case errors.Is(err, ErrUnknownRequest):
 		// Published, and applied from the stream like any remote change.
 	default:
 		return res, err
 	}
+	l.mu.Lock()
+	l.unechoed[seq] = err == nil
+	l.mu.Unlock()
 	select {
 	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c)}:
 	default:
@@ -261,11 +272,11 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) {
 	if own {
 		seq, _ = strconv.ParseUint(fmt.Sprint(msg.Values[fieldSeq]), 10, 64)
 		l.mu.Lock()
-		_, done := l.appliedBy[seq]
-		delete(l.appliedBy, seq)
+		appliedLocally := l.unechoed[seq]
+		delete(l.unechoed, seq)
 		l.mu.Unlock()
-		if done {
-			return // applied locally when it was appended
+		if appliedLocally {
+			return // applied when it was appended
 		}
 	}
 	data, _ := msg.Values[fieldEntry].(string)

@@ -213,3 +213,39 @@ func TestLeasesRemoveAWorkerWhoseReplicaDied(t *testing.T) {
 		t.Errorf("leases left = %d, want 1 (the re-registered worker's)", n)
 	}
 }
+
+// TestDigestConverges: replicas that applied the same log have equal digests, even though one of
+// them applied its own bookings first, in another order; and the digest moves when state changes.
+func TestDigestConverges(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+	empty := a.state.Digest()
+	mustAppend := func(l *kvstate.RedisLog, c kvstate.Change) {
+		t.Helper()
+		if _, err := l.Append(ctx, c); err != nil {
+			t.Fatalf("Append(%T) = %v", c, err)
+		}
+	}
+	mustAppend(a.log, kvstate.WorkerUp{Info: info})
+	mustAppend(b.log, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{{ID: 0, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: 1, Local: 11}, {Hash: 2, Local: 12}}}}})
+	for i := range 20 {
+		r := rs[i%2]
+		mustAppend(r.log, kvstate.Booked{Booking: kvstate.Booking{RequestID: fmt.Sprint("q", i), At: int64(1000 + i),
+			Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{uint64(i), 100}, PrefillTokens: 8}}, Session: "s", SessionExpires: 1 << 40}})
+		if i%3 == 0 {
+			mustAppend(rs[(i+1)%2].log, kvstate.Freed{RequestID: fmt.Sprint("q", i), At: int64(2000 + i)})
+		}
+	}
+	mustAppend(a.log, kvstate.PrefillDone{RequestID: "q1", At: 3000})
+	eventually(t, "both replicas to apply the whole log", func() bool {
+		n, err := rdb.XLen(ctx, fmt.Sprintf("kvr:{%s}:log", t.Name())).Result()
+		return err == nil && a.log.Pending() == 0 && b.log.Pending() == 0 &&
+			a.log.Position() == uint64(n) && b.log.Position() == uint64(n)
+	})
+	if da, db := a.state.Digest(), b.state.Digest(); da != db || da == empty {
+		t.Errorf("digests: A %x, B %x, empty %x; want A == B != empty", da, db, empty)
+	}
+}

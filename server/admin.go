@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"fmt"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -29,7 +30,28 @@ type ConfigEntry struct {
 type adminService struct {
 	kvrouterv1.UnimplementedAdminServiceServer
 	state  *kvstate.State
+	log    kvstate.Log
 	config []ConfigEntry
+}
+
+// streamLog is what a log shared through Redis adds to kvstate.Log.
+type streamLog interface {
+	LastID() string
+	Pending() int
+}
+
+func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
+	resp := &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: s.log.Position()}
+	if sl, ok := s.log.(streamLog); ok {
+		resp.Log, resp.LogLastId, resp.PendingChanges = "redis", sl.LastID(), uint64(sl.Pending())
+	}
+	resp.Digest = fmt.Sprintf("%016x", s.state.Digest())
+	for _, m := range s.state.Models() {
+		resp.Workers += uint64(len(m.Workers()))
+		resp.IndexBlocks += uint64(m.Index.Len())
+	}
+	resp.Bookings = uint64(s.state.Load().Bookings())
+	return resp, nil
 }
 
 func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorkersRequest) (*kvrouterv1.ListWorkersResponse, error) {

@@ -111,7 +111,7 @@ func New(o Options) *Server {
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
 		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness})
-	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, config: o.Config})
+	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)

@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"math"
@@ -33,6 +34,7 @@ const defaultTestTimeout = 10 * time.Second
 type testEnv struct {
 	t        *testing.T
 	state    *kvstate.State
+	log      kvstate.Log
 	srv      *Server
 	registry *prometheus.Registry
 	conn     *grpc.ClientConn
@@ -73,7 +75,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 		srv.grpc.Stop()
 	})
 	return &testEnv{
-		t: t, state: state, srv: srv, registry: registry, conn: conn, ctx: ctx,
+		t: t, state: state, log: log, srv: srv, registry: registry, conn: conn, ctx: ctx,
 		router: kvrouterv1.NewRouterServiceClient(conn), workers: kvrouterv1.NewWorkerServiceClient(conn), admin: kvrouterv1.NewAdminServiceClient(conn),
 	}
 }
@@ -556,6 +558,12 @@ func TestAdmin(t *testing.T) {
 		{Key: "listen", Value: ":50051", Source: kvrouterv1.ConfigSource_CONFIG_SOURCE_DEFAULT},
 		{Key: "overlap_score_credit", Value: "0.5", Source: kvrouterv1.ConfigSource_CONFIG_SOURCE_FLAG},
 	}})
+	st, err := e.admin.GetState(e.ctx, &kvrouterv1.GetStateRequest{})
+	if err != nil {
+		t.Fatalf("GetState() = %v", err)
+	}
+	wantMsg(t, st, &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: e.log.Position(), Digest: fmt.Sprintf("%016x", e.state.Digest()),
+		Workers: 1, IndexBlocks: 3, Bookings: 1})
 	p.stream.CloseSend()
 }
 

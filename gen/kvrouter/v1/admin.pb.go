@@ -82,6 +82,152 @@ func (ConfigSource) EnumDescriptor() ([]byte, []int) {
 	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{0}
 }
 
+// GetStateRequest is empty.
+type GetStateRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetStateRequest) Reset() {
+	*x = GetStateRequest{}
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[0]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetStateRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetStateRequest) ProtoMessage() {}
+
+func (x *GetStateRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[0]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetStateRequest.ProtoReflect.Descriptor instead.
+func (*GetStateRequest) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{0}
+}
+
+// GetStateResponse summarises one replica's state.
+type GetStateResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// log is "embedded" (in-process) or "redis".
+	Log string `protobuf:"bytes,1,opt,name=log,proto3" json:"log,omitempty"`
+	// log_position is the number of log entries this replica applied.
+	LogPosition uint64 `protobuf:"varint,2,opt,name=log_position,json=logPosition,proto3" json:"log_position,omitempty"`
+	// log_last_id is the Redis stream id of the last applied entry (Redis mode).
+	LogLastId string `protobuf:"bytes,3,opt,name=log_last_id,json=logLastId,proto3" json:"log_last_id,omitempty"`
+	// pending_changes are this replica's bookings published in the background and not yet read back.
+	PendingChanges uint64 `protobuf:"varint,4,opt,name=pending_changes,json=pendingChanges,proto3" json:"pending_changes,omitempty"`
+	// digest fingerprints the replicated state (16 hex digits); equal on replicas at the same position.
+	Digest string `protobuf:"bytes,5,opt,name=digest,proto3" json:"digest,omitempty"`
+	// workers is the number of registered worker ranks.
+	Workers uint64 `protobuf:"varint,6,opt,name=workers,proto3" json:"workers,omitempty"`
+	// index_blocks is the number of distinct block positions over all models' indexes.
+	IndexBlocks uint64 `protobuf:"varint,7,opt,name=index_blocks,json=indexBlocks,proto3" json:"index_blocks,omitempty"`
+	// bookings is the number of booked requests.
+	Bookings      uint64 `protobuf:"varint,8,opt,name=bookings,proto3" json:"bookings,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *GetStateResponse) Reset() {
+	*x = GetStateResponse{}
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *GetStateResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*GetStateResponse) ProtoMessage() {}
+
+func (x *GetStateResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use GetStateResponse.ProtoReflect.Descriptor instead.
+func (*GetStateResponse) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *GetStateResponse) GetLog() string {
+	if x != nil {
+		return x.Log
+	}
+	return ""
+}
+
+func (x *GetStateResponse) GetLogPosition() uint64 {
+	if x != nil {
+		return x.LogPosition
+	}
+	return 0
+}
+
+func (x *GetStateResponse) GetLogLastId() string {
+	if x != nil {
+		return x.LogLastId
+	}
+	return ""
+}
+
+func (x *GetStateResponse) GetPendingChanges() uint64 {
+	if x != nil {
+		return x.PendingChanges
+	}
+	return 0
+}
+
+func (x *GetStateResponse) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *GetStateResponse) GetWorkers() uint64 {
+	if x != nil {
+		return x.Workers
+	}
+	return 0
+}
+
+func (x *GetStateResponse) GetIndexBlocks() uint64 {
+	if x != nil {
+		return x.IndexBlocks
+	}
+	return 0
+}
+
+func (x *GetStateResponse) GetBookings() uint64 {
+	if x != nil {
+		return x.Bookings
+	}
+	return 0
+}
+
 // ListWorkersRequest filters the worker list.
 type ListWorkersRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -93,7 +239,7 @@ type ListWorkersRequest struct {
 
 func (x *ListWorkersRequest) Reset() {
 	*x = ListWorkersRequest{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[0]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -105,7 +251,7 @@ func (x *ListWorkersRequest) String() string {
 func (*ListWorkersRequest) ProtoMessage() {}
 
 func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[0]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -118,7 +264,7 @@ func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersRequest.ProtoReflect.Descriptor instead.
 func (*ListWorkersRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{0}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *ListWorkersRequest) GetModel() string {
@@ -139,7 +285,7 @@ type ListWorkersResponse struct {
 
 func (x *ListWorkersResponse) Reset() {
 	*x = ListWorkersResponse{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -151,7 +297,7 @@ func (x *ListWorkersResponse) String() string {
 func (*ListWorkersResponse) ProtoMessage() {}
 
 func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -164,7 +310,7 @@ func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersResponse.ProtoReflect.Descriptor instead.
 func (*ListWorkersResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{1}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ListWorkersResponse) GetWorkers() []*WorkerStatus {
@@ -210,7 +356,7 @@ type WorkerStatus struct {
 
 func (x *WorkerStatus) Reset() {
 	*x = WorkerStatus{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -222,7 +368,7 @@ func (x *WorkerStatus) String() string {
 func (*WorkerStatus) ProtoMessage() {}
 
 func (x *WorkerStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -235,7 +381,7 @@ func (x *WorkerStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerStatus.ProtoReflect.Descriptor instead.
 func (*WorkerStatus) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{2}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *WorkerStatus) GetWorker() *WorkerTarget {
@@ -338,7 +484,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -350,7 +496,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -363,7 +509,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{3}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 // GetConfigResponse is the effective configuration.
@@ -377,7 +523,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -389,7 +535,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -402,7 +548,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GetConfigResponse) GetEntries() []*ConfigEntry {
@@ -427,7 +573,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -439,7 +585,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -452,7 +598,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -480,7 +626,17 @@ var File_kvrouter_v1_admin_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x17kvrouter/v1/admin.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"*\n" +
+	"\x17kvrouter/v1/admin.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x11\n" +
+	"\x0fGetStateRequest\"\x81\x02\n" +
+	"\x10GetStateResponse\x12\x10\n" +
+	"\x03log\x18\x01 \x01(\tR\x03log\x12!\n" +
+	"\flog_position\x18\x02 \x01(\x04R\vlogPosition\x12\x1e\n" +
+	"\vlog_last_id\x18\x03 \x01(\tR\tlogLastId\x12'\n" +
+	"\x0fpending_changes\x18\x04 \x01(\x04R\x0ependingChanges\x12\x16\n" +
+	"\x06digest\x18\x05 \x01(\tR\x06digest\x12\x18\n" +
+	"\aworkers\x18\x06 \x01(\x04R\aworkers\x12!\n" +
+	"\findex_blocks\x18\a \x01(\x04R\vindexBlocks\x12\x1a\n" +
+	"\bbookings\x18\b \x01(\x04R\bbookings\"*\n" +
 	"\x12ListWorkersRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\"J\n" +
 	"\x13ListWorkersResponse\x123\n" +
@@ -514,10 +670,11 @@ const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\x15CONFIG_SOURCE_DEFAULT\x10\x01\x12\x16\n" +
 	"\x12CONFIG_SOURCE_FILE\x10\x02\x12\x15\n" +
 	"\x11CONFIG_SOURCE_ENV\x10\x03\x12\x16\n" +
-	"\x12CONFIG_SOURCE_FLAG\x10\x042\xac\x01\n" +
+	"\x12CONFIG_SOURCE_FLAG\x10\x042\xf5\x01\n" +
 	"\fAdminService\x12P\n" +
 	"\vListWorkers\x12\x1f.kvrouter.v1.ListWorkersRequest\x1a .kvrouter.v1.ListWorkersResponse\x12J\n" +
-	"\tGetConfig\x12\x1d.kvrouter.v1.GetConfigRequest\x1a\x1e.kvrouter.v1.GetConfigResponseB\xa3\x01\n" +
+	"\tGetConfig\x12\x1d.kvrouter.v1.GetConfigRequest\x1a\x1e.kvrouter.v1.GetConfigResponse\x12G\n" +
+	"\bGetState\x12\x1c.kvrouter.v1.GetStateRequest\x1a\x1d.kvrouter.v1.GetStateResponseB\xa3\x01\n" +
 	"\x0fcom.kvrouter.v1B\n" +
 	"AdminProtoP\x01Z7github.com/kvrouter/kvrouter/gen/kvrouter/v1;kvrouterv1\xa2\x02\x03KXX\xaa\x02\vKvrouter.V1\xca\x02\vKvrouter\\V1\xe2\x02\x17Kvrouter\\V1\\GPBMetadata\xea\x02\fKvrouter::V1b\x06proto3"
 
@@ -534,34 +691,38 @@ func file_kvrouter_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_kvrouter_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvrouter_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_kvrouter_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_kvrouter_v1_admin_proto_goTypes = []any{
 	(ConfigSource)(0),           // 0: kvrouter.v1.ConfigSource
-	(*ListWorkersRequest)(nil),  // 1: kvrouter.v1.ListWorkersRequest
-	(*ListWorkersResponse)(nil), // 2: kvrouter.v1.ListWorkersResponse
-	(*WorkerStatus)(nil),        // 3: kvrouter.v1.WorkerStatus
-	(*GetConfigRequest)(nil),    // 4: kvrouter.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),   // 5: kvrouter.v1.GetConfigResponse
-	(*ConfigEntry)(nil),         // 6: kvrouter.v1.ConfigEntry
-	(*WorkerTarget)(nil),        // 7: kvrouter.v1.WorkerTarget
-	(WorkerRole)(0),             // 8: kvrouter.v1.WorkerRole
-	(*TierBlocks)(nil),          // 9: kvrouter.v1.TierBlocks
-	(*WorkerLoad)(nil),          // 10: kvrouter.v1.WorkerLoad
+	(*GetStateRequest)(nil),     // 1: kvrouter.v1.GetStateRequest
+	(*GetStateResponse)(nil),    // 2: kvrouter.v1.GetStateResponse
+	(*ListWorkersRequest)(nil),  // 3: kvrouter.v1.ListWorkersRequest
+	(*ListWorkersResponse)(nil), // 4: kvrouter.v1.ListWorkersResponse
+	(*WorkerStatus)(nil),        // 5: kvrouter.v1.WorkerStatus
+	(*GetConfigRequest)(nil),    // 6: kvrouter.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),   // 7: kvrouter.v1.GetConfigResponse
+	(*ConfigEntry)(nil),         // 8: kvrouter.v1.ConfigEntry
+	(*WorkerTarget)(nil),        // 9: kvrouter.v1.WorkerTarget
+	(WorkerRole)(0),             // 10: kvrouter.v1.WorkerRole
+	(*TierBlocks)(nil),          // 11: kvrouter.v1.TierBlocks
+	(*WorkerLoad)(nil),          // 12: kvrouter.v1.WorkerLoad
 }
 var file_kvrouter_v1_admin_proto_depIdxs = []int32{
-	3,  // 0: kvrouter.v1.ListWorkersResponse.workers:type_name -> kvrouter.v1.WorkerStatus
-	7,  // 1: kvrouter.v1.WorkerStatus.worker:type_name -> kvrouter.v1.WorkerTarget
-	8,  // 2: kvrouter.v1.WorkerStatus.role:type_name -> kvrouter.v1.WorkerRole
-	9,  // 3: kvrouter.v1.WorkerStatus.cached_blocks:type_name -> kvrouter.v1.TierBlocks
-	10, // 4: kvrouter.v1.WorkerStatus.load:type_name -> kvrouter.v1.WorkerLoad
-	6,  // 5: kvrouter.v1.GetConfigResponse.entries:type_name -> kvrouter.v1.ConfigEntry
+	5,  // 0: kvrouter.v1.ListWorkersResponse.workers:type_name -> kvrouter.v1.WorkerStatus
+	9,  // 1: kvrouter.v1.WorkerStatus.worker:type_name -> kvrouter.v1.WorkerTarget
+	10, // 2: kvrouter.v1.WorkerStatus.role:type_name -> kvrouter.v1.WorkerRole
+	11, // 3: kvrouter.v1.WorkerStatus.cached_blocks:type_name -> kvrouter.v1.TierBlocks
+	12, // 4: kvrouter.v1.WorkerStatus.load:type_name -> kvrouter.v1.WorkerLoad
+	8,  // 5: kvrouter.v1.GetConfigResponse.entries:type_name -> kvrouter.v1.ConfigEntry
 	0,  // 6: kvrouter.v1.ConfigEntry.source:type_name -> kvrouter.v1.ConfigSource
-	1,  // 7: kvrouter.v1.AdminService.ListWorkers:input_type -> kvrouter.v1.ListWorkersRequest
-	4,  // 8: kvrouter.v1.AdminService.GetConfig:input_type -> kvrouter.v1.GetConfigRequest
-	2,  // 9: kvrouter.v1.AdminService.ListWorkers:output_type -> kvrouter.v1.ListWorkersResponse
-	5,  // 10: kvrouter.v1.AdminService.GetConfig:output_type -> kvrouter.v1.GetConfigResponse
-	9,  // [9:11] is the sub-list for method output_type
-	7,  // [7:9] is the sub-list for method input_type
+	3,  // 7: kvrouter.v1.AdminService.ListWorkers:input_type -> kvrouter.v1.ListWorkersRequest
+	6,  // 8: kvrouter.v1.AdminService.GetConfig:input_type -> kvrouter.v1.GetConfigRequest
+	1,  // 9: kvrouter.v1.AdminService.GetState:input_type -> kvrouter.v1.GetStateRequest
+	4,  // 10: kvrouter.v1.AdminService.ListWorkers:output_type -> kvrouter.v1.ListWorkersResponse
+	7,  // 11: kvrouter.v1.AdminService.GetConfig:output_type -> kvrouter.v1.GetConfigResponse
+	2,  // 12: kvrouter.v1.AdminService.GetState:output_type -> kvrouter.v1.GetStateResponse
+	10, // [10:13] is the sub-list for method output_type
+	7,  // [7:10] is the sub-list for method input_type
 	7,  // [7:7] is the sub-list for extension type_name
 	7,  // [7:7] is the sub-list for extension extendee
 	0,  // [0:7] is the sub-list for field type_name
@@ -573,14 +734,14 @@ func file_kvrouter_v1_admin_proto_init() {
 		return
 	}
 	file_kvrouter_v1_types_proto_init()
-	file_kvrouter_v1_admin_proto_msgTypes[2].OneofWrappers = []any{}
+	file_kvrouter_v1_admin_proto_msgTypes[4].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrouter_v1_admin_proto_rawDesc), len(file_kvrouter_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   6,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

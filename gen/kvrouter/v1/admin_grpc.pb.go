@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	AdminService_ListWorkers_FullMethodName = "/kvrouter.v1.AdminService/ListWorkers"
 	AdminService_GetConfig_FullMethodName   = "/kvrouter.v1.AdminService/GetConfig"
+	AdminService_GetState_FullMethodName    = "/kvrouter.v1.AdminService/GetState"
 )
 
 // AdminServiceClient is the client API for AdminService service.
@@ -33,6 +34,9 @@ type AdminServiceClient interface {
 	ListWorkers(ctx context.Context, in *ListWorkersRequest, opts ...grpc.CallOption) (*ListWorkersResponse, error)
 	// GetConfig returns the effective, validated configuration and where each value came from.
 	GetConfig(ctx context.Context, in *GetConfigRequest, opts ...grpc.CallOption) (*GetConfigResponse, error)
+	// GetState summarises this replica's state: how much of the log it applied and a digest of what it
+	// holds. Replicas that applied the same log report the same digest.
+	GetState(ctx context.Context, in *GetStateRequest, opts ...grpc.CallOption) (*GetStateResponse, error)
 }
 
 type adminServiceClient struct {
@@ -63,6 +67,16 @@ func (c *adminServiceClient) GetConfig(ctx context.Context, in *GetConfigRequest
 	return out, nil
 }
 
+func (c *adminServiceClient) GetState(ctx context.Context, in *GetStateRequest, opts ...grpc.CallOption) (*GetStateResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(GetStateResponse)
+	err := c.cc.Invoke(ctx, AdminService_GetState_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // AdminServiceServer is the server API for AdminService service.
 // All implementations must embed UnimplementedAdminServiceServer
 // for forward compatibility.
@@ -73,6 +87,9 @@ type AdminServiceServer interface {
 	ListWorkers(context.Context, *ListWorkersRequest) (*ListWorkersResponse, error)
 	// GetConfig returns the effective, validated configuration and where each value came from.
 	GetConfig(context.Context, *GetConfigRequest) (*GetConfigResponse, error)
+	// GetState summarises this replica's state: how much of the log it applied and a digest of what it
+	// holds. Replicas that applied the same log report the same digest.
+	GetState(context.Context, *GetStateRequest) (*GetStateResponse, error)
 	mustEmbedUnimplementedAdminServiceServer()
 }
 
@@ -88,6 +105,9 @@ func (UnimplementedAdminServiceServer) ListWorkers(context.Context, *ListWorkers
 }
 func (UnimplementedAdminServiceServer) GetConfig(context.Context, *GetConfigRequest) (*GetConfigResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetConfig not implemented")
+}
+func (UnimplementedAdminServiceServer) GetState(context.Context, *GetStateRequest) (*GetStateResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method GetState not implemented")
 }
 func (UnimplementedAdminServiceServer) mustEmbedUnimplementedAdminServiceServer() {}
 func (UnimplementedAdminServiceServer) testEmbeddedByValue()                      {}
@@ -146,6 +166,24 @@ func _AdminService_GetConfig_Handler(srv interface{}, ctx context.Context, dec f
 	return interceptor(ctx, in, info, handler)
 }
 
+func _AdminService_GetState_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(GetStateRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(AdminServiceServer).GetState(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: AdminService_GetState_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(AdminServiceServer).GetState(ctx, req.(*GetStateRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // AdminService_ServiceDesc is the grpc.ServiceDesc for AdminService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -160,6 +198,10 @@ var AdminService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "GetConfig",
 			Handler:    _AdminService_GetConfig_Handler,
+		},
+		{
+			MethodName: "GetState",
+			Handler:    _AdminService_GetState_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},
