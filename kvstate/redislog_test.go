@@ -21,7 +21,11 @@ type replica struct {
 	log   *kvstate.RedisLog
 }
 
-func startReplicas(t *testing.T, rdb redis.UniversalClient, n int) []replica {
+func startReplicas(t *testing.T, rdb redis.UniversalClient, n int, opts ...func(*kvstate.RedisOptions)) []replica {
+	return startReplicasNamed(t, rdb, "r", n, opts...)
+}
+
+func startReplicasNamed(t *testing.T, rdb redis.UniversalClient, name string, n int, opts ...func(*kvstate.RedisOptions)) []replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
@@ -29,7 +33,11 @@ func startReplicas(t *testing.T, rdb redis.UniversalClient, n int) []replica {
 	done := make(chan struct{}, n)
 	for i := range n {
 		st := kvstate.NewState()
-		l := kvstate.NewRedisLog(rdb, st, kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("r%d", i), ReadBlock: 100 * time.Millisecond})
+		o := kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("%s%d", name, i), ReadBlock: 100 * time.Millisecond}
+		for _, f := range opts {
+			f(&o)
+		}
+		l := kvstate.NewRedisLog(rdb, st, o)
 		go func() { l.Run(ctx); done <- struct{}{} }()
 		out = append(out, replica{st, l})
 	}
@@ -138,16 +146,19 @@ func runRedisLogSuite(t *testing.T, rdb redis.UniversalClient) {
 	}
 }
 
-func TestRedisLogReplicas(t *testing.T) {
-	runRedisLogSuite(t, redistest.Start(t).Client())
+// onEveryRedis runs a test against a private redis-server and against a private 3-master Redis
+// Cluster: every key carries the deployment's hash tag, so the layout must work unchanged on both.
+func onEveryRedis(t *testing.T, test func(t *testing.T, rdb redis.UniversalClient)) {
+	t.Run("single", func(t *testing.T) { test(t, redistest.Start(t).Client()) })
+	t.Run("cluster", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("Redis Cluster runs skipped in -short mode")
+		}
+		test(t, redistest.StartCluster(t, 3).Client())
+	})
 }
 
-func TestRedisLogReplicasOnCluster(t *testing.T) {
-	if testing.Short() {
-		t.Skip("cluster test skipped in -short mode")
-	}
-	runRedisLogSuite(t, redistest.StartCluster(t, 3).Client())
-}
+func TestRedisLogReplicas(t *testing.T) { onEveryRedis(t, runRedisLogSuite) }
 
 // TestRedisLogUnavailable: with Redis gone, a worker change is refused (never acked) and says why.
 func TestRedisLogUnavailable(t *testing.T) {
@@ -164,8 +175,9 @@ func TestRedisLogUnavailable(t *testing.T) {
 // TestLeasesRemoveAWorkerWhoseReplicaDied: replica A holds a worker's lease; when A stops refreshing
 // (its process died), the lease runs out and replica B removes the worker everywhere, exactly once.
 // A worker that re-registered since (a newer epoch) is left alone.
-func TestLeasesRemoveAWorkerWhoseReplicaDied(t *testing.T) {
-	rdb := redistest.Start(t).Client()
+func TestLeasesRemoveAWorkerWhoseReplicaDied(t *testing.T) { onEveryRedis(t, testLeases) }
+
+func testLeases(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
 	defer cancel()
 	rs := startReplicas(t, rdb, 2)
@@ -216,8 +228,9 @@ func TestLeasesRemoveAWorkerWhoseReplicaDied(t *testing.T) {
 
 // TestDigestConverges: replicas that applied the same log have equal digests, even though one of
 // them applied its own bookings first, in another order; and the digest moves when state changes.
-func TestDigestConverges(t *testing.T) {
-	rdb := redistest.Start(t).Client()
+func TestDigestConverges(t *testing.T) { onEveryRedis(t, testDigestConverges) }
+
+func testDigestConverges(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
 	defer cancel()
 	rs := startReplicas(t, rdb, 2)
@@ -247,5 +260,94 @@ func TestDigestConverges(t *testing.T) {
 	})
 	if da, db := a.state.Digest(), b.state.Digest(); da != db || da == empty {
 		t.Errorf("digests: A %x, B %x, empty %x; want A == B != empty", da, db, empty)
+	}
+}
+
+// caughtUp reports whether every replica has applied the whole stream and has nothing in flight.
+func caughtUp(ctx context.Context, rdb redis.UniversalClient, stream string, rs ...replica) bool {
+	last, err := rdb.XRevRangeN(ctx, stream, "+", "-", 1).Result()
+	if err != nil || len(last) == 0 {
+		return false
+	}
+	for _, r := range rs {
+		if r.log.Pending() != 0 || r.log.LastID() != last[0].ID {
+			return false
+		}
+	}
+	return true
+}
+
+// TestSnapshotColdStart: after 100,000 events through replicas A and B, with snapshots written and
+// the stream trimmed behind them, a new replica C loads the snapshot, replays the tail, and reaches
+// the same digest as A and B.
+func TestSnapshotColdStart(t *testing.T) { onEveryRedis(t, testSnapshotColdStart) }
+
+func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
+	defer cancel()
+	snapEvery := func(o *kvstate.RedisOptions) { o.SnapshotEvery = 200 }
+	rs := startReplicas(t, rdb, 2, snapEvery)
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+
+	const workers, batches, perBatch = 8, 125, 100 // 100,000 stored blocks in 1,000 entries
+	for w := range workers {
+		inf := info
+		inf.Key = kvstate.WorkerKey{ID: uint64(w + 1)}
+		if _, err := rs[w%2].log.Append(ctx, kvstate.WorkerUp{Info: inf}); err != nil {
+			t.Fatalf("Append(WorkerUp) = %v", err)
+		}
+	}
+	events := 0
+	for b := range batches {
+		for w := range workers {
+			key := kvstate.WorkerKey{ID: uint64(w + 1)}
+			evs := make([]kvstate.Event, 0, perBatch)
+			for i := range perBatch {
+				id := uint64(b*perBatch + i)
+				ev := kvstate.Event{ID: id, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: id, Local: uint64(w)<<32 | id}}}
+				if id > 0 {
+					ev.HasParent, ev.Parent = true, id-1
+				}
+				if id%10 == 9 { // some evictions too
+					ev = kvstate.Event{ID: id, Kind: kvstate.EventRemoved, Removed: []uint64{id - 9}}
+				}
+				evs = append(evs, ev)
+			}
+			res, err := rs[(b+w)%2].log.Append(ctx, kvstate.KVEvents{Worker: key, Events: evs})
+			if err != nil || res.Applied != perBatch {
+				t.Fatalf("Append(KVEvents) = %+v, %v", res, err)
+			}
+			events += perBatch
+		}
+		r := rs[b%2]
+		if _, err := r.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: fmt.Sprint("b", b), At: time.Now().UnixNano(),
+			Hops: []kvstate.HopBooking{{Worker: kvstate.WorkerKey{ID: uint64(b%workers + 1)}, Blocks: []uint64{uint64(b), 7}, PrefillTokens: 3}}}}); err != nil {
+			t.Fatalf("Append(Booked) = %v", err)
+		}
+		if b%3 == 0 {
+			if _, err := rs[(b+1)%2].log.Append(ctx, kvstate.Freed{RequestID: fmt.Sprint("b", b), At: time.Now().UnixNano()}); err != nil {
+				t.Fatalf("Append(Freed) = %v", err)
+			}
+		}
+	}
+	if events != 100_000 {
+		t.Fatalf("published %d events, want 100,000", events)
+	}
+	eventually(t, "A and B to catch up", func() bool { return caughtUp(ctx, rdb, stream, rs...) })
+	if rs[0].log.SnapshotWritten.Load() == 0 && rs[1].log.SnapshotWritten.Load() == 0 {
+		t.Fatal("no replica wrote a snapshot")
+	}
+	if n, err := rdb.XLen(ctx, stream).Result(); err != nil || uint64(n) >= rs[0].log.Position() {
+		t.Fatalf("the stream holds %d entries of the %d A applied: not trimmed behind the snapshots (%v)", n, rs[0].log.Position(), err)
+	}
+
+	c := startReplicasNamed(t, rdb, "c", 1, snapEvery)[0]
+	eventually(t, "C to catch up", func() bool { return caughtUp(ctx, rdb, stream, append(rs, c)...) })
+	if c.log.SnapshotLoads.Load() != 1 {
+		t.Errorf("C loaded %d snapshots, want 1", c.log.SnapshotLoads.Load())
+	}
+	da, db, dc := rs[0].state.Digest(), rs[1].state.Digest(), c.state.Digest()
+	if da != db || db != dc {
+		t.Errorf("digests A %x, B %x, C %x; want all equal", da, db, dc)
 	}
 }

@@ -151,21 +151,27 @@ func StartCluster(t testing.TB, n int) *Cluster {
 	if out, err := exec.Command(cli, args...).CombinedOutput(); err != nil {
 		t.Fatalf("redis-cli --cluster create = %v\n%s", err, out)
 	}
+	// Every node must see the whole cluster: one node saying ok is not enough, another may still
+	// answer CLUSTERDOWN.
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
-	client := redis.NewClusterClient(&redis.ClusterOptions{Addrs: c.Addrs})
-	defer client.Close()
-	for {
-		info, err := client.ClusterInfo(ctx).Result()
-		if err == nil && strings.Contains(info, "cluster_state:ok") {
-			return c
+	for _, addr := range c.Addrs {
+		node := redis.NewClient(&redis.Options{Addr: addr})
+		for {
+			info, err := node.ClusterInfo(ctx).Result()
+			if err == nil && strings.Contains(info, "cluster_state:ok") && strings.Contains(info, fmt.Sprintf("cluster_known_nodes:%d", n)) {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				node.Close()
+				t.Fatalf("cluster node %s not ok within %v: %v %s", addr, startTimeout, err, info)
+			case <-time.After(50 * time.Millisecond):
+			}
 		}
-		select {
-		case <-ctx.Done():
-			t.Fatalf("cluster not ok within %v: %v %s", startTimeout, err, info)
-		case <-time.After(50 * time.Millisecond):
-		}
+		node.Close()
 	}
+	return c
 }
 
 // Client returns a cluster client, closed at cleanup.

@@ -1,0 +1,272 @@
+package kvstate
+
+import (
+	"encoding/binary"
+	"fmt"
+)
+
+// SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
+// newer one and keeps reading older ones.
+const SnapshotVersion = 1
+
+// EncodeSnapshot appends the replicated state, and the log position it reflects, to dst. The caller
+// must keep the state still while it runs: no change applied (the log tailer is the caller) and no
+// booking applied locally (the caller holds whatever lock keeps them out).
+func (s *State) EncodeSnapshot(dst []byte, position string) []byte {
+	s.mu.RLock()
+	defer s.mu.RUnlock()
+	b := append(dst, SnapshotVersion)
+	b = putString(b, position)
+
+	// Workers in slot order: restoring them in this order gives the same slots.
+	var workers []*Worker
+	for _, w := range s.slots {
+		if w != nil {
+			workers = append(workers, w)
+		}
+	}
+	index := make(map[uint32]uint64, len(workers)) // slot -> position in the snapshot's worker list
+	b = binary.AppendUvarint(b, uint64(len(workers)))
+	for i, w := range workers {
+		index[w.Slot] = uint64(i)
+		st := w.Status()
+		b = putInfo(b, w.Info)
+		b = binary.AppendUvarint(b, st.Epoch)
+		b = binary.AppendUvarint(b, st.LastEventID)
+		b = putBool(b, st.HasLastEvent)
+		b = putBool(b, st.AwaitingResync)
+		b = binary.AppendUvarint(b, st.KVUsedBlocks)
+		b = binary.AppendUvarint(b, st.WaitingRequests)
+	}
+
+	// Indexes: every node with its holders, then each worker's engine hashes per tier.
+	b = binary.AppendUvarint(b, uint64(len(s.models)))
+	for _, m := range s.models {
+		b = putString(b, m.Name)
+		b = binary.AppendUvarint(b, uint64(m.BlockSize))
+		ix := m.Index
+		ix.mu.RLock()
+		b = binary.AppendUvarint(b, uint64(len(ix.nodes)))
+		for key, n := range ix.nodes {
+			b = binary.LittleEndian.AppendUint64(b, key)
+			b = binary.AppendUvarint(b, uint64(len(n.refs)))
+			for _, r := range n.refs {
+				b = binary.AppendUvarint(b, index[r.slot()]<<2|uint64(r.tier()))
+			}
+		}
+		b = binary.AppendUvarint(b, uint64(len(ix.workers)))
+		for slot, wb := range ix.workers {
+			b = binary.AppendUvarint(b, index[slot])
+			for _, byHash := range wb.byHash {
+				b = binary.AppendUvarint(b, uint64(len(byHash)))
+				for h, n := range byHash {
+					b = binary.LittleEndian.AppendUint64(b, h)
+					b = binary.LittleEndian.AppendUint64(b, n.key)
+				}
+			}
+		}
+		ix.mu.RUnlock()
+	}
+
+	// Bookings.
+	l := s.load
+	l.mu.RLock()
+	b = binary.AppendUvarint(b, uint64(len(l.bookings)))
+	for id, bk := range l.bookings {
+		b = putString(b, id)
+		b = binary.AppendVarint(b, bk.at)
+		b = binary.AppendUvarint(b, uint64(len(bk.hops)))
+		for _, h := range bk.hops {
+			b = binary.AppendUvarint(b, index[h.slot])
+			b = putHashes(b, h.blocks)
+			b = binary.AppendUvarint(b, h.prefillTokens)
+			b = putBool(b, h.prefillDone)
+		}
+	}
+	l.mu.RUnlock()
+
+	// Sessions and the bookkeeping of replicated apply.
+	s.sessMu.RLock()
+	b = binary.AppendUvarint(b, uint64(len(s.sessions)))
+	for id, sb := range s.sessions {
+		b = putString(b, id)
+		b = putKey(b, sb.worker)
+		b = binary.AppendVarint(b, sb.expires)
+	}
+	s.sessMu.RUnlock()
+	s.rep.mu.Lock()
+	b = binary.AppendVarint(b, s.rep.expiredBefore)
+	b = binary.AppendUvarint(b, uint64(len(s.rep.tombstones)))
+	for id, t := range s.rep.tombstones {
+		b = putString(b, id)
+		b = putBool(b, t.freed)
+		b = putBool(b, t.prefillDone)
+		b = binary.AppendVarint(b, t.at)
+	}
+	s.rep.mu.Unlock()
+	return b
+}
+
+// Restore replaces the state with a snapshot and returns the log position it reflects. Replica-local
+// bookkeeping (open streams) is kept for workers that survive. On error the state is unchanged.
+func (s *State) Restore(data []byte) (string, error) {
+	fresh, position, err := decodeSnapshot(data)
+	if err != nil {
+		return "", err
+	}
+	s.mu.Lock()
+	for k, w := range fresh.workers {
+		if old := s.workers[k]; old != nil {
+			old.track.mu.Lock()
+			w.track.streams, w.track.disconnectedAt = old.track.streams, old.track.disconnectedAt
+			old.track.mu.Unlock()
+		}
+	}
+	s.models, s.workers, s.slots = fresh.models, fresh.workers, fresh.slots
+	// The load is swapped field by field: routers hold the *Load.
+	s.load.mu.Lock()
+	s.load.blocks, s.load.slots, s.load.bookings = fresh.load.blocks, fresh.load.slots, fresh.load.bookings
+	s.load.mu.Unlock()
+	s.mu.Unlock()
+	s.sessMu.Lock()
+	s.sessions = fresh.sessions
+	s.sessMu.Unlock()
+	s.rep.mu.Lock()
+	s.rep.expiredBefore, s.rep.tombstones = fresh.rep.expiredBefore, fresh.rep.tombstones
+	s.rep.mu.Unlock()
+	s.signalCapacity()
+	return position, nil
+}
+
+func decodeSnapshot(data []byte) (*State, string, error) {
+	r := &reader{b: data}
+	if v := r.byte(); r.err == nil && v != SnapshotVersion {
+		return nil, "", fmt.Errorf("%w: snapshot version %d, this replica reads version %d", ErrCorruptEntry, v, SnapshotVersion)
+	}
+	position := r.string()
+	s := NewState()
+	nw := r.count(8)
+	workers := make([]*Worker, nw)
+	for i := range workers {
+		info := r.info()
+		t := &workerTrack{epoch: r.uvarint(), lastEventID: r.uvarint(), hasLastEvent: r.bool(), awaitingResync: r.bool(),
+			kvUsedBlocks: r.uvarint(), waiting: r.uvarint()}
+		w := &Worker{Info: info, Slot: uint32(i), track: t}
+		workers[i] = w
+		s.workers[info.Key] = w
+		s.slots = append(s.slots, w)
+	}
+	worker := func() *Worker {
+		i := r.uvarint()
+		if r.err == nil && i >= uint64(len(workers)) {
+			r.fail("worker %d of %d", i, len(workers))
+		}
+		if r.err != nil {
+			return nil
+		}
+		return workers[i]
+	}
+	nm := r.count(2)
+	for range nm {
+		m := &Model{Name: r.string(), BlockSize: r.u32(), Index: NewIndex()}
+		nn := r.count(9)
+		for range nn {
+			n := &node{key: r.u64()}
+			nr := r.count(1)
+			n.refs = make([]ref, 0, nr)
+			for range nr {
+				v := r.uvarint()
+				if r.err == nil && v>>2 >= uint64(len(workers)) {
+					r.fail("ref to worker %d of %d", v>>2, len(workers))
+				}
+				n.refs = append(n.refs, makeRef(uint32(v>>2), Tier(v&3)))
+			}
+			m.Index.nodes[n.key] = n
+		}
+		nwb := r.count(NumTiers)
+		for range nwb {
+			w := worker()
+			wb := &workerBlocks{}
+			for t := range wb.byHash {
+				nh := r.count(16)
+				if nh > 0 {
+					wb.byHash[t] = make(map[uint64]*node, nh)
+				}
+				for range nh {
+					h, key := r.u64(), r.u64()
+					if n := m.Index.nodes[key]; n != nil {
+						wb.byHash[t][h] = n
+					} else if r.err == nil {
+						r.fail("block of an unknown node")
+					}
+				}
+			}
+			if w != nil {
+				m.Index.workers[w.Slot] = wb
+			}
+		}
+		s.models[m.Name] = m
+	}
+	// Model membership follows from the workers.
+	for _, w := range workers {
+		if m := s.models[w.Info.Model]; m != nil {
+			setMember(m, w)
+		} else if r.err == nil {
+			r.fail("worker %v of unknown model %q", w.Info.Key, w.Info.Model)
+		}
+	}
+	nb := r.count(3)
+	for range nb {
+		id, at := r.string(), r.varint()
+		nh := r.count(3)
+		hops := make([]bookedHop, 0, nh)
+		for range nh {
+			w := worker()
+			h := bookedHop{blocks: r.hashes(), prefillTokens: r.uvarint(), prefillDone: r.bool()}
+			if w != nil {
+				h.slot = w.Slot
+			}
+			hops = append(hops, h)
+		}
+		if r.err != nil {
+			break
+		}
+		prefill := make([]uint64, len(hops)) // book counts prefill tokens; done ones are then released
+		for i, h := range hops {
+			prefill[i] = h.prefillTokens
+		}
+		if err := s.load.book(id, at, hops); err != nil {
+			r.fail("booking %q: %v", id, err)
+			break
+		}
+		for i, h := range s.load.bookings[id].hops {
+			if h.prefillDone {
+				s.load.slotLoadLocked(h.slot).ActivePrefillTokens -= prefill[i]
+			}
+		}
+	}
+	ns := r.count(4)
+	if ns > 0 {
+		s.sessions = make(map[string]sessionBinding, ns)
+	}
+	for range ns {
+		id := r.string()
+		s.sessions[id] = sessionBinding{worker: r.key(), expires: r.varint()}
+	}
+	s.rep.expiredBefore = r.varint()
+	nt := r.count(4)
+	if nt > 0 {
+		s.rep.tombstones = make(map[string]tombstone, nt)
+	}
+	for range nt {
+		id := r.string()
+		s.rep.tombstones[id] = tombstone{freed: r.bool(), prefillDone: r.bool(), at: r.varint()}
+	}
+	if r.err == nil && len(r.b) != 0 {
+		r.fail("%d trailing bytes", len(r.b))
+	}
+	if r.err != nil {
+		return nil, "", r.err
+	}
+	return s, position, nil
+}

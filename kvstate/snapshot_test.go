@@ -1,0 +1,92 @@
+package kvstate
+
+import (
+	"errors"
+	"testing"
+)
+
+// richState builds a state touching every part a snapshot must carry.
+func richState(t *testing.T) *State {
+	t.Helper()
+	s := NewState()
+	run(t, s, []step{
+		up(w0r0), up(w0r1), up(w1), up(w1), // w1 at epoch 2
+		events(w0r0, stored(0, la, lb, lc), Event{ID: 1, Tier: TierHost, Kind: EventStored, HasParent: true, Parent: eh(lc), Blocks: blocks(ld)}),
+		events(w0r1, stored(0, la, lb), removed(1, lb)),
+		events(w1, stored(0, la), stored(2, lb)), // a gap: w1 awaits a dump
+		apply(LoadReported{Worker: w0r0, KVUsedBlocks: 42, WaitingRequests: 3}),
+		apply(Booked{Booking: Booking{RequestID: "r1", At: 10, Hops: []HopBooking{{Worker: w0r1, PrefillTokens: 100}, {Worker: w0r0, Blocks: []uint64{7, 8, 9}}}, Session: "chat", SessionExpires: 1 << 40}}),
+		apply(Booked{Booking: Booking{RequestID: "r2", At: 20, Hops: []HopBooking{{Worker: w0r0, Blocks: []uint64{7, 10}, PrefillTokens: 50}}}}),
+		apply(PrefillDone{RequestID: "r2"}),
+	})
+	if _, err := s.ApplyReplicated(Freed{RequestID: "early", At: 30}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ApplyReplicated(BookingsExpired{Before: 5}); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+func TestSnapshotRestoresTheSameState(t *testing.T) {
+	src := richState(t)
+	data := src.EncodeSnapshot(nil, "1700000000000-7")
+	dst := NewState()
+	run(t, dst, []step{up(w2)}) // whatever was there is replaced
+	pos, err := dst.Restore(data)
+	if err != nil || pos != "1700000000000-7" {
+		t.Fatalf("Restore() = %q, %v", pos, err)
+	}
+	if a, b := src.Digest(), dst.Digest(); a != b {
+		t.Fatalf("digest after restore = %x, want %x", b, a)
+	}
+	if dst.Worker(w2) != nil {
+		t.Error("a worker absent from the snapshot survived the restore")
+	}
+	// The restored state behaves like the original under the same changes.
+	for _, c := range []Change{
+		Freed{RequestID: "r1"},
+		KVEvents{Worker: w0r0, Events: []Event{storedAfter(2, lb, lx)}},
+		KVDump{Worker: w1, ThroughEventID: 5, Events: []Event{stored(0, la)}},
+		Booked{Booking: Booking{RequestID: "early", At: 40, Hops: []HopBooking{{Worker: w1}}}},
+	} {
+		r1, e1 := src.ApplyReplicated(c)
+		r2, e2 := dst.ApplyReplicated(c)
+		if !errors.Is(e2, e1) || r1 != r2 {
+			t.Errorf("ApplyReplicated(%T): original %+v %v, restored %+v %v", c, r1, e1, r2, e2)
+		}
+	}
+	if a, b := src.Digest(), dst.Digest(); a != b {
+		t.Errorf("digest after the same changes = %x, want %x", b, a)
+	}
+	if got := dst.Load().Slot(dst.Worker(w0r0).Slot); got.ActiveBlocks != 2 || got.ActivePrefillTokens != 0 {
+		t.Errorf("restored load of %v = %+v, want r2's 2 blocks and its prefill done", w0r0, got)
+	}
+}
+
+func TestSnapshotRejectsCorruption(t *testing.T) {
+	data := richState(t).EncodeSnapshot(nil, "5-0")
+	for name, bad := range map[string][]byte{
+		"empty":     nil,
+		"version":   append([]byte{SnapshotVersion + 1}, data[1:]...),
+		"truncated": data[:len(data)/2],
+		"trailing":  append(append([]byte(nil), data...), 1),
+	} {
+		s := richState(t)
+		before := s.Digest()
+		if _, err := s.Restore(bad); !errors.Is(err, ErrCorruptEntry) {
+			t.Errorf("%s: Restore() = %v, want ErrCorruptEntry", name, err)
+		}
+		if s.Digest() != before {
+			t.Errorf("%s: a failed restore changed the state", name)
+		}
+	}
+}
+
+// FuzzRestore: restoring arbitrary bytes never panics.
+func FuzzRestore(f *testing.F) {
+	f.Add(NewState().EncodeSnapshot(nil, "0"))
+	f.Fuzz(func(t *testing.T, data []byte) {
+		_, _ = NewState().Restore(data)
+	})
+}
