@@ -142,7 +142,7 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 		rdb: rdb, state: state, opts: opts,
 		waiters:  make(map[uint64]chan appliedEntry),
 		unechoed: make(map[uint64]bool),
-		outbox:    make(chan outgoing, 4096),
+		outbox:   make(chan outgoing, 4096),
 	}
 	l.lastID.Store("0")
 	return l
