@@ -103,4 +103,7 @@ type Result struct {
 	Expired int
 	// Skipped is set when a conditional change did not apply (WorkerRemoved after a reconnect).
 	Skipped bool
+	// Buffered is set when the change was applied locally but is not durable yet: the shared log
+	// was unreachable and the change waits in this replica's bounded buffer. Do not ack it.
+	Buffered bool
 }

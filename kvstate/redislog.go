@@ -34,7 +34,11 @@ type RedisOptions struct {
 	ReadBlock time.Duration
 	// ReadCount is the most entries one tail read returns.
 	ReadCount int64
-	Logger    *slog.Logger
+	// MaxBuffered bounds the worker changes a replica keeps while Redis is unreachable (applied
+	// locally, published when Redis returns). Past it, changes still apply locally, and the workers
+	// concerned are asked to resync once Redis is back.
+	MaxBuffered int
+	Logger      *slog.Logger
 }
 
 // Stream returns the name of the log stream.
@@ -90,6 +94,15 @@ type RedisLog struct {
 
 	outbox chan outgoing // locally applied bookings to publish
 
+	// Degraded mode (Redis unreachable), under mu.
+	degraded   atomic.Bool
+	buffer     []buffered        // worker changes applied locally during an outage, oldest first
+	bufferedBy map[WorkerKey]int // buffered changes per worker: their events are not acked yet
+	resync     map[WorkerKey]bool
+	flushKick  chan struct{}
+	// LostChanges counts changes that could not be kept for publishing (buffer or outbox full).
+	LostChanges atomic.Int64
+
 	// Snapshot bookkeeping, owned by the tailer goroutine.
 	sinceSnapshot uint64
 	lastSnapshot  time.Time
@@ -98,10 +111,41 @@ type RedisLog struct {
 	SnapshotBytes   atomic.Int64 // size of the last snapshot written or loaded
 	SnapshotWritten atomic.Int64 // unix nanoseconds of the last snapshot this replica wrote or loaded
 	SnapshotLoads   atomic.Int64 // snapshots loaded (at start, or after falling behind)
-	// OnApply, if set, is called for each applied entry with the time since it was appended.
-	OnApply func(lag time.Duration)
-	// OnAppend, if set, is called with the time each synchronous append took in Redis.
-	OnAppend func(took time.Duration)
+	streamLen       atomic.Int64 // the stream's length, refreshed by the tailer
+	observers       atomic.Pointer[Observers]
+}
+
+// Observers receive timings as they happen, for metrics.
+type Observers struct {
+	// Append is called with how long each synchronous append to Redis took.
+	Append func(took time.Duration)
+	// Apply is called for each applied entry with the time since it was appended (stream id time).
+	Apply func(lag time.Duration)
+}
+
+// Observe installs observers; safe to call at any time.
+func (l *RedisLog) Observe(o Observers) { l.observers.Store(&o) }
+
+// RedisLogStats is a point-in-time view of the log, for metrics and health.
+type RedisLogStats struct {
+	Degraded        bool
+	BufferedChanges int
+	LostChanges     int64
+	StreamLength    int64
+	SnapshotBytes   int64
+	SnapshotAt      time.Time // zero before the first snapshot written or loaded here
+}
+
+// Stats returns the log's current figures.
+func (l *RedisLog) Stats() RedisLogStats {
+	st := RedisLogStats{
+		Degraded: l.Degraded(), BufferedChanges: l.BufferedChanges(), LostChanges: l.LostChanges.Load(),
+		StreamLength: l.streamLen.Load(), SnapshotBytes: l.SnapshotBytes.Load(),
+	}
+	if ns := l.SnapshotWritten.Load(); ns != 0 {
+		st.SnapshotAt = time.Unix(0, ns)
+	}
+	return st
 }
 
 type appliedEntry struct {
@@ -112,6 +156,30 @@ type appliedEntry struct {
 type outgoing struct {
 	seq  uint64
 	data []byte
+}
+
+// buffered is a worker change applied locally while Redis was unreachable, waiting to be published.
+type buffered struct {
+	outgoing
+	worker    WorkerKey
+	hasWorker bool
+}
+
+// changeWorker returns the worker rank a change concerns, if any.
+func changeWorker(c Change) (WorkerKey, bool) {
+	switch c := c.(type) {
+	case WorkerUp:
+		return c.Info.Key, true
+	case WorkerRemoved:
+		return c.Key, true
+	case KVEvents:
+		return c.Worker, true
+	case KVDump:
+		return c.Worker, true
+	case LoadReported:
+		return c.Worker, true
+	}
+	return WorkerKey{}, false
 }
 
 const (
@@ -138,11 +206,17 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	if opts.SnapshotInterval <= 0 {
 		opts.SnapshotInterval = 5 * time.Minute
 	}
+	if opts.MaxBuffered <= 0 {
+		opts.MaxBuffered = 100_000
+	}
 	l := &RedisLog{
 		rdb: rdb, state: state, opts: opts,
-		waiters:  make(map[uint64]chan appliedEntry),
-		unechoed: make(map[uint64]bool),
-		outbox:   make(chan outgoing, 4096),
+		waiters:    make(map[uint64]chan appliedEntry),
+		unechoed:   make(map[uint64]bool),
+		outbox:     make(chan outgoing, 65536),
+		bufferedBy: make(map[WorkerKey]int),
+		resync:     make(map[WorkerKey]bool),
+		flushKick:  make(chan struct{}, 1),
 	}
 	l.lastID.Store("0")
 	return l
@@ -173,6 +247,13 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 	case Booked, PrefillDone, Freed:
 		return l.appendLocalFirst(c)
 	}
+	l.mu.Lock()
+	buffering := len(l.buffer) > 0
+	l.mu.Unlock()
+	if buffering {
+		// Redis was unreachable and older changes still wait: keep this one behind them.
+		return l.appendBuffered(c)
+	}
 	seq := l.seq.Add(1)
 	done := make(chan appliedEntry, 1)
 	l.mu.Lock()
@@ -183,10 +264,15 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
-		return Result{}, fmt.Errorf("%w: %v", ErrLogUnavailable, err)
+		if ctx.Err() != nil {
+			return Result{}, ctx.Err()
+		}
+		l.setDegraded(err)
+		return l.appendBuffered(c)
 	}
-	if l.OnAppend != nil {
-		l.OnAppend(time.Since(start))
+	l.setDegraded(nil)
+	if o := l.observers.Load(); o != nil && o.Append != nil {
+		o.Append(time.Since(start))
 	}
 	select {
 	case a := <-done:
@@ -197,6 +283,132 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 		delete(l.waiters, seq)
 		l.mu.Unlock()
 		return Result{}, ctx.Err()
+	}
+}
+
+// appendBuffered applies a worker change locally and keeps it for publishing when Redis returns
+// (degraded mode). Past the bound it is applied but not kept, and its worker is asked to resync once
+// Redis is back, so that every replica gets the worker's whole cache again.
+func (l *RedisLog) appendBuffered(c Change) (Result, error) {
+	l.localMu.RLock()
+	defer l.localMu.RUnlock()
+	res, err := l.state.Apply(c)
+	if err != nil {
+		return res, err
+	}
+	res.Buffered = true
+	worker, hasWorker := changeWorker(c)
+	seq := l.seq.Add(1)
+	l.mu.Lock()
+	if len(l.buffer) >= l.opts.MaxBuffered {
+		if hasWorker {
+			l.resync[worker] = true
+		}
+		l.mu.Unlock()
+		l.LostChanges.Add(1)
+		return res, nil
+	}
+	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: EncodeEntry(nil, c)}, worker: worker, hasWorker: hasWorker})
+	l.unechoed[seq] = true
+	if hasWorker {
+		l.bufferedBy[worker]++
+	}
+	l.mu.Unlock()
+	select {
+	case l.flushKick <- struct{}{}:
+	default:
+	}
+	return res, nil
+}
+
+// setDegraded records whether the last exchange with Redis failed.
+func (l *RedisLog) setDegraded(err error) {
+	if err != nil {
+		if !l.degraded.Swap(true) {
+			l.opts.Logger.Error("shared log unreachable: routing from local state, buffering worker changes", "err", err)
+		}
+		return
+	}
+	if l.degraded.Swap(false) {
+		l.opts.Logger.Info("shared log reachable again")
+	}
+}
+
+// Degraded reports whether Redis was unreachable at the last attempt, or changes still wait to be
+// published.
+func (l *RedisLog) Degraded() bool {
+	if l.degraded.Load() {
+		return true
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.buffer) > 0
+}
+
+// BufferedChanges returns how many changes wait to be published.
+func (l *RedisLog) BufferedChanges() int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return len(l.buffer)
+}
+
+// Buffered returns how many of the worker's changes wait to be published: while it is not zero,
+// the worker's latest events are not durable and must not be acked.
+func (l *RedisLog) Buffered(key WorkerKey) int {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.bufferedBy[key]
+}
+
+// TakeResync reports, once, that the worker must resend its whole cache: some of its changes were
+// applied here during an outage but could not be kept for the other replicas. It answers only once
+// Redis is reachable and the buffer is empty, so the dump goes through the log.
+func (l *RedisLog) TakeResync(key WorkerKey) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !l.resync[key] || len(l.buffer) > 0 || l.degraded.Load() {
+		return false
+	}
+	delete(l.resync, key)
+	return true
+}
+
+// flushBuffer publishes buffered changes in order, as many as Redis takes; it reports whether the
+// buffer is empty.
+func (l *RedisLog) flushBuffer(ctx context.Context) bool {
+	for {
+		l.mu.Lock()
+		batch := append([]buffered(nil), l.buffer[:min(len(l.buffer), 256)]...)
+		l.mu.Unlock()
+		if len(batch) == 0 {
+			return true
+		}
+		_, err := l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for _, b := range batch {
+				p.XAdd(ctx, l.xaddArgs(b.seq, b.data))
+			}
+			return nil
+		})
+		if err != nil {
+			l.setDegraded(err)
+			return false
+		}
+		l.mu.Lock()
+		l.buffer = l.buffer[len(batch):]
+		for _, b := range batch {
+			if b.hasWorker {
+				if l.bufferedBy[b.worker]--; l.bufferedBy[b.worker] <= 0 {
+					delete(l.bufferedBy, b.worker)
+				}
+			}
+		}
+		empty := len(l.buffer) == 0
+		l.mu.Unlock()
+		if empty {
+			l.setDegraded(nil)
+			l.opts.Logger.Info("published the changes buffered during the outage")
+			return true
+		}
 	}
 }
 
@@ -221,9 +433,13 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	select {
 	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c)}:
 	default:
-		// The outbox is full: publish inline rather than lose the change.
-		if xerr := l.xadd(context.Background(), seq, EncodeEntry(nil, c)); xerr != nil {
-			l.opts.Logger.Error("publishing a booking change failed; replicas will differ until it expires", "err", xerr)
+		// A long outage filled the outbox. Routing must not wait on Redis: the change stays local
+		// (other replicas miss this booking's load until it is freed or expires), and it is counted.
+		l.mu.Lock()
+		delete(l.unechoed, seq)
+		l.mu.Unlock()
+		if l.LostChanges.Add(1) == 1 {
+			l.opts.Logger.Error("the booking outbox is full: bookings stay local to this replica until Redis returns")
 		}
 	}
 	return res, nil
@@ -271,7 +487,7 @@ func (l *RedisLog) Run(ctx context.Context) error {
 			if ctx.Err() != nil {
 				return nil
 			}
-			l.opts.Logger.Warn("reading the log failed; retrying", "err", err)
+			l.setDegraded(err)
 			select {
 			case <-ctx.Done():
 			case <-time.After(100 * time.Millisecond):
@@ -296,6 +512,9 @@ func (l *RedisLog) Run(ctx context.Context) error {
 // catchUp loads the snapshot when this replica has applied nothing yet or the stream no longer holds
 // the entries after what it applied (they were trimmed behind a newer snapshot).
 func (l *RedisLog) catchUp(ctx context.Context) error {
+	if n, err := l.rdb.XLen(ctx, l.opts.Stream()).Result(); err == nil {
+		l.streamLen.Store(n)
+	}
 	last := l.LastID()
 	if last != "0" {
 		first, err := l.rdb.XRangeN(ctx, l.opts.Stream(), "-", "+", 1).Result()
@@ -328,6 +547,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 	}
 	l.lastID.Store(pos)
 	l.SnapshotBytes.Store(int64(len(data)))
+	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.SnapshotLoads.Add(1)
 	l.opts.Logger.Info("loaded the log snapshot", "position", pos, "bytes", len(data), "took", time.Since(start))
 	return nil
@@ -421,13 +641,24 @@ func splitStreamID(id string) (ms, seq uint64) {
 
 // publish sends queued booking changes, pipelining whatever has accumulated.
 func (l *RedisLog) publish(ctx context.Context) {
+	retry := time.NewTicker(200 * time.Millisecond)
+	defer retry.Stop()
 	for {
 		var batch []outgoing
 		select {
 		case <-ctx.Done():
 			return
+		case <-l.flushKick:
+		case <-retry.C:
 		case o := <-l.outbox:
 			batch = append(batch, o)
+		}
+		// Worker changes buffered during an outage go first, in order.
+		if !l.flushBuffer(ctx) && len(batch) == 0 {
+			continue
+		}
+		if len(batch) == 0 {
+			continue
 		}
 	drain:
 		for len(batch) < 256 {
@@ -446,9 +677,10 @@ func (l *RedisLog) publish(ctx context.Context) {
 				return nil
 			})
 			if err == nil || ctx.Err() != nil {
+				l.setDegraded(err)
 				break
 			}
-			l.opts.Logger.Warn("publishing booking changes failed; retrying", "err", err, "changes", len(batch))
+			l.setDegraded(err)
 			select {
 			case <-ctx.Done():
 				return
@@ -464,9 +696,9 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) {
 		l.lastID.Store(msg.ID)
 		l.position.Add(1)
 		l.sinceSnapshot++
-		if l.OnApply != nil {
+		if o := l.observers.Load(); o != nil && o.Apply != nil {
 			if ms, _ := splitStreamID(msg.ID); ms > 0 {
-				l.OnApply(time.Since(time.UnixMilli(int64(ms))))
+				o.Apply(time.Since(time.UnixMilli(int64(ms))))
 			}
 		}
 	}()

@@ -160,15 +160,82 @@ func onEveryRedis(t *testing.T, test func(t *testing.T, rdb redis.UniversalClien
 
 func TestRedisLogReplicas(t *testing.T) { onEveryRedis(t, runRedisLogSuite) }
 
-// TestRedisLogUnavailable: with Redis gone, a worker change is refused (never acked) and says why.
-func TestRedisLogUnavailable(t *testing.T) {
+// TestRedisOutage: while Redis does not answer, worker changes apply locally and wait in a bounded
+// buffer (reported Buffered: not acked), and bookings apply locally: routing goes on. When Redis
+// answers again the buffer is published, the replicas converge to the same digest, and a worker
+// whose changes overflowed the buffer is asked (once) to resync.
+func TestRedisOutage(t *testing.T) {
 	srv := redistest.Start(t)
-	rs := startReplicas(t, srv.Client(), 1)
-	srv.Stop()
-	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	rdb := srv.FastClient()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
 	defer cancel()
-	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err == nil {
-		t.Fatal("Append with Redis down = nil, want ErrLogUnavailable")
+	rs := startReplicas(t, rdb, 2, func(o *kvstate.RedisOptions) { o.MaxBuffered = 3 })
+	a, b := rs[0], rs[1]
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("Append(WorkerUp) = %v", err)
+	}
+	stored := func(id uint64) kvstate.KVEvents {
+		ev := kvstate.Event{ID: id, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: id + 1, Local: 100 + id}}}
+		if id > 0 {
+			ev.HasParent, ev.Parent = true, id
+		}
+		return kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{ev}}
+	}
+	if res, err := a.log.Append(ctx, stored(0)); err != nil || res.Buffered {
+		t.Fatalf("Append before the outage = %+v, %v; want durable", res, err)
+	}
+
+	srv.Pause()
+	for id := uint64(1); id <= 5; id++ { // 3 fit in the buffer, 2 overflow
+		res, err := a.log.Append(ctx, stored(id))
+		if err != nil || !res.Buffered || res.LastEventID != id {
+			t.Fatalf("Append(event %d) during the outage = %+v, %v; want applied locally and Buffered", id, res, err)
+		}
+	}
+	if !a.log.Degraded() || a.log.Buffered(wk) != 3 || a.log.LostChanges.Load() != 2 {
+		t.Errorf("during the outage: degraded %v, buffered %d, lost %d; want true, 3, 2", a.log.Degraded(), a.log.Buffered(wk), a.log.LostChanges.Load())
+	}
+	if a.log.TakeResync(wk) {
+		t.Error("TakeResync during the outage = true, want false until Redis answers and the buffer is published")
+	}
+	// Routing goes on: a booking on B applies at once.
+	if _, err := b.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: "during", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{1}}}}}); err != nil {
+		t.Fatalf("booking during the outage = %v", err)
+	}
+	if b.state.Load().Bookings() != 1 {
+		t.Error("a booking during the outage did not apply locally")
+	}
+
+	time.Sleep(300 * time.Millisecond)
+	srv.Resume()
+	eventually(t, "the buffer to be published and both replicas to catch up", func() bool {
+		return !a.log.Degraded() && !b.log.Degraded() && caughtUp(ctx, rdb, stream, a, b)
+	})
+	if !a.log.TakeResync(wk) || a.log.TakeResync(wk) {
+		t.Error("TakeResync after the outage: want true exactly once for the worker whose changes overflowed")
+	}
+	if da, db := a.state.Digest(), b.state.Digest(); da == db {
+		// B misses the two overflowed events until the worker resyncs: the digests must say so.
+		t.Errorf("digests equal (%x) although 2 events overflowed on A", da)
+	}
+	// The worker answers the resync with a dump, which goes through the log to every replica.
+	dump := kvstate.KVDump{Worker: wk, ThroughEventID: 5}
+	for id := uint64(0); id <= 5; id++ {
+		dump.Events = append(dump.Events, stored(id).Events[0])
+	}
+	if res, err := a.log.Append(ctx, dump); err != nil || res.Buffered {
+		t.Fatalf("Append(dump) = %+v, %v", res, err)
+	}
+	eventually(t, "both replicas to apply the dump", func() bool { return caughtUp(ctx, rdb, stream, a, b) })
+	if da, db := a.state.Digest(), b.state.Digest(); da != db {
+		t.Errorf("digests after the resync: A %x, B %x; want equal", da, db)
+	}
+	if got := overlap(b.state, 100, 101, 102, 103, 104, 105); got != 6 {
+		t.Errorf("B's overlap after the resync = %d, want 6", got)
+	}
+	if a.state.Load().Bookings() != 1 {
+		t.Error("A never saw the booking B made during the outage")
 	}
 }
 

@@ -51,7 +51,64 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 	}
 	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs,
 		&stateCollector{state: state, log: log, router: router})
+	if rl, ok := log.(*kvstate.RedisLog); ok {
+		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_shared_log_append_seconds",
+			Help:    "Time to append a worker change to the Redis stream (the ack to the worker waits for it).",
+			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 14),
+		})
+		applyLag := prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "kvrouter_shared_log_apply_lag_seconds",
+			Help:    "Time from a change's append to the stream to its apply on this replica: how stale this replica's view is.",
+			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 16),
+		})
+		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{rl})
+		rl.Observe(kvstate.Observers{
+			Append: func(d time.Duration) { appendLatency.Observe(d.Seconds()) },
+			Apply:  func(d time.Duration) { applyLag.Observe(max(0, d.Seconds())) },
+		})
+	}
 	return m
+}
+
+// sharedLogCollector reports the Redis log's gauges at scrape time.
+type sharedLogCollector struct{ l *kvstate.RedisLog }
+
+var (
+	degradedDesc = prometheus.NewDesc("kvrouter_shared_log_degraded",
+		"1 while Redis is unreachable or changes made during an outage still wait to be published; routing goes on from local state.", nil, nil)
+	bufferedDesc = prometheus.NewDesc("kvrouter_shared_log_buffered_changes",
+		"Worker changes applied locally during a Redis outage and waiting to be published.", nil, nil)
+	lostDesc = prometheus.NewDesc("kvrouter_shared_log_lost_changes_total",
+		"Changes applied locally that could not be kept for the other replicas (buffer bound exceeded); their workers are asked to resync.", nil, nil)
+	streamLenDesc = prometheus.NewDesc("kvrouter_shared_log_stream_length",
+		"Entries in the Redis stream (trimmed behind snapshots).", nil, nil)
+	snapshotBytesDesc = prometheus.NewDesc("kvrouter_shared_log_snapshot_bytes",
+		"Size of the last snapshot this replica wrote or loaded.", nil, nil)
+	snapshotAgeDesc = prometheus.NewDesc("kvrouter_shared_log_snapshot_age_seconds",
+		"Time since the last snapshot this replica wrote or loaded.", nil, nil)
+)
+
+func (c sharedLogCollector) Describe(ch chan<- *prometheus.Desc) {
+	for _, d := range []*prometheus.Desc{degradedDesc, bufferedDesc, lostDesc, streamLenDesc, snapshotBytesDesc, snapshotAgeDesc} {
+		ch <- d
+	}
+}
+
+func (c sharedLogCollector) Collect(ch chan<- prometheus.Metric) {
+	st := c.l.Stats()
+	degraded := 0.0
+	if st.Degraded {
+		degraded = 1
+	}
+	ch <- prometheus.MustNewConstMetric(degradedDesc, prometheus.GaugeValue, degraded)
+	ch <- prometheus.MustNewConstMetric(bufferedDesc, prometheus.GaugeValue, float64(st.BufferedChanges))
+	ch <- prometheus.MustNewConstMetric(lostDesc, prometheus.CounterValue, float64(st.LostChanges))
+	ch <- prometheus.MustNewConstMetric(streamLenDesc, prometheus.GaugeValue, float64(st.StreamLength))
+	ch <- prometheus.MustNewConstMetric(snapshotBytesDesc, prometheus.GaugeValue, float64(st.SnapshotBytes))
+	if !st.SnapshotAt.IsZero() {
+		ch <- prometheus.MustNewConstMetric(snapshotAgeDesc, prometheus.GaugeValue, time.Since(st.SnapshotAt).Seconds())
+	}
 }
 
 func (m *metrics) observeRoute(model string, d *policy.Decision, took time.Duration) {

@@ -118,7 +118,36 @@ func New(o Options) *Server {
 	for _, name := range append([]string{""}, serviceNames...) {
 		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
 	}
+	if rl, ok := o.Log.(*kvstate.RedisLog); ok {
+		go s.watchSharedLog(rl)
+	}
 	return s
+}
+
+// SharedStateService is the health entry of the state shared through Redis: NOT_SERVING while
+// Redis is unreachable or an outage's changes wait to be published. The routing services stay
+// SERVING meanwhile, since routing goes on from local state.
+const SharedStateService = "kvrouter.v1.SharedState"
+
+func (s *Server) watchSharedLog(l *kvstate.RedisLog) {
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	last := healthpb.HealthCheckResponse_UNKNOWN
+	for {
+		want := healthpb.HealthCheckResponse_SERVING
+		if l.Degraded() {
+			want = healthpb.HealthCheckResponse_NOT_SERVING
+		}
+		if want != last {
+			s.health.SetServingStatus(SharedStateService, want)
+			last = want
+		}
+		select {
+		case <-s.stopping:
+			return
+		case <-t.C:
+		}
+	}
 }
 
 // Serve accepts connections on lis until Shutdown.

@@ -145,8 +145,36 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err := ps.sendRegistered(); err != nil {
 		return err
 	}
+	// With a shared log that may buffer (Redis mode), acks of buffered events wait until they are
+	// published, and a resync may be asked after an outage: both are checked between messages and
+	// on a timer, for an idle worker.
+	buffering, _ := s.log.(bufferingLog)
+	var tick <-chan time.Time
+	if buffering != nil {
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		tick = t.C
+	}
 	for {
-		msg, err := next()
+		var msg *kvrouterv1.PublishRequest
+		var err error
+		if tick == nil {
+			msg, err = next()
+		} else {
+			select {
+			case <-tick:
+				if err := ps.refresh(buffering); err != nil {
+					return err
+				}
+				continue
+			case r := <-msgs:
+				msg, err = r.msg, r.err
+			case <-ctx.Done():
+				err = status.FromContextError(ctx.Err()).Err()
+			case <-s.stopping:
+				err = status.Error(codes.Unavailable, "router is shutting down; reconnect to another replica")
+			}
+		}
 		if errors.Is(err, io.EOF) {
 			ps.logger.Info("worker stream closed")
 			return nil
@@ -158,7 +186,39 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 			ps.logger.Warn("worker stream ended by error", "err", err)
 			return err
 		}
+		if buffering != nil {
+			if err := ps.refresh(buffering); err != nil {
+				return err
+			}
+		}
 	}
+}
+
+// bufferingLog is a log that keeps changes locally while its store is unreachable (kvstate.RedisLog).
+type bufferingLog interface {
+	// Buffered returns how many of the worker's changes are not durable yet.
+	Buffered(key kvstate.WorkerKey) int
+	// TakeResync reports, once, that the worker must resend its whole cache.
+	TakeResync(key kvstate.WorkerKey) bool
+}
+
+// refresh acks events that became durable since, and forwards a resync the log asks for.
+func (ps *publishStream) refresh(l bufferingLog) error {
+	if l.TakeResync(ps.info.Key) {
+		ps.logger.Warn("asking the worker for a dump: its events applied here during a shared-log outage could not all be kept for the other replicas")
+		ps.svc.metrics.resyncs.Inc()
+		if err := ps.stream.Send(resync("shared log outage: events were lost for the other replicas", 0)); err != nil {
+			return err
+		}
+	}
+	if l.Buffered(ps.info.Key) > 0 {
+		return nil
+	}
+	if w := ps.svc.state.Worker(ps.info.Key); w != nil {
+		st := w.Status()
+		return ps.ack(kvstate.Result{LastEventID: st.LastEventID, HasLastEvent: st.HasLastEvent})
+	}
+	return nil
 }
 
 func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequest) error {
@@ -199,6 +259,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			}
 			svc.metrics.resyncs.Inc()
 		}
+		if res.Buffered {
+			return nil // applied here, not durable yet: acked once published
+		}
 		return ps.ack(res)
 	case *kvrouterv1.PublishRequest_Dump:
 		events, err := ps.convertEvents("dump.events", m.Dump.GetEvents(), false)
@@ -216,6 +279,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		}
 		svc.metrics.observeEvents(res)
 		ps.logger.Info("applied dump", "through_event_id", m.Dump.GetThroughEventId(), "events", len(events))
+		if res.Buffered {
+			return nil
+		}
 		return ps.ack(res)
 	case *kvrouterv1.PublishRequest_Load:
 		if m.Load.GetDpRank() != ps.info.Key.Rank {

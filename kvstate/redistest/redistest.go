@@ -12,6 +12,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
@@ -104,9 +105,35 @@ func (s *Server) Stop() {
 	if s.cmd == nil || s.cmd.Process == nil {
 		return
 	}
+	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused process must run to die
 	_ = s.cmd.Process.Kill()
 	_ = s.cmd.Wait()
 	s.cmd = nil
+}
+
+// Pause freezes the server (SIGSTOP): connections stay open but nothing answers, as in a network
+// partition. Resume ends it. The data is kept.
+func (s *Server) Pause() {
+	if s.cmd != nil && s.cmd.Process != nil {
+		_ = s.cmd.Process.Signal(syscall.SIGSTOP)
+	}
+}
+
+// Resume continues a paused server (SIGCONT).
+func (s *Server) Resume() {
+	if s.cmd != nil && s.cmd.Process != nil {
+		_ = s.cmd.Process.Signal(syscall.SIGCONT)
+	}
+}
+
+// FastClient returns a client with short timeouts, so that tests of an outage do not wait long for
+// each failed call. Closed at cleanup.
+func (s *Server) FastClient() redis.UniversalClient {
+	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{s.Addr},
+		DialTimeout: 200 * time.Millisecond, ReadTimeout: 200 * time.Millisecond, WriteTimeout: 200 * time.Millisecond,
+		MaxRetries: -1, ContextTimeoutEnabled: true})
+	s.t.Cleanup(func() { c.Close() })
+	return c
 }
 
 // Restart starts the server again on the same address (empty: persistence is off), as after an
