@@ -321,6 +321,27 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 	return res, nil
 }
 
+// probe pings Redis with a short timeout, so an outage shows in health within a second whether or
+// not changes are flowing (client retries can hold a failing append for several seconds).
+func (l *RedisLog) probe(ctx context.Context) {
+	t := time.NewTicker(250 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		pctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+		err := l.rdb.Ping(pctx).Err()
+		cancel()
+		if ctx.Err() != nil {
+			return
+		}
+		l.setDegraded(err)
+	}
+}
+
 // setDegraded records whether the last exchange with Redis failed.
 func (l *RedisLog) setDegraded(err error) {
 	if err != nil {
@@ -461,6 +482,7 @@ func (l *RedisLog) xaddArgs(seq uint64, data []byte) *redis.XAddArgs {
 // stream was trimmed past what it applied.
 func (l *RedisLog) Run(ctx context.Context) error {
 	go l.publish(ctx)
+	go l.probe(ctx)
 	l.lastSnapshot = time.Now()
 	for ctx.Err() == nil {
 		if err := l.catchUp(ctx); err == nil {

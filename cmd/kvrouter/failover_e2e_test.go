@@ -9,7 +9,6 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
 // worker is a minimal publisher: one Publish stream, events with consecutive ids, acks tracked.
@@ -97,11 +96,12 @@ func listWorkers(t *testing.T, addr string) map[uint64]*kvrouterv1.WorkerStatus 
 // TestReplicaCrash kills replica A (SIGKILL) while two workers stream to it. Worker 1 reconnects to B:
 // B has every event A acked, and the worker resumes after B's last event id. Worker 2 never comes
 // back: when its lease runs out, B removes it with its blocks.
-func TestReplicaCrash(t *testing.T) {
+func TestReplicaCrash(t *testing.T) { onEveryRedis(t, testReplicaCrash) }
+
+func testReplicaCrash(t *testing.T, r redisTarget) {
 	bin := buildBinary(t)
-	redisAddr := redistest.Start(t).Addr
-	a := startProcess(t, bin, "--redis-addr", redisAddr, "--replica-id", "a", "--worker-grace-period", "1s")
-	b := startProcess(t, bin, "--redis-addr", redisAddr, "--replica-id", "b", "--worker-grace-period", "1s")
+	a := startProcess(t, bin, append(r.flags, "--replica-id", "a", "--worker-grace-period", "1s")...)
+	b := startProcess(t, bin, append(r.flags, "--replica-id", "b", "--worker-grace-period", "1s")...)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
 	defer cancel()
 

@@ -162,6 +162,9 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		Addrs: addrs, IsClusterMode: cluster,
 		DialTimeout: 2 * time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second,
 		ContextTimeoutEnabled: true,
+		// One retry: a change that cannot be appended is buffered locally (degraded mode) rather
+		// than held for several retries while its worker waits.
+		MaxRetries: 1,
 	})
 	replica := cfg.ReplicaID
 	if replica == "" {

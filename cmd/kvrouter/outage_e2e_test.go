@@ -12,7 +12,6 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
 	"github.com/kvrouter/kvrouter/server"
 )
 
@@ -33,10 +32,13 @@ func TestRedisOutageUnderLoad(t *testing.T) {
 	if testing.Short() {
 		t.Skip("a 10 s outage is skipped in -short mode")
 	}
+	onEveryRedis(t, testRedisOutageUnderLoad)
+}
+
+func testRedisOutageUnderLoad(t *testing.T, r redisTarget) {
 	bin := buildBinary(t)
-	srv := redistest.Start(t)
-	a := startProcess(t, bin, "--redis-addr", srv.Addr, "--replica-id", "a")
-	b := startProcess(t, bin, "--redis-addr", srv.Addr, "--replica-id", "b")
+	a := startProcess(t, bin, append(r.flags, "--replica-id", "a")...)
+	b := startProcess(t, bin, append(r.flags, "--replica-id", "b")...)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
 	defer cancel()
 
@@ -110,14 +112,14 @@ func TestRedisOutageUnderLoad(t *testing.T) {
 	}
 
 	time.Sleep(time.Second)
-	srv.Pause()
+	r.pause()
 	health := healthpb.NewHealthClient(dial(t, a.addr))
 	sawDegraded := false
 	for deadline := time.Now().Add(10 * time.Second); time.Now().Before(deadline); time.Sleep(200 * time.Millisecond) {
 		resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: server.SharedStateService})
 		sawDegraded = sawDegraded || (err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_NOT_SERVING)
 	}
-	srv.Resume()
+	r.resume()
 	time.Sleep(time.Second)
 	close(stop)
 	wg.Wait()

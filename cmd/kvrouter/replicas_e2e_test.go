@@ -11,12 +11,35 @@ import (
 
 // TestReplicasShareState runs two kvrouter processes on one private redis-server: a worker publishes
 // to replica A, and replica B routes with its overlap; the request B books shows in A's load.
-func TestReplicasShareState(t *testing.T) {
+func TestReplicasShareState(t *testing.T) { onEveryRedis(t, testReplicasShareState) }
+
+// redisTarget is a private Redis for process tests: its flags for kvrouter, and how to freeze it.
+type redisTarget struct {
+	flags         []string
+	pause, resume func()
+}
+
+// onEveryRedis runs a process test against a private redis-server and a private 3-master Redis
+// Cluster.
+func onEveryRedis(t *testing.T, test func(t *testing.T, r redisTarget)) {
+	t.Run("single", func(t *testing.T) {
+		s := redistest.Start(t)
+		test(t, redisTarget{flags: []string{"--redis-addr", s.Addr}, pause: s.Pause, resume: s.Resume})
+	})
+	t.Run("cluster", func(t *testing.T) {
+		if testing.Short() {
+			t.Skip("Redis Cluster runs skipped in -short mode")
+		}
+		c := redistest.StartCluster(t, 3)
+		test(t, redisTarget{flags: []string{"--redis-cluster-addrs", strings.Join(c.Addrs, ",")}, pause: c.Pause, resume: c.Resume})
+	})
+}
+
+func testReplicasShareState(t *testing.T, r redisTarget) {
 	grpcurl := grpcurlPath(t)
 	bin := buildBinary(t)
-	redisAddr := redistest.Start(t).Addr
-	a, _ := startServer(t, bin, "--redis-addr", redisAddr, "--replica-id", "a")
-	b, _ := startServer(t, bin, "--redis-addr", redisAddr, "--replica-id", "b")
+	a, _ := startServer(t, bin, append(r.flags, "--replica-id", "a")...)
+	b, _ := startServer(t, bin, append(r.flags, "--replica-id", "b")...)
 
 	prompt := tokenRange(1, 1024)
 	publishFleet(t, grpcurl, a, prompt) // P1, D1 caching 15 of 16 blocks, D2

@@ -208,5 +208,19 @@ func (c *Cluster) Client() redis.UniversalClient {
 	return cl
 }
 
+// Pause freezes every node (see Server.Pause).
+func (c *Cluster) Pause() {
+	for _, s := range c.servers {
+		s.Pause()
+	}
+}
+
+// Resume continues every node.
+func (c *Cluster) Resume() {
+	for _, s := range c.servers {
+		s.Resume()
+	}
+}
+
 // String describes the cluster.
 func (c *Cluster) String() string { return fmt.Sprintf("cluster%v", c.Addrs) }
