@@ -62,7 +62,10 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 }
 
 // Run sweeps every interval until ctx ends.
-func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) {
+func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) { every(ctx, interval, h.Sweep) }
+
+// every calls f every interval until ctx ends.
+func every(ctx context.Context, interval time.Duration, f func(context.Context)) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {
@@ -70,7 +73,7 @@ func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) {
 		case <-ctx.Done():
 			return
 		case <-t.C:
-			h.Sweep(ctx)
+			f(ctx)
 		}
 	}
 }

@@ -146,15 +146,4 @@ func (r *RedisLeases) Sweep(ctx context.Context) {
 }
 
 // Run sweeps every interval until ctx ends.
-func (r *RedisLeases) Run(ctx context.Context, interval time.Duration) {
-	t := time.NewTicker(interval)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			r.Sweep(ctx)
-		}
-	}
-}
+func (r *RedisLeases) Run(ctx context.Context, interval time.Duration) { every(ctx, interval, r.Sweep) }

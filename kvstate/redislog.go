@@ -324,22 +324,14 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 // probe pings Redis with a short timeout, so an outage shows in health within a second whether or
 // not changes are flowing (client retries can hold a failing append for several seconds).
 func (l *RedisLog) probe(ctx context.Context) {
-	t := time.NewTicker(250 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-		}
+	every(ctx, 250*time.Millisecond, func(ctx context.Context) {
 		pctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 		err := l.rdb.Ping(pctx).Err()
 		cancel()
-		if ctx.Err() != nil {
-			return
+		if ctx.Err() == nil {
+			l.setDegraded(err)
 		}
-		l.setDegraded(err)
-	}
+	})
 }
 
 // setDegraded records whether the last exchange with Redis failed.

@@ -40,28 +40,6 @@ func withCD(logs *syncBuffer) func(*Options) {
 	}
 }
 
-// gauge returns the value of the gauge name{label=value}.
-func (e *testEnv) gauge(name, label, value string) float64 {
-	e.t.Helper()
-	mfs, err := e.registry.Gather()
-	if err != nil {
-		e.t.Fatalf("Gather() = %v", err)
-	}
-	for _, mf := range mfs {
-		if mf.GetName() != name {
-			continue
-		}
-		for _, m := range mf.GetMetric() {
-			for _, l := range m.GetLabel() {
-				if l.GetName() == label && l.GetValue() == value {
-					return m.GetGauge().GetValue()
-				}
-			}
-		}
-	}
-	return -1
-}
-
 func registerRole(e *testEnv, id uint64, role kvrouterv1.WorkerRole, kvEvents bool) *publisher {
 	p := e.publish()
 	h := hello(id, role, 4)

@@ -13,6 +13,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/prometheus/client_golang/prometheus"
+	dto "github.com/prometheus/client_model/go"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -441,6 +442,24 @@ func TestPublishDropsAndCounts(t *testing.T) {
 // counter returns the value of the counter name{label=value}, or 0 if it was never incremented.
 func (e *testEnv) counter(name, label, value string) float64 {
 	e.t.Helper()
+	if m := e.metric(name, label, value); m != nil {
+		return m.GetCounter().GetValue()
+	}
+	return 0
+}
+
+// gauge returns the value of the gauge name{label=value}, or -1 if there is none.
+func (e *testEnv) gauge(name, label, value string) float64 {
+	e.t.Helper()
+	if m := e.metric(name, label, value); m != nil {
+		return m.GetGauge().GetValue()
+	}
+	return -1
+}
+
+// metric finds the sample name{label=value} in the registry.
+func (e *testEnv) metric(name, label, value string) *dto.Metric {
+	e.t.Helper()
 	mfs, err := e.registry.Gather()
 	if err != nil {
 		e.t.Fatalf("Gather() = %v", err)
@@ -452,12 +471,12 @@ func (e *testEnv) counter(name, label, value string) float64 {
 		for _, m := range mf.GetMetric() {
 			for _, l := range m.GetLabel() {
 				if l.GetName() == label && l.GetValue() == value {
-					return m.GetCounter().GetValue()
+					return m
 				}
 			}
 		}
 	}
-	return 0
+	return nil
 }
 
 func TestPublishGapResyncAndDump(t *testing.T) {
