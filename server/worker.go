@@ -96,10 +96,13 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 			}
 		}
 	}()
-	next := func() (*kvrouterv1.PublishRequest, error) {
+	// next returns the next message; a tick (nil when not wanted) interrupts the wait with neither.
+	next := func(tick <-chan time.Time) (*kvrouterv1.PublishRequest, error) {
 		select {
 		case r := <-msgs:
 			return r.msg, r.err
+		case <-tick:
+			return nil, nil
 		case <-ctx.Done():
 			return nil, status.FromContextError(ctx.Err()).Err()
 		case <-s.stopping:
@@ -107,7 +110,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		}
 	}
 
-	first, err := next()
+	first, err := next(nil)
 	if err != nil {
 		if errors.Is(err, io.EOF) {
 			return nil
@@ -156,25 +159,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		tick = t.C
 	}
 	for {
-		var msg *kvrouterv1.PublishRequest
-		var err error
-		if tick == nil {
-			msg, err = next()
-		} else {
-			select {
-			case <-tick:
-				if err := ps.refresh(buffering); err != nil {
-					return err
-				}
-				continue
-			case r := <-msgs:
-				msg, err = r.msg, r.err
-			case <-ctx.Done():
-				err = status.FromContextError(ctx.Err()).Err()
-			case <-s.stopping:
-				err = status.Error(codes.Unavailable, "router is shutting down; reconnect to another replica")
-			}
-		}
+		msg, err := next(tick)
 		if errors.Is(err, io.EOF) {
 			ps.logger.Info("worker stream closed")
 			return nil
@@ -182,9 +167,11 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		if err != nil {
 			return err
 		}
-		if err := ps.handle(ctx, msg); err != nil {
-			ps.logger.Warn("worker stream ended by error", "err", err)
-			return err
+		if msg != nil {
+			if err := ps.handle(ctx, msg); err != nil {
+				ps.logger.Warn("worker stream ended by error", "err", err)
+				return err
+			}
 		}
 		if buffering != nil {
 			if err := ps.refresh(buffering); err != nil {
