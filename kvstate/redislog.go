@@ -487,6 +487,7 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+	lastCheck := time.Now()
 	for ctx.Err() == nil {
 		l.maybeSnapshot(ctx)
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
@@ -516,8 +517,11 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		if len(streams) > 0 && len(streams[0].Messages) == int(l.opts.ReadCount) {
 			continue // more is waiting; check the trim point below only when caught up
 		}
-		if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
-			l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
+		if time.Since(lastCheck) >= time.Second {
+			lastCheck = time.Now()
+			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
+				l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
+			}
 		}
 	}
 	return nil
@@ -563,6 +567,16 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.SnapshotLoads.Add(1)
+	if last != "0" {
+		// The snapshot may cover entries this replica appended and still waits for: they will not
+		// come back through the stream. Their appenders retry (a worker replays, duplicates drop).
+		l.mu.Lock()
+		for seq, w := range l.waiters {
+			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", ErrLogUnavailable)}
+			delete(l.waiters, seq)
+		}
+		l.mu.Unlock()
+	}
 	l.opts.Logger.Info("loaded the log snapshot", "position", pos, "bytes", len(data), "took", time.Since(start))
 	return nil
 }
