@@ -40,6 +40,7 @@ var domainErrors = []struct {
 	{kvstate.ErrWorkerConflict, codes.FailedPrecondition, "WORKER_CONFLICT"},
 	{kvstate.ErrBlockSizeMismatch, codes.FailedPrecondition, "BLOCK_SIZE_MISMATCH"},
 	{kvstate.ErrStaleDump, codes.FailedPrecondition, "STALE_DUMP"},
+	{kvstate.ErrLogUnavailable, codes.Unavailable, "LOG_UNAVAILABLE"},
 }
 
 // retryDelay is suggested to clients on RESOURCE_EXHAUSTED: long enough for some prefill to finish.

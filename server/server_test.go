@@ -2,6 +2,7 @@ package server
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -604,5 +605,31 @@ func TestShutdownEndsStreams(t *testing.T) {
 	resp, err := st.Check(ctx, &healthpb.HealthCheckRequest{Service: ""})
 	if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
 		t.Errorf("health after shutdown = %v, %v; want NOT_SERVING", resp.GetStatus(), err)
+	}
+}
+
+// TestErrorMapping: every domain error becomes its status code, with a stable reason; context errors
+// pass through; anything else is INTERNAL.
+func TestErrorMapping(t *testing.T) {
+	for _, d := range domainErrors {
+		st, _ := status.FromError(toStatus(fmt.Errorf("wrapped: %w", d.err)))
+		var reason string
+		for _, det := range st.Details() {
+			if ei, ok := det.(*errdetails.ErrorInfo); ok {
+				reason = ei.GetReason()
+			}
+		}
+		if st.Code() != d.code || reason != d.reason {
+			t.Errorf("toStatus(%v) = %v %q, want %v %q", d.err, st.Code(), reason, d.code, d.reason)
+		}
+	}
+	if got := status.Code(toStatus(context.DeadlineExceeded)); got != codes.DeadlineExceeded {
+		t.Errorf("toStatus(DeadlineExceeded) = %v", got)
+	}
+	if got := status.Code(toStatus(kvstate.ErrLogUnavailable)); got != codes.Unavailable {
+		t.Errorf("toStatus(ErrLogUnavailable) = %v, want Unavailable", got)
+	}
+	if got := status.Code(toStatus(errors.New("boom"))); got != codes.Internal {
+		t.Errorf("toStatus(unknown) = %v, want Internal", got)
 	}
 }
