@@ -185,6 +185,7 @@ func TestRedisOutage(t *testing.T) {
 	if res, err := a.log.Append(ctx, stored(0)); err != nil || res.Buffered {
 		t.Fatalf("Append before the outage = %+v, %v; want durable", res, err)
 	}
+	eventually(t, "both replicas to apply what came before the outage", func() bool { return caughtUp(ctx, rdb, stream, a, b) })
 
 	srv.Pause()
 	for id := uint64(1); id <= 5; id++ { // 3 fit in the buffer, 2 overflow
