@@ -40,6 +40,9 @@ type Options struct {
 	RedisClusterAddrs string // comma-separated Redis Cluster seed nodes
 	RedisPrefix       string // key prefix; its hash tag keeps the layout on one cluster slot
 	ReplicaID         string // this replica's name in the log (default: hostname-pid)
+	RedisMaxBuffered  int    // worker changes kept locally during a Redis outage
+	SnapshotEvery     int    // applied changes between snapshot attempts
+	SnapshotInterval  time.Duration
 
 	// Routing.
 	Router                  policy.Config
@@ -168,6 +171,9 @@ var settings = []setting{
 	stringSetting("redis_addr", "share state with other replicas through this Redis server (host:port); empty: embedded state", func(o *Options) *string { return &o.RedisAddr }),
 	stringSetting("redis_cluster_addrs", "share state through this Redis Cluster (comma-separated seed host:port list)", func(o *Options) *string { return &o.RedisClusterAddrs }),
 	stringSetting("redis_prefix", "prefix of every Redis key, with the hash tag that keeps them on one cluster slot", func(o *Options) *string { return &o.RedisPrefix }),
+	intSetting("redis_max_buffered", "worker changes a replica keeps while Redis is unreachable; past it, workers are asked to resync when Redis returns", func(o *Options) *int { return &o.RedisMaxBuffered }, 1),
+	intSetting("snapshot_every", "log entries applied between two snapshots of the shared state (one replica at a time writes them)", func(o *Options) *int { return &o.SnapshotEvery }, 1),
+	durationSetting("snapshot_interval", "longest time between two snapshots of the shared state", func(o *Options) *time.Duration { return &o.SnapshotInterval }),
 	stringSetting("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	floatSetting("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),
 	floatSetting("overlap_score_credit_decay", "shrinks the credit of workers with more prefill load than the least loaded", func(o *Options) *float64 { return &o.Router.OverlapScoreCreditDecay }),
@@ -204,6 +210,9 @@ func defaultOptions() Options {
 		ShutdownDrain:        2 * time.Second,
 		ShutdownTimeout:      15 * time.Second,
 		RedisPrefix:          "kvr:{default}",
+		RedisMaxBuffered:     100_000,
+		SnapshotEvery:        100_000,
+		SnapshotInterval:     5 * time.Minute,
 		Router:               policy.DefaultConfig(),
 	}
 }

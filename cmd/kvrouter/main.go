@@ -171,7 +171,10 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		host, _ := os.Hostname()
 		replica = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
-	l := kvstate.NewRedisLog(rdb, state, kvstate.RedisOptions{Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger})
+	l := kvstate.NewRedisLog(rdb, state, kvstate.RedisOptions{
+		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
+		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second),
+	})
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
