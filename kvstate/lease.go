@@ -41,7 +41,13 @@ type RedisLeases struct {
 
 	mu   sync.Mutex
 	held map[string]int // member -> holders on this replica
+	// reachableFor, if set, says how long Redis has answered without interruption.
+	reachableFor func() time.Duration
 }
+
+// AfterOutages makes the leases wait, after Redis was unreachable, for a grace period of Redis
+// answering before claiming any: l says how long that has been.
+func (r *RedisLeases) AfterOutages(l *RedisLog) { r.reachableFor = l.ReachableFor }
 
 // claimExpired removes and returns up to ARGV[2] members whose deadline is before ARGV[1].
 var claimExpired = redis.NewScript(`
@@ -121,6 +127,11 @@ func (r *RedisLeases) Sweep(ctx context.Context) {
 	}
 	r.mu.Unlock()
 	r.refresh(ctx, members)
+	// After an outage every lease looks expired, those of live workers too: their holders could not
+	// refresh. Claim only once Redis has answered for a whole grace period, so holders refresh first.
+	if r.reachableFor != nil && r.reachableFor() < r.grace {
+		return
+	}
 
 	claimed, err := claimExpired.Run(ctx, r.rdb, []string{r.key}, r.now().UnixMilli(), 100).StringSlice()
 	if err != nil {

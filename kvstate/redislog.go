@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -113,6 +114,23 @@ type RedisLog struct {
 	SnapshotLoads   atomic.Int64 // snapshots loaded (at start, or after falling behind)
 	streamLen       atomic.Int64 // the stream's length, refreshed by the tailer
 	observers       atomic.Pointer[Observers]
+	ready           chan struct{} // closed once the replica has loaded the snapshot and read the stream to its end
+	readyOnce       sync.Once
+	reachableSince  atomic.Int64 // unix nanoseconds since Redis answers again (or since start)
+}
+
+func (l *RedisLog) markReady() { l.readyOnce.Do(func() { close(l.ready) }) }
+
+// Ready is closed once the replica has caught up with the log at start (snapshot loaded, stream read
+// to its end): before that it must not serve, its state is partial.
+func (l *RedisLog) Ready() <-chan struct{} { return l.ready }
+
+// ReachableFor returns how long Redis has answered without interruption.
+func (l *RedisLog) ReachableFor() time.Duration {
+	if l.degraded.Load() {
+		return 0
+	}
+	return time.Since(time.Unix(0, l.reachableSince.Load()))
 }
 
 // Observers receive timings as they happen, for metrics.
@@ -209,6 +227,10 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	if opts.MaxBuffered <= 0 {
 		opts.MaxBuffered = 100_000
 	}
+	// Entries are recognised as this replica's by its id and a counter that restarts with the
+	// process: a restarted replica with the same name (a container's hostname and pid 1) must not
+	// take its predecessor's entries for its own.
+	opts.Replica = fmt.Sprintf("%s-%08x", opts.Replica, rand.Uint32())
 	l := &RedisLog{
 		rdb: rdb, state: state, opts: opts,
 		waiters:    make(map[uint64]chan appliedEntry),
@@ -217,7 +239,9 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 		bufferedBy: make(map[WorkerKey]int),
 		resync:     make(map[WorkerKey]bool),
 		flushKick:  make(chan struct{}, 1),
+		ready:      make(chan struct{}),
 	}
+	l.reachableSince.Store(time.Now().UnixNano())
 	l.lastID.Store("0")
 	return l
 }
@@ -300,7 +324,8 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 	worker, hasWorker := changeWorker(c)
 	seq := l.seq.Add(1)
 	l.mu.Lock()
-	if len(l.buffer) >= l.opts.MaxBuffered {
+	_, isHello := c.(WorkerUp)
+	if len(l.buffer) >= l.opts.MaxBuffered && !isHello { // a hello is small and others cannot do without it
 		if hasWorker {
 			l.resync[worker] = true
 		}
@@ -343,6 +368,7 @@ func (l *RedisLog) setDegraded(err error) {
 		return
 	}
 	if l.degraded.Swap(false) {
+		l.reachableSince.Store(time.Now().UnixNano())
 		l.opts.Logger.Info("shared log reachable again")
 	}
 }
@@ -370,7 +396,11 @@ func (l *RedisLog) BufferedChanges() int {
 func (l *RedisLog) Buffered(key WorkerKey) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	return l.bufferedBy[key]
+	n := l.bufferedBy[key]
+	if l.resync[key] {
+		n++ // changes past the bound were not kept: nothing is durable until the worker's dump is
+	}
+	return n
 }
 
 // TakeResync reports, once, that the worker must resend its whole cache: some of its changes were
@@ -487,8 +517,16 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	lastCheck := time.Now()
+	lastCheck, full := time.Now(), false
 	for ctx.Err() == nil {
+		// Before reading on: when the last batch was full this replica may be far behind, and the
+		// entries it needs next may have been trimmed; otherwise check once a second.
+		if full || time.Since(lastCheck) >= time.Second {
+			lastCheck = time.Now()
+			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
+				l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
+			}
+		}
 		l.maybeSnapshot(ctx)
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
 			Streams: []string{l.opts.Stream(), l.LastID()},
@@ -497,6 +535,8 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		}).Result()
 		switch {
 		case errors.Is(err, redis.Nil):
+			full = false
+			l.markReady()
 			continue
 		case err != nil:
 			if ctx.Err() != nil {
@@ -514,14 +554,9 @@ func (l *RedisLog) Run(ctx context.Context) error {
 				l.applyMessage(msg)
 			}
 		}
-		if len(streams) > 0 && len(streams[0].Messages) == int(l.opts.ReadCount) {
-			continue // more is waiting; check the trim point below only when caught up
-		}
-		if time.Since(lastCheck) >= time.Second {
-			lastCheck = time.Now()
-			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
-				l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
-			}
+		full = len(streams) > 0 && len(streams[0].Messages) == int(l.opts.ReadCount)
+		if !full {
+			l.markReady()
 		}
 	}
 	return nil

@@ -39,9 +39,12 @@ type workerTrack struct {
 	awaitingResync bool
 	kvUsedBlocks   uint64
 	waiting        uint64
-	// Local to this replica, not part of the replicated state: open streams and when the last closed.
-	streams        int
-	disconnectedAt int64
+	// Local to this replica, not part of the replicated state: open streams, when the last closed, and
+	// the registration epoch then (a hello on another replica since bumps the epoch, so a removal
+	// decided here for the old epoch is skipped everywhere).
+	streams           int
+	disconnectedAt    int64
+	disconnectedEpoch uint64
 }
 
 // WorkerStatus is a point-in-time view of a worker's bookkeeping, for operators.
@@ -215,7 +218,7 @@ func (s *State) Disconnected(key WorkerKey, now int64) int64 {
 		w.track.streams--
 	}
 	if w.track.streams == 0 {
-		w.track.disconnectedAt = now
+		w.track.disconnectedAt, w.track.disconnectedEpoch = now, w.track.epoch
 		return now
 	}
 	return 0
@@ -235,7 +238,7 @@ func (s *State) DisconnectedWorkers() map[WorkerKey]Disconnection {
 	for k, w := range s.workers {
 		w.track.mu.Lock()
 		if w.track.streams == 0 && w.track.disconnectedAt != 0 {
-			out[k] = Disconnection{Since: w.track.disconnectedAt, Epoch: w.track.epoch}
+			out[k] = Disconnection{Since: w.track.disconnectedAt, Epoch: w.track.disconnectedEpoch}
 		}
 		w.track.mu.Unlock()
 	}
@@ -343,7 +346,7 @@ func (s *State) workerUp(c WorkerUp) error {
 		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
 		if local != nil {
 			local.mu.Lock()
-			w.track.streams, w.track.disconnectedAt, w.track.epoch = local.streams, local.disconnectedAt, local.epoch
+			w.track.streams, w.track.disconnectedAt, w.track.disconnectedEpoch, w.track.epoch = local.streams, local.disconnectedAt, local.disconnectedEpoch, local.epoch
 			local.mu.Unlock()
 		}
 	}

@@ -1064,3 +1064,18 @@ func TestWorkerEpochs(t *testing.T) {
 		t.Error("WorkerRemoved for the current epoch did not remove the worker")
 	}
 }
+
+// TestRemovalAfterAMoveIsSkipped: a worker whose stream closed here and that said hello on another
+// replica since (its hello reaches this replica through the log) is reported with the epoch it had
+// when it left, so the removal this replica appends is skipped everywhere.
+func TestRemovalAfterAMoveIsSkipped(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), up(w0r0)}) // the last hello came from elsewhere
+	d := s.DisconnectedWorkers()[w0r0]
+	if d.Epoch != 1 {
+		t.Fatalf("disconnection epoch = %d, want 1 (the epoch when the stream closed)", d.Epoch)
+	}
+	if res, _ := s.Apply(WorkerRemoved{Key: w0r0, Epoch: d.Epoch}); !res.Skipped || s.Worker(w0r0) == nil {
+		t.Error("the removal decided for the old epoch removed a worker that moved to another replica")
+	}
+}

@@ -115,10 +115,17 @@ func New(o Options) *Server {
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
-	for _, name := range append([]string{""}, serviceNames...) {
-		s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+	serving := healthpb.HealthCheckResponse_SERVING
+	rl, shared := o.Log.(*kvstate.RedisLog)
+	if shared {
+		// A replica sharing state through Redis serves once it has caught up with the log: before,
+		// it would route from a partial view.
+		serving = healthpb.HealthCheckResponse_NOT_SERVING
 	}
-	if rl, ok := o.Log.(*kvstate.RedisLog); ok {
+	for _, name := range append([]string{""}, serviceNames...) {
+		s.health.SetServingStatus(name, serving)
+	}
+	if shared {
 		go s.watchSharedLog(rl)
 	}
 	return s
@@ -130,6 +137,14 @@ func New(o Options) *Server {
 const SharedStateService = "kvrouter.v1.SharedState"
 
 func (s *Server) watchSharedLog(l *kvstate.RedisLog) {
+	select {
+	case <-l.Ready():
+		for _, name := range append([]string{""}, serviceNames...) {
+			s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+		}
+	case <-s.stopping:
+		return
+	}
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
 	last := healthpb.HealthCheckResponse_UNKNOWN

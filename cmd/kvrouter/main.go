@@ -182,6 +182,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 	}()
 	// Workers whose replica died are removed by whichever replica sees their lease run out.
 	leases := kvstate.NewRedisLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
+	leases.AfterOutages(l)
 	go leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
 	mode := "redis " + strings.Join(addrs, ",")
 	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica)
