@@ -25,8 +25,9 @@ type RedisOptions struct {
 	Prefix string
 	// Replica identifies this process in the log (its own entries carry it).
 	Replica string
-	// SnapshotEvery is how many applied entries trigger an attempt to write a snapshot (one replica
-	// at a time writes, under a lease); SnapshotInterval triggers one after that long regardless.
+	// SnapshotEvery is how many applied changes (a KV batch counting one per block event) trigger an
+	// attempt to write a snapshot (one replica at a time writes, under a lease); SnapshotInterval
+	// triggers one after that long regardless.
 	// The stream is trimmed behind the previous snapshot, so the Redis memory the log holds stays
 	// bounded by about two snapshot periods of changes.
 	SnapshotEvery    uint64
@@ -181,6 +182,25 @@ type buffered struct {
 	outgoing
 	worker    WorkerKey
 	hasWorker bool
+}
+
+// changeWeight is how much a change counts toward the next snapshot: the replay it would cost a
+// replica starting from the previous one (a KV batch of 512 blocks is 512 block events, not one).
+func changeWeight(c Change) uint64 {
+	var n uint64
+	switch c := c.(type) {
+	case KVEvents:
+		for _, e := range c.Events {
+			n += uint64(max(len(e.Blocks), len(e.Removed), 1))
+		}
+	case KVDump:
+		for _, e := range c.Events {
+			n += uint64(max(len(e.Blocks), 1))
+		}
+	default:
+		n = 1
+	}
+	return n
 }
 
 // changeWorker returns the worker rank a change concerns, if any.
@@ -605,11 +625,15 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 	if last != "0" {
 		// The snapshot may cover entries this replica appended and still waits for: they will not
 		// come back through the stream. Their appenders retry (a worker replays, duplicates drop).
+		// And the restore replaced what this replica had applied locally first: its entries that
+		// come back after the snapshot's position must be applied, not skipped, and those before it
+		// never come back.
 		l.mu.Lock()
 		for seq, w := range l.waiters {
 			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", ErrLogUnavailable)}
 			delete(l.waiters, seq)
 		}
+		clear(l.unechoed)
 		l.mu.Unlock()
 	}
 	l.opts.Logger.Info("loaded the log snapshot", "position", pos, "bytes", len(data), "took", time.Since(start))
@@ -755,10 +779,11 @@ func (l *RedisLog) publish(ctx context.Context) {
 
 // applyMessage applies one stream entry and wakes its appender, if it is this replica's.
 func (l *RedisLog) applyMessage(msg redis.XMessage) {
+	weight := uint64(1) // toward the next snapshot: one per change, one per block of KV events
 	defer func() {
 		l.lastID.Store(msg.ID)
 		l.position.Add(1)
-		l.sinceSnapshot++
+		l.sinceSnapshot += weight
 		if o := l.observers.Load(); o != nil && o.Apply != nil {
 			if ms, _ := splitStreamID(msg.ID); ms > 0 {
 				o.Apply(time.Since(time.UnixMilli(int64(ms))))
@@ -786,6 +811,7 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) {
 	}
 	for _, c := range changes {
 		out.res, out.err = l.state.ApplyReplicated(c)
+		weight += changeWeight(c)
 	}
 	if own {
 		l.mu.Lock()

@@ -172,7 +172,7 @@ var settings = []setting{
 	stringSetting("redis_cluster_addrs", "share state through this Redis Cluster (comma-separated seed host:port list)", func(o *Options) *string { return &o.RedisClusterAddrs }),
 	stringSetting("redis_prefix", "prefix of every Redis key, with the hash tag that keeps them on one cluster slot", func(o *Options) *string { return &o.RedisPrefix }),
 	intSetting("redis_max_buffered", "worker changes a replica keeps while Redis is unreachable; past it, workers are asked to resync when Redis returns", func(o *Options) *int { return &o.RedisMaxBuffered }, 1),
-	intSetting("snapshot_every", "log entries applied between two snapshots of the shared state (one replica at a time writes them)", func(o *Options) *int { return &o.SnapshotEvery }, 1),
+	intSetting("snapshot_every", "changes (one per block event of KV batches) applied between two snapshots of the shared state; one replica at a time writes them", func(o *Options) *int { return &o.SnapshotEvery }, 1),
 	durationSetting("snapshot_interval", "longest time between two snapshots of the shared state", func(o *Options) *time.Duration { return &o.SnapshotInterval }),
 	stringSetting("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	floatSetting("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),
@@ -211,7 +211,7 @@ func defaultOptions() Options {
 		ShutdownTimeout:      15 * time.Second,
 		RedisPrefix:          "kvr:{default}",
 		RedisMaxBuffered:     100_000,
-		SnapshotEvery:        100_000,
+		SnapshotEvery:        1_000_000,
 		SnapshotInterval:     5 * time.Minute,
 		Router:               policy.DefaultConfig(),
 	}
