@@ -33,6 +33,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/policy"
 )
 
 // visBlocks is the size of one published batch, and of the system prompt every batch continues.
@@ -42,30 +43,60 @@ const visBlocks = 16
 // chain whose parent is the system prompt's last block) and the sequence hashes a router computes
 // for the whole prompt.
 type visPrompt struct {
-	event kvstate.Event
-	seq   []uint64 // system prompt and batch: 2*visBlocks sequence hashes
+	event  kvstate.Event
+	seq    []uint64 // system prompt and batch: 2*visBlocks sequence hashes
+	tokens []uint32 // the same prompt as tokens (visBlockTokens per block), for Route
+}
+
+// visBlockTokens is the size in tokens of a block of the visibility prompts (the test model's).
+const visBlockTokens = 16
+
+// visTokens returns the tokens of the block with engine hash h, and their local hash, which is
+// what a worker computes from them: a router hashing the prompt's tokens finds the block.
+func visTokens(h uint64) (tokens []uint32, local uint64) {
+	tokens = make([]uint32, visBlockTokens)
+	for k := range tokens {
+		tokens[k] = uint32(h) ^ uint32(h>>32)*2654435761 + uint32(k)
+	}
+	return tokens, kvstate.LocalBlockHash(tokens, kvstate.SaltHash("", ""))
 }
 
 // visRoot returns the system prompt of a worker: base tags its engine hashes.
-func visRoot(base uint64) (blocks []kvstate.Block, local []uint64) {
+func visRoot(base uint64) (blocks []kvstate.Block, local []uint64, tokens []uint32) {
 	for j := range uint64(visBlocks) {
 		h := base | j
-		blocks = append(blocks, kvstate.Block{Hash: h, Local: mix(h)})
-		local = append(local, mix(h))
+		toks, l := visTokens(h)
+		blocks = append(blocks, kvstate.Block{Hash: h, Local: l})
+		local = append(local, l)
+		tokens = append(tokens, toks...)
 	}
-	return blocks, local
+	return blocks, local, tokens
 }
 
 // newVisPrompt returns batch n of the worker whose system prompt is root (event id id).
-func newVisPrompt(root []kvstate.Block, rootLocal []uint64, base, n, id uint64) visPrompt {
+func newVisPrompt(root []kvstate.Block, rootLocal []uint64, rootTokens []uint32, base, n, id uint64) visPrompt {
 	ev := kvstate.Event{ID: id, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, HasParent: true, Parent: root[len(root)-1].Hash}
 	local := slices.Clone(rootLocal)
+	tokens := slices.Clone(rootTokens)
 	for j := range uint64(visBlocks) {
 		h := base | n<<8 | j
-		ev.Blocks = append(ev.Blocks, kvstate.Block{Hash: h, Local: mix(h)})
-		local = append(local, mix(h))
+		toks, l := visTokens(h)
+		ev.Blocks = append(ev.Blocks, kvstate.Block{Hash: h, Local: l})
+		local = append(local, l)
+		tokens = append(tokens, toks...)
 	}
-	return visPrompt{event: ev, seq: kvstate.SequenceHashes(nil, local)}
+	return visPrompt{event: ev, seq: kvstate.SequenceHashes(nil, local), tokens: tokens}
+}
+
+// routeDepth is the overlap B's Route reports for the prompt: a query-only policy.Router.Route on
+// B's state, read from its decision (the model's one aggregated worker is the decode target). It
+// is 0 while B does not know the worker yet.
+func routeDepth(r *policy.Router, tokens []uint32) uint64 {
+	dec, err := r.Route(context.Background(), &policy.Request{Model: "m", Tokens: tokens, QueryOnly: true})
+	if err != nil {
+		return 0
+	}
+	return dec.Decode.Overlap[kvstate.TierDevice]
 }
 
 // deviceDepth is what Route reads for one worker: its device-tier overlap with the prompt.
@@ -79,10 +110,10 @@ func deviceDepth(st *kvstate.State, model string, key kvstate.WorkerKey, seq []u
 }
 
 // TestCrossReplicaVisibility is the acceptance test: worker W publishes to replica A, and
-// replica B's index (the overlap Route reads) reports W's overlap within 50 ms, p99 over 1,000
+// replica B's Route (a query-only policy.Router.Route on B's state) reports W's overlap within 50 ms, p99 over 1,000
 // batches. Each batch is a 16-block prompt chained (by parent) onto a 16-block system prompt W
 // already holds, so B's overlap for the prompt goes from 16 to 32 when the batch is applied. The lag
-// runs from just before A.Append is called until B's Index.Overlaps answers 32. B is polled every
+// runs from just before A.Append is called until B's Route answers 32. B is polled every
 // 50 µs while A.Append runs on another goroutine, so the lag does not wait for A's ack. (Polling in a
 // runtime.Gosched loop instead takes one of the machine's two cores from Redis and the replicas: it
 // raised the p99 from about 1 ms to about 10 ms.)
@@ -97,14 +128,13 @@ func TestCrossReplicaVisibility(t *testing.T) {
 		t.Fatalf("A.Append(WorkerUp) = %v", err)
 	}
 	const base = 1 << 40
-	root, rootLocal := visRoot(base)
+	root, rootLocal, rootTokens := visRoot(base)
 	if res, err := a.log.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{
 		{ID: 0, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: root}}}); err != nil || res.Applied != 1 {
 		t.Fatalf("A.Append(system prompt) = %+v, %v; want 1 event applied", res, err)
 	}
-	var o kvstate.Overlaps
-	rootSeq := kvstate.SequenceHashes(nil, rootLocal)
-	eventually(t, "B to hold the system prompt", func() bool { return deviceDepth(b.state, "m", wk, rootSeq, &o) == visBlocks })
+	router := policy.NewRouter(b.state, b.log, policy.DefaultConfig())
+	eventually(t, "B to hold the system prompt", func() bool { return routeDepth(router, rootTokens) == visBlocks })
 
 	type appended struct {
 		res kvstate.Result
@@ -114,8 +144,8 @@ func TestCrossReplicaVisibility(t *testing.T) {
 	done := make(chan appended, 1)
 	lags, acks := make([]time.Duration, batches), make([]time.Duration, batches)
 	for i := range uint64(batches) {
-		p := newVisPrompt(root, rootLocal, base, i+1, i+1)
-		if d := deviceDepth(b.state, "m", wk, p.seq, &o); d != visBlocks {
+		p := newVisPrompt(root, rootLocal, rootTokens, base, i+1, i+1)
+		if d := routeDepth(router, p.tokens); d != visBlocks {
 			t.Fatalf("batch %d: B's overlap before publishing = %d, want %d (the system prompt)", i, d, visBlocks)
 		}
 		c := kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{p.event}}
@@ -124,9 +154,9 @@ func TestCrossReplicaVisibility(t *testing.T) {
 			res, err := a.log.Append(ctx, c)
 			done <- appended{res, err, time.Now()}
 		}()
-		for deviceDepth(b.state, "m", wk, p.seq, &o) != 2*visBlocks {
+		for routeDepth(router, p.tokens) != 2*visBlocks {
 			if time.Since(start) > redisTestTimeout {
-				t.Fatalf("batch %d: B's overlap still %d after %v", i, deviceDepth(b.state, "m", wk, p.seq, &o), redisTestTimeout)
+				t.Fatalf("batch %d: B's Route still reports overlap %d after %v", i, routeDepth(router, p.tokens), redisTestTimeout)
 			}
 			time.Sleep(50 * time.Microsecond)
 		}
@@ -384,7 +414,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 	// The probe worker: its system prompt is stored in both states before the replicas start.
 	probe := kvstate.WorkerKey{ID: 1 << 20}
 	const probeBase = 3 << 40
-	probeRoot, probeLocal := visRoot(probeBase)
+	probeRoot, probeLocal, probeTokens := visRoot(probeBase)
 	for _, st := range []*kvstate.State{sa, sb} {
 		inf := kvstate.WorkerInfo{Key: probe, Model: benchModel, Role: kvstate.RoleAggregated, BlockSize: benchBlockSize, KVEventsEnabled: true}
 		if _, err := st.Apply(kvstate.WorkerUp{Info: inf}); err != nil {
@@ -498,7 +528,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 		pprof.SetGoroutineLabels(pprof.WithLabels(ctx, pprof.Labels("bench", "probe")))
 		var o kvstate.Overlaps
 		for n := uint64(1); !stopProbe.Load(); n++ {
-			p := newVisPrompt(probeRoot, probeLocal, probeBase, n, n)
+			p := newVisPrompt(probeRoot, probeLocal, probeTokens, probeBase, n, n)
 			c := kvstate.KVEvents{Worker: probe, Events: []kvstate.Event{p.event}}
 			acked := make(chan error, 1)
 			start := time.Now()
