@@ -3,6 +3,7 @@ package kvstate_test
 import (
 	"context"
 	"fmt"
+	"sync"
 	"testing"
 	"time"
 
@@ -418,6 +419,76 @@ func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 	eventually(t, "C to catch up", func() bool { return caughtUp(ctx, rdb, stream, append(rs, c)...) })
 	if c.log.SnapshotLoads.Load() != 1 {
 		t.Errorf("C loaded %d snapshots, want 1", c.log.SnapshotLoads.Load())
+	}
+	da, db, dc := rs[0].state.Digest(), rs[1].state.Digest(), c.state.Digest()
+	if da != db || db != dc {
+		t.Errorf("digests A %x, B %x, C %x; want all equal", da, db, dc)
+	}
+}
+
+// TestSnapshotsUnderBookingLoad: snapshots are written while both replicas keep booking and freeing
+// each other's requests (frees often reach the log before their bookings), and a replica
+// cold-started from one reaches the same digest as the two that lived through it.
+func TestSnapshotsUnderBookingLoad(t *testing.T) { onEveryRedis(t, testSnapshotsUnderBookingLoad) }
+
+func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
+	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
+	defer cancel()
+	snapOften := func(o *kvstate.RedisOptions) { o.SnapshotEvery = 50 }
+	rs := startReplicas(t, rdb, 2, snapOften)
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("Append(WorkerUp) = %v", err)
+	}
+	eventually(t, "both replicas to know the worker", func() bool { return caughtUp(ctx, rdb, stream, rs...) })
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for r := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				id := fmt.Sprintf("r%d-%d", r, i)
+				if _, err := rs[r].log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: id, At: time.Now().UnixNano(),
+					Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{uint64(i % 7), 99}, PrefillTokens: 5}}}}); err != nil {
+					t.Errorf("Append(Booked) = %v", err)
+					return
+				}
+				if i%2 == 0 { // the other replica frees it, possibly before the booking reaches it
+					if _, err := rs[1-r].log.Append(ctx, kvstate.Freed{RequestID: id, At: time.Now().UnixNano()}); err != nil {
+						t.Errorf("Append(Freed) = %v", err)
+						return
+					}
+				}
+				if i%5 == 0 {
+					time.Sleep(100 * time.Microsecond)
+				}
+			}
+		}()
+	}
+	eventually(t, "snapshots under load", func() bool { return rs[0].log.SnapshotWritten.Load()+rs[1].log.SnapshotWritten.Load() > 0 })
+	c := startReplicasNamed(t, rdb, "c", 1, snapOften)[0]
+	time.Sleep(200 * time.Millisecond)
+	close(stop)
+	wg.Wait()
+	deadline := time.Now().Add(redisTestTimeout)
+	for !caughtUp(ctx, rdb, stream, append(rs, c)...) {
+		if time.Now().After(deadline) {
+			last, _ := rdb.XRevRangeN(ctx, stream, "+", "-", 1).Result()
+			for i, r := range append(rs, c) {
+				t.Logf("replica %d: pending %d, last id %s, degraded %v", i, r.log.Pending(), r.log.LastID(), r.log.Degraded())
+			}
+			t.Fatalf("timed out waiting for all three to catch up; stream ends at %v", last)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if c.log.SnapshotLoads.Load() != 1 {
+		t.Fatalf("C loaded %d snapshots, want 1", c.log.SnapshotLoads.Load())
 	}
 	da, db, dc := rs[0].state.Digest(), rs[1].state.Digest(), c.state.Digest()
 	if da != db || db != dc {
