@@ -84,7 +84,9 @@ func parseLeaseMember(m string) (WorkerKey, uint64, error) {
 	return WorkerKey{ID: id, Rank: uint32(rank)}, epoch, nil
 }
 
-// Hold starts refreshing the worker's lease; release stops (the lease then runs out after grace).
+// Hold starts refreshing the worker's lease; release stops. The lease then runs out grace after the
+// release, not after the last periodic refresh: release refreshes it one last time (in the
+// background, so a stream's teardown never waits on Redis).
 func (r *RedisLeases) Hold(key WorkerKey, epoch uint64) func() {
 	m := leaseMember(key, epoch)
 	r.mu.Lock()
@@ -95,9 +97,17 @@ func (r *RedisLeases) Hold(key WorkerKey, epoch uint64) func() {
 	return func() {
 		once.Do(func() {
 			r.mu.Lock()
-			defer r.mu.Unlock()
+			last := r.held[m] <= 1
 			if r.held[m]--; r.held[m] <= 0 {
 				delete(r.held, m)
+			}
+			r.mu.Unlock()
+			if last {
+				go func() {
+					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+					defer cancel()
+					r.refresh(ctx, []string{m})
+				}()
 			}
 		})
 	}

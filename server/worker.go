@@ -133,7 +133,9 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		if !connected {
 			s.state.Connected(info.Key)
 		}
-		defer s.state.Disconnected(info.Key, s.now().UnixNano())
+		// The grace period runs from when the stream closes: the time is read when the deferred
+		// call runs, not when the defer statement does (that would be the stream's start).
+		defer func() { s.state.Disconnected(info.Key, s.now().UnixNano()) }()
 	}
 	if err != nil {
 		return toStatus(err)
