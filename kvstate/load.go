@@ -11,7 +11,7 @@ var (
 	// ErrAlreadyBooked: a request id is booked a second time.
 	ErrAlreadyBooked = errors.New("request id is already booked")
 	// ErrUnknownRequest: prefill-done or free for a request id that is not booked.
-	ErrUnknownRequest = errors.New("request id is not booked")
+	ErrUnknownRequest = errors.New("request is not booked")
 )
 
 // SlotLoad is the router-tracked load of one worker.

@@ -40,7 +40,11 @@ type RedisOptions struct {
 	// locally, published when Redis returns). Past it, changes still apply locally, and the workers
 	// concerned are asked to resync once Redis is back.
 	MaxBuffered int
-	Logger      *slog.Logger
+	// BookingArrivalWait is how long a replica waits for a booking it does not hold to arrive from
+	// another replica (which publishes its bookings in the background) before it answers that a
+	// MarkPrefillComplete or Free names a request that is not booked.
+	BookingArrivalWait time.Duration
+	Logger             *slog.Logger
 }
 
 // Stream returns the name of the log stream.
@@ -84,6 +88,9 @@ type RedisLog struct {
 	seq      atomic.Uint64 // this replica's entry numbers
 	position atomic.Uint64 // entries applied from the stream
 	lastID   atomic.Value  // string: stream id of the last applied entry
+
+	appliedMu sync.Mutex
+	appliedCh chan struct{} // closed and replaced whenever the tailer applied entries
 
 	// localMu keeps local-first applies out while a snapshot of the state is encoded.
 	localMu sync.RWMutex
@@ -247,6 +254,9 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	if opts.MaxBuffered <= 0 {
 		opts.MaxBuffered = 100_000
 	}
+	if opts.BookingArrivalWait <= 0 {
+		opts.BookingArrivalWait = 100 * time.Millisecond
+	}
 	// Entries are recognised as this replica's by its id and a counter that restarts with the
 	// process: a restarted replica with the same name (a container's hostname and pid 1) must not
 	// take its predecessor's entries for its own.
@@ -288,8 +298,10 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 		return Result{}, err
 	}
 	switch c.(type) {
-	case Booked, PrefillDone, Freed:
+	case Booked:
 		return l.appendLocalFirst(c)
+	case PrefillDone, Freed:
+		return l.appendBookingEnd(ctx, c)
 	}
 	l.mu.Lock()
 	buffering := len(l.buffer) > 0
@@ -475,23 +487,119 @@ func (l *RedisLog) flushBuffer(ctx context.Context) bool {
 	}
 }
 
-// appendLocalFirst applies a booking change at once and queues it for publishing. A Free or
-// PrefillDone this replica does not know is published without local effect: another replica may
-// hold the booking, and the log delivers it everywhere.
+// appendBookingEnd applies a PrefillDone or Freed. When this replica holds the booking it applies at
+// once and is published like a booking. When it does not, the booking may have been made on another
+// replica moments ago and still be on its way: the replica catches up with the stream as it is now,
+// waits up to BookingArrivalWait for the booking, and catches up once more. A request that is still
+// unknown is ErrUnknownRequest, as in the embedded log, and nothing is appended: a request id that
+// was never booked never reaches the shared stream. While Redis is unreachable the replica cannot
+// tell, and says so (ErrLogUnavailable: the caller may retry, or ask another replica).
+func (l *RedisLog) appendBookingEnd(ctx context.Context, c Change) (Result, error) {
+	res, err := l.appendLocalFirst(c)
+	if !errors.Is(err, ErrUnknownRequest) {
+		return res, err
+	}
+	deadline := time.Now().Add(l.opts.BookingArrivalWait)
+	for round := 0; ; round++ {
+		if l.degraded.Load() {
+			return Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log is unreachable, so another replica may hold the booking; retry", ErrLogUnavailable)
+		}
+		if err := l.catchUpWithTip(ctx); err != nil {
+			return Result{}, err
+		}
+		if res, err = l.appendLocalFirst(c); !errors.Is(err, ErrUnknownRequest) || round == 1 {
+			return res, err
+		}
+		// Not in the stream yet: watch what this replica applies until the wait is over.
+		for time.Now().Before(deadline) {
+			if err := l.waitApplied(ctx, deadline); err != nil {
+				return Result{}, err
+			}
+			if res, err = l.appendLocalFirst(c); !errors.Is(err, ErrUnknownRequest) {
+				return res, err
+			}
+		}
+	}
+}
+
+// streamTip returns the id of the stream's last entry ("0-0" when it is empty), without its data.
+var streamTip = redis.NewScript(`
+local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
+if #last == 0 then return '0-0' end
+return last[1][1]
+`)
+
+// catchUpWithTip waits until this replica has applied every entry the stream holds now.
+func (l *RedisLog) catchUpWithTip(ctx context.Context) error {
+	tip, err := streamTip.Run(ctx, l.rdb, []string{l.opts.Stream()}).Text()
+	if err != nil {
+		if ctx.Err() != nil {
+			return ctx.Err()
+		}
+		l.setDegraded(err)
+		return fmt.Errorf("%w: %v", ErrLogUnavailable, err)
+	}
+	deadline := time.Now().Add(catchUpTimeout)
+	for compareStreamIDs(l.LastID(), tip) < 0 {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("%w: this replica did not apply the stream up to %s within %v", ErrLogUnavailable, tip, catchUpTimeout)
+		}
+		if err := l.waitApplied(ctx, deadline); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// catchUpTimeout bounds how long a call waits for this replica's tailer to reach the stream's tip.
+const catchUpTimeout = 5 * time.Second
+
+// waitApplied returns once the tailer applies more entries, at the deadline (zero: none), or with
+// ctx's error.
+func (l *RedisLog) waitApplied(ctx context.Context, deadline time.Time) error {
+	l.appliedMu.Lock()
+	if l.appliedCh == nil {
+		l.appliedCh = make(chan struct{})
+	}
+	ch := l.appliedCh
+	l.appliedMu.Unlock()
+	var timeout <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case <-ch:
+	case <-timeout:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+// notifyApplied wakes waitApplied callers.
+func (l *RedisLog) notifyApplied() {
+	l.appliedMu.Lock()
+	if l.appliedCh != nil {
+		close(l.appliedCh)
+		l.appliedCh = nil
+	}
+	l.appliedMu.Unlock()
+}
+
+// appendLocalFirst applies a booking change at once and queues it for publishing. A change that
+// fails to apply (ErrUnknownRequest for a request this replica does not hold) is not published.
 func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	l.localMu.RLock()
 	defer l.localMu.RUnlock()
-	seq := l.seq.Add(1)
 	res, err := l.state.Apply(c)
-	switch {
-	case err == nil:
-	case errors.Is(err, ErrUnknownRequest):
-		// Published, and applied from the stream like any remote change.
-	default:
+	if err != nil {
 		return res, err
 	}
+	seq := l.seq.Add(1)
 	l.mu.Lock()
-	l.unechoed[seq] = err == nil
+	l.unechoed[seq] = true
 	l.mu.Unlock()
 	select {
 	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c)}:
@@ -574,6 +682,7 @@ func (l *RedisLog) Run(ctx context.Context) error {
 				l.applyMessage(msg)
 			}
 		}
+		l.notifyApplied()
 		full = len(streams) > 0 && len(streams[0].Messages) == int(l.opts.ReadCount)
 		if !full {
 			l.markReady()
@@ -619,6 +728,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 		return err
 	}
 	l.lastID.Store(pos)
+	l.notifyApplied()
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.SnapshotLoads.Add(1)

@@ -2,6 +2,7 @@ package kvstate_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"sync"
 	"testing"
@@ -123,15 +124,19 @@ func runRedisLogSuite(t *testing.T, rdb redis.UniversalClient) {
 		eventually(t, name+" to see the request freed", func() bool { return r.state.Load().Bookings() == 0 })
 	}
 
-	// A Free that reaches the log before its booking (sent to another replica while the booking was
-	// still being published) leaves a tombstone; the booking, when it arrives, is dropped.
-	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "early", At: time.Now().UnixNano()}); err != nil {
-		t.Fatalf("B.Append(early Freed) = %v", err)
-	}
-	eventually(t, "A to remember the early Free", func() bool { return a.state.Tombstones() == 1 })
-	data := kvstate.EncodeEntry(nil, kvstate.Booked{Booking: kvstate.Booking{RequestID: "early", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk}}}})
-	if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: fmt.Sprintf("kvr:{%s}:log", t.Name()), Values: []any{"e", data, "r", "elsewhere", "s", "1"}}).Err(); err != nil {
-		t.Fatalf("XAdd = %v", err)
+	// A Free that lands in the log before its booking (two calls racing on one replica) leaves a
+	// tombstone; the booking, when it arrives, is dropped.
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	for i, c := range []kvstate.Change{
+		kvstate.Freed{RequestID: "early", At: time.Now().UnixNano()},
+		kvstate.Booked{Booking: kvstate.Booking{RequestID: "early", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk}}}},
+	} {
+		if i == 1 {
+			eventually(t, "A to remember the early Free", func() bool { return a.state.Tombstones() == 1 })
+		}
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: []any{"e", kvstate.EncodeEntry(nil, c), "r", "elsewhere", "s", fmt.Sprint(i + 1)}}).Err(); err != nil {
+			t.Fatalf("XAdd = %v", err)
+		}
 	}
 	for name, r := range map[string]replica{"A": a, "B": b} {
 		eventually(t, name+" to consume the tombstone", func() bool { return r.state.Tombstones() == 0 })
@@ -144,6 +149,78 @@ func runRedisLogSuite(t *testing.T, rdb redis.UniversalClient) {
 	eventually(t, "both replicas at the same position", func() bool { return a.log.LastID() == b.log.LastID() })
 	if diff := cmp.Diff(a.log.Position(), b.log.Position()); diff != "" {
 		t.Errorf("positions differ: %s", diff)
+	}
+}
+
+// TestUnknownRequestIsNotFound: a MarkPrefillComplete or Free for a request no replica booked fails
+// with ErrUnknownRequest, as in the embedded log, and appends nothing to the stream, however many
+// come. A booking made on one replica and ended on another right away is found: the second replica
+// waits for it instead of answering too early.
+func TestUnknownRequestIsNotFound(t *testing.T) { onEveryRedis(t, testUnknownRequestIsNotFound) }
+
+func testUnknownRequestIsNotFound(t *testing.T, rdb redis.UniversalClient) {
+	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("A.Append(WorkerUp) = %v", err)
+	}
+	eventually(t, "B to see the worker", func() bool { return b.state.Worker(wk) != nil })
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	before, err := rdb.XLen(ctx, stream).Result()
+	if err != nil {
+		t.Fatalf("XLEN = %v", err)
+	}
+
+	// 2,000 junk calls, 100 at a time, on both replicas.
+	var wg sync.WaitGroup
+	errs := make(chan error, 2000)
+	for i := range 2000 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			r := rs[i%2]
+			var c kvstate.Change = kvstate.Freed{RequestID: fmt.Sprintf("junk-%d", i), At: time.Now().UnixNano()}
+			if i%4 < 2 {
+				c = kvstate.PrefillDone{RequestID: fmt.Sprintf("junk-%d", i), At: time.Now().UnixNano()}
+			}
+			if _, err := r.log.Append(ctx, c); !errors.Is(err, kvstate.ErrUnknownRequest) {
+				errs <- fmt.Errorf("Append(%T for an unknown request) = %v, want ErrUnknownRequest", c, err)
+			}
+		}()
+		if i%100 == 99 {
+			wg.Wait()
+		}
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	if after, _ := rdb.XLen(ctx, stream).Result(); after != before {
+		t.Errorf("the stream grew from %d to %d entries on calls for unknown requests, want no entry", before, after)
+	}
+
+	// Booked on A, ended on B at once: B finds it, and the booking is gone on both.
+	for i := range 200 {
+		id := fmt.Sprintf("req-%d", i)
+		if _, err := a.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: id, At: time.Now().UnixNano(),
+			Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{uint64(i)}, PrefillTokens: 16}}}}); err != nil {
+			t.Fatalf("A.Append(Booked %s) = %v", id, err)
+		}
+		if _, err := b.log.Append(ctx, kvstate.PrefillDone{RequestID: id, At: time.Now().UnixNano()}); err != nil {
+			t.Fatalf("B.Append(PrefillDone %s) right after A booked it = %v, want it found", id, err)
+		}
+		if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: id, At: time.Now().UnixNano()}); err != nil {
+			t.Fatalf("B.Append(Freed %s) = %v", id, err)
+		}
+	}
+	for name, r := range map[string]replica{"A": a, "B": b} {
+		eventually(t, name+" to see every booking freed", func() bool { return r.state.Load().Bookings() == 0 })
+		if n := r.state.Tombstones(); n != 0 {
+			t.Errorf("%s holds %d tombstones, want 0: every end followed its booking in the log", name, n)
+		}
 	}
 }
 

@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math"
 	"strings"
@@ -53,8 +54,8 @@ func (s *routerService) MarkPrefillComplete(ctx context.Context, req *kvrouterv1
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if _, err := s.log.Append(ctx, kvstate.PrefillDone{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
-		return nil, toStatus(err)
+	if err := s.endBooking(ctx, req.GetRequestId(), kvstate.PrefillDone{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
+		return nil, err
 	}
 	return &kvrouterv1.MarkPrefillCompleteResponse{}, nil
 }
@@ -63,10 +64,23 @@ func (s *routerService) Free(ctx context.Context, req *kvrouterv1.FreeRequest) (
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if _, err := s.log.Append(ctx, kvstate.Freed{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
-		return nil, toStatus(err)
+	if err := s.endBooking(ctx, req.GetRequestId(), kvstate.Freed{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
+		return nil, err
 	}
 	return &kvrouterv1.FreeResponse{}, nil
+}
+
+// endBooking appends a PrefillDone or Freed. Both modes answer alike: NOT_FOUND when no replica holds
+// the booking, and nothing is appended then.
+func (s *routerService) endBooking(ctx context.Context, id string, c kvstate.Change) error {
+	_, err := s.log.Append(ctx, c)
+	switch {
+	case errors.Is(err, kvstate.ErrUnknownRequest):
+		err = fmt.Errorf("request_id %q: %w (never booked, already freed, or expired)", id, err)
+	case errors.Is(err, kvstate.ErrLogUnavailable):
+		err = fmt.Errorf("request_id %q: %w", id, err)
+	}
+	return toStatus(err)
 }
 
 func checkRequestID(id string) error {

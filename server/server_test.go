@@ -301,9 +301,9 @@ func TestBookingLifecycle(t *testing.T) {
 		t.Errorf("Free() = %v", err)
 	}
 	_, err = e.router.Free(e.ctx, &kvrouterv1.FreeRequest{RequestId: "r1"})
-	wantStatus(t, err, codes.NotFound, "request id is not booked")
+	wantStatus(t, err, codes.NotFound, `request_id "r1": request is not booked (never booked, already freed, or expired)`)
 	_, err = e.router.MarkPrefillComplete(e.ctx, &kvrouterv1.MarkPrefillCompleteRequest{RequestId: "nope"})
-	wantStatus(t, err, codes.NotFound, "request id is not booked")
+	wantStatus(t, err, codes.NotFound, `request_id "nope": request is not booked (never booked, already freed, or expired)`)
 	_, err = e.router.Free(e.ctx, &kvrouterv1.FreeRequest{})
 	wantStatus(t, err, codes.InvalidArgument, "request_id: must not be empty")
 }

@@ -6,6 +6,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
@@ -13,25 +15,30 @@ import (
 // to replica A, and replica B routes with its overlap; the request B books shows in A's load.
 func TestReplicasShareState(t *testing.T) { onEveryRedis(t, testReplicasShareState) }
 
-// redisTarget is a private Redis for process tests: its flags for kvrouter, and how to freeze it.
+// redisTarget is a private Redis for process tests: its flags for kvrouter, a client, and how to
+// freeze it.
 type redisTarget struct {
 	flags         []string
+	client        redis.UniversalClient
 	pause, resume func()
 }
+
+// defaultStream is the log stream of replicas started with the default prefix.
+const defaultStream = "kvr:{default}:log"
 
 // onEveryRedis runs a process test against a private redis-server and a private 3-master Redis
 // Cluster.
 func onEveryRedis(t *testing.T, test func(t *testing.T, r redisTarget)) {
 	t.Run("single", func(t *testing.T) {
 		s := redistest.Start(t)
-		test(t, redisTarget{flags: []string{"--redis-addr", s.Addr}, pause: s.Pause, resume: s.Resume})
+		test(t, redisTarget{flags: []string{"--redis-addr", s.Addr}, client: s.Client(), pause: s.Pause, resume: s.Resume})
 	})
 	t.Run("cluster", func(t *testing.T) {
 		if testing.Short() {
 			t.Skip("Redis Cluster runs skipped in -short mode")
 		}
 		c := redistest.StartCluster(t, 3)
-		test(t, redisTarget{flags: []string{"--redis-cluster-addrs", strings.Join(c.Addrs, ",")}, pause: c.Pause, resume: c.Resume})
+		test(t, redisTarget{flags: []string{"--redis-cluster-addrs", strings.Join(c.Addrs, ",")}, client: c.Client(), pause: c.Pause, resume: c.Resume})
 	})
 }
 
