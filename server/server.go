@@ -39,8 +39,13 @@ type Options struct {
 	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
-	MaxRecvMsgBytes      int    // largest accepted message
+	MaxRecvMsgBytes      int    // largest accepted message (any method)
 	MaxConcurrentStreams uint32 // per connection
+	// Publish limits; zero means the default (DefaultMaxPublishMsgBytes, at most MaxRecvMsgBytes;
+	// DefaultMaxBatchBlocks; DefaultMaxDumpBlocks).
+	MaxPublishMsgBytes int // largest Publish message
+	MaxBatchBlocks     int // events, and blocks (stored plus removed), in one Publish message
+	MaxDumpBlocks      int // blocks of one dump, over all its parts
 }
 
 // Server is kvrouter's gRPC server.
@@ -65,6 +70,16 @@ func New(o Options) *Server {
 	}
 	if o.Liveness == nil {
 		o.Liveness = kvstate.LocalLiveness{}
+	}
+	limits := publishLimits{maxBytes: o.MaxPublishMsgBytes, maxBlocks: o.MaxBatchBlocks, maxDumpBlocks: o.MaxDumpBlocks}
+	if limits.maxBytes <= 0 {
+		limits.maxBytes = min(DefaultMaxPublishMsgBytes, o.MaxRecvMsgBytes)
+	}
+	if limits.maxBlocks <= 0 {
+		limits.maxBlocks = DefaultMaxBatchBlocks
+	}
+	if limits.maxDumpBlocks <= 0 {
+		limits.maxDumpBlocks = DefaultMaxDumpBlocks
 	}
 	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),
@@ -99,6 +114,9 @@ func New(o Options) *Server {
 				recovery.StreamServerInterceptor(recover),
 			),
 			grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
+			// The standard codec, except that a Publish message is sized and counted before it is
+			// decoded (publishLimits).
+			grpc.ForceServerCodecV2(newLimitingCodec()),
 			grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
 			grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
 			grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
@@ -110,7 +128,7 @@ func New(o Options) *Server {
 	m := newMetrics(o.Registry, o.State, o.Log, o.Router)
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness})
+		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)

@@ -29,6 +29,7 @@ type workerService struct {
 	conditionalDisagg bool
 	// liveness keeps a worker alive (for every replica) while its stream is open here.
 	liveness kvstate.Liveness
+	limits   publishLimits
 }
 
 var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
@@ -59,6 +60,14 @@ type publishStream struct {
 	hasAck  bool
 	logger  *slog.Logger
 	release func() // lets go of the worker's lease
+	dump    *pendingDump
+}
+
+// pendingDump is a dump whose first parts arrived (KvDump.more_follows): it applies, whole, with the last.
+type pendingDump struct {
+	through uint64
+	events  []kvstate.Event
+	blocks  int
 }
 
 // hold takes the worker's lease at its current registration epoch (every hello bumps the epoch).
@@ -85,9 +94,13 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	msgs := make(chan recvResult, 16)
 	go func() {
 		for {
-			m, err := stream.Recv()
+			f := &publishFrame{limits: s.limits}
+			err := stream.RecvMsg(f)
+			if err == nil {
+				err = f.check()
+			}
 			select {
-			case msgs <- recvResult{m, err}:
+			case msgs <- recvResult{f.msg, err}:
 			case <-ctx.Done():
 				return
 			}
@@ -212,6 +225,14 @@ func (ps *publishStream) refresh(l bufferingLog) error {
 
 func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequest) error {
 	svc := ps.svc
+	if d := ps.dump; d != nil {
+		switch msg.GetMessage().(type) {
+		case *kvrouterv1.PublishRequest_Dump, *kvrouterv1.PublishRequest_Load:
+		default:
+			return failedPrecondition("DUMP_IN_PROGRESS", "%s: a dump in parts is in progress (through_event_id %d, %d blocks so far): send its remaining parts, the last without more_follows, first",
+				messageKind(msg), d.through, d.blocks)
+		}
+	}
 	switch m := msg.GetMessage().(type) {
 	case *kvrouterv1.PublishRequest_Hello:
 		info, err := workerInfo(m.Hello)
@@ -257,17 +278,36 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if err != nil {
 			return err
 		}
+		blocks := 0
 		for i, ev := range events {
 			if ev.Kind != kvstate.EventStored {
 				return invalidArgumentf(fmt.Sprintf("dump.events[%d]", i), "must be a stored event (a dump lists the blocks the worker holds)")
 			}
+			blocks += len(ev.Blocks)
 		}
-		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, ThroughEventID: m.Dump.GetThroughEventId(), Events: events})
+		through := m.Dump.GetThroughEventId()
+		if d := ps.dump; d != nil {
+			if through != d.through {
+				return invalidArgumentf("dump.through_event_id", "must be the same in every part of a dump (the first part had %d, got %d)", d.through, through)
+			}
+			events, blocks = append(d.events, events...), d.blocks+blocks
+		}
+		if blocks > svc.limits.maxDumpBlocks {
+			ps.dump = nil
+			return limitExceeded("DUMP_TOO_LARGE", "dump.events", "max_dump_blocks", svc.limits.maxDumpBlocks, blocks,
+				"the dump holds %d blocks (all its parts so far), more than max_dump_blocks %d", blocks, svc.limits.maxDumpBlocks)
+		}
+		if m.Dump.GetMoreFollows() {
+			ps.dump = &pendingDump{through: through, events: events, blocks: blocks}
+			return nil
+		}
+		ps.dump = nil
+		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, ThroughEventID: through, Events: events})
 		if err != nil {
 			return toStatus(err)
 		}
 		svc.metrics.observeEvents(res)
-		ps.logger.Info("applied dump", "through_event_id", m.Dump.GetThroughEventId(), "events", len(events))
+		ps.logger.Info("applied dump", "through_event_id", through, "events", len(events), "blocks", blocks)
 		if res.Buffered {
 			return nil
 		}

@@ -30,6 +30,9 @@ type Options struct {
 	MaxPromptTokens      int           // longest accepted prompt
 	MaxRecvMsgBytes      int           // largest accepted gRPC message
 	MaxConcurrentStreams int           // per connection
+	MaxPublishMsgBytes   int           // largest Publish message
+	MaxBatchBlocks       int           // events, and blocks, in one Publish message
+	MaxDumpBlocks        int           // blocks of one dump, over its parts
 	WorkerGracePeriod    time.Duration // how long a disconnected worker keeps its blocks
 	BookingExpiry        time.Duration // how long an unfreed booking lives
 	ShutdownDrain        time.Duration // NOT_SERVING before stopping
@@ -163,6 +166,9 @@ var settings = []setting{
 	intSetting("max_prompt_tokens", "longest prompt Route accepts, in tokens", func(o *Options) *int { return &o.MaxPromptTokens }, 1),
 	intSetting("max_recv_msg_bytes", "largest gRPC message accepted, in bytes", func(o *Options) *int { return &o.MaxRecvMsgBytes }, 1024),
 	intSetting("max_concurrent_streams", "concurrent gRPC streams per connection", func(o *Options) *int { return &o.MaxConcurrentStreams }, 1),
+	intSetting("max_publish_msg_bytes", "largest Publish message (event batch, dump part, hello, load report), in bytes; at most max_recv_msg_bytes", func(o *Options) *int { return &o.MaxPublishMsgBytes }, 1024),
+	intSetting("max_batch_blocks", "most events, and most blocks (stored blocks plus removed hashes), one Publish message may carry", func(o *Options) *int { return &o.MaxBatchBlocks }, 1),
+	intSetting("max_dump_blocks", "most blocks one dump may hold over all its parts", func(o *Options) *int { return &o.MaxDumpBlocks }, 1),
 	durationSetting("worker_grace_period", "how long a worker whose stream closed keeps its blocks before it is removed", func(o *Options) *time.Duration { return &o.WorkerGracePeriod }),
 	durationSetting("booking_expiry", "how long a booking nobody frees lives", func(o *Options) *time.Duration { return &o.BookingExpiry }),
 	durationSetting("shutdown_drain", "how long health reports NOT_SERVING before the server stops", func(o *Options) *time.Duration { return &o.ShutdownDrain }),
@@ -205,6 +211,9 @@ func defaultOptions() Options {
 		MaxPromptTokens:      1 << 20,
 		MaxRecvMsgBytes:      16 << 20,
 		MaxConcurrentStreams: 1000,
+		MaxPublishMsgBytes:   server.DefaultMaxPublishMsgBytes,
+		MaxBatchBlocks:       server.DefaultMaxBatchBlocks,
+		MaxDumpBlocks:        server.DefaultMaxDumpBlocks,
 		WorkerGracePeriod:    30 * time.Second,
 		BookingExpiry:        300 * time.Second,
 		ShutdownDrain:        2 * time.Second,
@@ -404,6 +413,12 @@ func (c *loadedConfig) validate(logger *slog.Logger) error {
 	case "debug", "info", "warn", "error":
 	default:
 		return fmt.Errorf("%s: must be debug, info, warn or error (got %q)", c.describe("log_level"), c.LogLevel)
+	}
+	if c.sources["max_publish_msg_bytes"] == server.SourceDefault {
+		c.MaxPublishMsgBytes = min(c.MaxPublishMsgBytes, c.MaxRecvMsgBytes) // the default follows a lower receive limit
+	}
+	if c.MaxPublishMsgBytes > c.MaxRecvMsgBytes {
+		return fmt.Errorf("%s: must be at most %s %d (got %d)", c.describe("max_publish_msg_bytes"), c.describe("max_recv_msg_bytes"), c.MaxRecvMsgBytes, c.MaxPublishMsgBytes)
 	}
 	if c.Listen == "" {
 		return fmt.Errorf("%s: must not be empty", c.describe("listen"))

@@ -87,6 +87,10 @@ func TestBadConfigExits2(t *testing.T) {
 			want: `kvrouter: invalid configuration: --log-level: must be debug, info, warn or error (got "loud")`},
 		{name: "negative duration", args: []string{"--worker-grace-period", "-1s"},
 			want: `kvrouter: invalid configuration: --worker-grace-period: must be a non-negative duration such as 30s or 5m (got "-1s")`},
+		{name: "publish limit above the receive limit", args: []string{"--max-recv-msg-bytes", "2097152"}, env: map[string]string{"KVROUTER_MAX_PUBLISH_MSG_BYTES": "4194304"},
+			want: "kvrouter: invalid configuration: KVROUTER_MAX_PUBLISH_MSG_BYTES: must be at most --max-recv-msg-bytes 2097152 (got 4194304)"},
+		{name: "zero batch blocks", args: []string{"--max-batch-blocks", "0"},
+			want: "kvrouter: invalid configuration: --max-batch-blocks: must be >= 1 (got 0)"},
 		{name: "unknown flag", args: []string{"--no-such-flag"}, want: "flag provided but not defined: -no-such-flag"},
 		{name: "missing config file", args: []string{"--config", "/nonexistent/kvrouter.yaml"}, want: "no such file or directory"},
 	}

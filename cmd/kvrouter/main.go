@@ -96,6 +96,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	srv := server.New(server.Options{
 		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
+		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 	})
 
 	lis, err := net.Listen("tcp", cfg.Listen)

@@ -40,6 +40,9 @@ type RouterServiceClient interface {
 	MarkPrefillComplete(ctx context.Context, in *MarkPrefillCompleteRequest, opts ...grpc.CallOption) (*MarkPrefillCompleteResponse, error)
 	// Free releases everything the request booked. NOT_FOUND when the request id is not booked (never
 	// routed, freed already, or expired after 300 s).
+	// Both may be sent to any replica: one that does not hold the booking yet waits briefly for it to
+	// arrive from the replica that booked it. UNAVAILABLE when that replica cannot tell because the
+	// shared state (Redis) is unreachable: retry, or ask another replica.
 	Free(ctx context.Context, in *FreeRequest, opts ...grpc.CallOption) (*FreeResponse, error)
 }
 
@@ -97,6 +100,9 @@ type RouterServiceServer interface {
 	MarkPrefillComplete(context.Context, *MarkPrefillCompleteRequest) (*MarkPrefillCompleteResponse, error)
 	// Free releases everything the request booked. NOT_FOUND when the request id is not booked (never
 	// routed, freed already, or expired after 300 s).
+	// Both may be sent to any replica: one that does not hold the booking yet waits briefly for it to
+	// arrive from the replica that booked it. UNAVAILABLE when that replica cannot tell because the
+	// shared state (Redis) is unreachable: retry, or ask another replica.
 	Free(context.Context, *FreeRequest) (*FreeResponse, error)
 	mustEmbedUnimplementedRouterServiceServer()
 }

@@ -682,14 +682,20 @@ func (*CacheCleared) Descriptor() ([]byte, []int) {
 	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{7}
 }
 
-// KvDump is a worker rank's full cache, sent after the router asked for a resync.
+// KvDump is a worker rank's full cache, sent after the router asked for a resync. A cache too large
+// for one message is sent as several KvDump messages in a row, every one but the last with
+// more_follows set, all with the same through_event_id; the router applies the dump, whole, when the
+// last part arrives, and acks it then. Until then the stream accepts only further parts and load
+// reports; parts of a stream that ends before the last are dropped.
 type KvDump struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// through_event_id is the id of the worker's last event reflected in the dump; the next event must
 	// carry through_event_id + 1.
 	ThroughEventId uint64 `protobuf:"varint,1,opt,name=through_event_id,json=throughEventId,proto3" json:"through_event_id,omitempty"`
 	// events are the cache's blocks as stored events (their event_id fields are ignored).
-	Events        []*KvEvent `protobuf:"bytes,2,rep,name=events,proto3" json:"events,omitempty"`
+	Events []*KvEvent `protobuf:"bytes,2,rep,name=events,proto3" json:"events,omitempty"`
+	// more_follows says further parts of this dump follow in the next messages.
+	MoreFollows   bool `protobuf:"varint,3,opt,name=more_follows,json=moreFollows,proto3" json:"more_follows,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -736,6 +742,13 @@ func (x *KvDump) GetEvents() []*KvEvent {
 		return x.Events
 	}
 	return nil
+}
+
+func (x *KvDump) GetMoreFollows() bool {
+	if x != nil {
+		return x.MoreFollows
+	}
+	return false
 }
 
 // LoadReport is the worker's own view of its load.
@@ -1107,10 +1120,11 @@ const file_kvrouter_v1_worker_proto_rawDesc = "" +
 	"\f_tokens_hash\"2\n" +
 	"\rBlocksRemoved\x12!\n" +
 	"\fblock_hashes\x18\x01 \x03(\x04R\vblockHashes\"\x0e\n" +
-	"\fCacheCleared\"`\n" +
+	"\fCacheCleared\"\x83\x01\n" +
 	"\x06KvDump\x12(\n" +
 	"\x10through_event_id\x18\x01 \x01(\x04R\x0ethroughEventId\x12,\n" +
-	"\x06events\x18\x02 \x03(\v2\x14.kvrouter.v1.KvEventR\x06events\"v\n" +
+	"\x06events\x18\x02 \x03(\v2\x14.kvrouter.v1.KvEventR\x06events\x12!\n" +
+	"\fmore_follows\x18\x03 \x01(\bR\vmoreFollows\"v\n" +
 	"\n" +
 	"LoadReport\x12\x17\n" +
 	"\adp_rank\x18\x01 \x01(\rR\x06dpRank\x12$\n" +

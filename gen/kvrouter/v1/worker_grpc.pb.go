@@ -35,6 +35,11 @@ type WorkerServiceClient interface {
 	// A stream that ends leaves the worker registered for a grace period, so a reconnect (to any replica)
 	// resumes where the last ack left off; after the grace period the worker and its blocks are removed.
 	// A malformed message ends the stream with INVALID_ARGUMENT or FAILED_PRECONDITION and changes nothing.
+	// Each message is bounded, so that one costs the router a bounded amount of memory: at most
+	// max_publish_msg_bytes (4 MiB by default) and at most max_batch_blocks (16,384) events and as many
+	// blocks (stored blocks plus removed hashes); a larger one ends the stream with RESOURCE_EXHAUSTED
+	// naming the limit, and nothing of it is applied. A dump larger than that is sent in parts
+	// (KvDump.more_follows), up to max_dump_blocks (1,048,576) blocks in all.
 	Publish(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[PublishRequest, PublishResponse], error)
 }
 
@@ -72,6 +77,11 @@ type WorkerServiceServer interface {
 	// A stream that ends leaves the worker registered for a grace period, so a reconnect (to any replica)
 	// resumes where the last ack left off; after the grace period the worker and its blocks are removed.
 	// A malformed message ends the stream with INVALID_ARGUMENT or FAILED_PRECONDITION and changes nothing.
+	// Each message is bounded, so that one costs the router a bounded amount of memory: at most
+	// max_publish_msg_bytes (4 MiB by default) and at most max_batch_blocks (16,384) events and as many
+	// blocks (stored blocks plus removed hashes); a larger one ends the stream with RESOURCE_EXHAUSTED
+	// naming the limit, and nothing of it is applied. A dump larger than that is sent in parts
+	// (KvDump.more_follows), up to max_dump_blocks (1,048,576) blocks in all.
 	Publish(grpc.BidiStreamingServer[PublishRequest, PublishResponse]) error
 	mustEmbedUnimplementedWorkerServiceServer()
 }

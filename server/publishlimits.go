@@ -1,0 +1,209 @@
+package server
+
+import (
+	"fmt"
+	"strconv"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/encoding"
+	grpcproto "google.golang.org/grpc/encoding/proto"
+	"google.golang.org/grpc/mem"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+)
+
+// Default Publish limits (docs/operations.md, "Sizing", has what each costs).
+const (
+	DefaultMaxPublishMsgBytes = 4 << 20
+	DefaultMaxBatchBlocks     = 16_384
+	DefaultMaxDumpBlocks      = 1 << 20
+)
+
+// publishLimits bound one Publish message, so that receiving it costs a bounded amount of memory
+// whatever it holds. gRPC's own receive limit is server-wide and must stay large enough for a
+// Route carrying a 1M-token prompt; a Publish message is held to these tighter ones.
+//
+// Bytes alone would not bound memory: a stored block can take 2 bytes on the wire and about 80 once
+// decoded, so 4 MiB of empty blocks would decode into some 170 MiB. The events and blocks are
+// therefore counted on the wire, without decoding, and the message is decoded only within both
+// limits: it then costs at most about 4 bytes per wire byte (token ids) plus a fixed amount per
+// event and per block (measured in docs/BENCHMARKS.md, "Publish message memory").
+type publishLimits struct {
+	maxBytes      int // wire size of one message
+	maxBlocks     int // events in one message, and stored blocks plus removed hashes in one message
+	maxDumpBlocks int // stored blocks of a whole dump, over all its parts
+}
+
+// publishFrame is what the Publish handler receives: the message's size and counts, and the message
+// itself, decoded only when it is within the limits (msg is nil otherwise).
+type publishFrame struct {
+	limits publishLimits
+	size   int
+	counts publishCounts
+	msg    *kvrouterv1.PublishRequest
+}
+
+// limitingCodec is the server's codec: the standard protobuf codec, except that a publishFrame is
+// sized and counted before it is decoded.
+type limitingCodec struct{ base encoding.CodecV2 }
+
+func newLimitingCodec() limitingCodec {
+	return limitingCodec{base: encoding.GetCodecV2(grpcproto.Name)}
+}
+
+func (c limitingCodec) Name() string                           { return c.base.Name() }
+func (c limitingCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.Marshal(v) }
+
+func (c limitingCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	f, ok := v.(*publishFrame)
+	if !ok {
+		return c.base.Unmarshal(data, v)
+	}
+	f.size = data.Len()
+	if f.size > f.limits.maxBytes {
+		return nil
+	}
+	buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+	defer buf.Free()
+	b := buf.ReadOnlyData()
+	if counts, ok := countPublish(b); ok {
+		f.counts = counts
+		if counts.events > f.limits.maxBlocks || counts.blocks > f.limits.maxBlocks {
+			return nil
+		}
+	}
+	// Malformed bytes are counted as far as they go; decoding says what is wrong with them.
+	f.msg = new(kvrouterv1.PublishRequest)
+	return proto.Unmarshal(b, f.msg)
+}
+
+// check returns the error for a frame over a limit, or nil.
+func (f *publishFrame) check() error {
+	switch {
+	case f.size > f.limits.maxBytes:
+		return limitExceeded("PUBLISH_MESSAGE_TOO_LARGE", "message", "max_publish_msg_bytes", f.limits.maxBytes, f.size,
+			"%d bytes, more than max_publish_msg_bytes %d: split event batches, and send a large dump in parts (KvDump.more_follows)", f.size, f.limits.maxBytes)
+	case f.counts.events > f.limits.maxBlocks:
+		return limitExceeded("PUBLISH_BATCH_TOO_LARGE", f.counts.field+".events", "max_batch_blocks", f.limits.maxBlocks, f.counts.events,
+			"holds %d events, more than max_batch_blocks %d: split the batch", f.counts.events, f.limits.maxBlocks)
+	case f.counts.blocks > f.limits.maxBlocks:
+		return limitExceeded("PUBLISH_BATCH_TOO_LARGE", f.counts.field+".events", "max_batch_blocks", f.limits.maxBlocks, f.counts.blocks,
+			"holds %d blocks (stored blocks plus removed hashes), more than max_batch_blocks %d: split the batch", f.counts.blocks, f.limits.maxBlocks)
+	}
+	return nil
+}
+
+// limitExceeded returns RESOURCE_EXHAUSTED for a message over a limit: the message names the field
+// and the limit, the ErrorInfo carries them for clients. There is no RetryInfo: resending the same
+// message cannot succeed.
+func limitExceeded(reason, field, limit string, max, got int, format string, args ...any) error {
+	st := status.New(codes.ResourceExhausted, field+": "+fmt.Sprintf(format, args...))
+	return withDetails(st, &errdetails.ErrorInfo{Reason: reason, Domain: errorDomain, Metadata: map[string]string{
+		"field": field, "limit": limit, "max": strconv.Itoa(max), "got": strconv.Itoa(got),
+	}})
+}
+
+// publishCounts is what one encoded PublishRequest carries: events, and stored blocks plus removed
+// hashes, in its event batch or dump (field names which).
+type publishCounts struct {
+	field          string // "events" or "dump"
+	events, blocks int
+}
+
+// Field numbers of the messages countPublish walks (proto/kvrouter/v1/worker.proto).
+const (
+	fieldPublishEvents = 2 // PublishRequest.events
+	fieldPublishDump   = 3 // PublishRequest.dump
+	fieldBatchEvents   = 1 // EventBatch.events
+	fieldDumpEvents    = 2 // KvDump.events
+	fieldEventStored   = 4 // KvEvent.stored
+	fieldEventRemoved  = 5 // KvEvent.removed
+	fieldStoredBlocks  = 2 // BlocksStored.blocks
+	fieldRemovedHashes = 1 // BlocksRemoved.block_hashes
+)
+
+// countPublish counts a PublishRequest's events and blocks on the wire, allocating nothing. It
+// reports false for bytes that are not a well-formed message.
+func countPublish(b []byte) (publishCounts, bool) {
+	var c publishCounts
+	ok := eachField(b, func(num protowire.Number, typ protowire.Type, v []byte) bool {
+		eventsField := protowire.Number(0)
+		switch {
+		case num == fieldPublishEvents && typ == protowire.BytesType:
+			c.field, eventsField = "events", fieldBatchEvents
+		case num == fieldPublishDump && typ == protowire.BytesType:
+			c.field, eventsField = "dump", fieldDumpEvents
+		default:
+			return true
+		}
+		return eachField(v, func(num protowire.Number, typ protowire.Type, ev []byte) bool {
+			if num != eventsField || typ != protowire.BytesType {
+				return true
+			}
+			c.events++
+			return countEventBlocks(ev, &c.blocks)
+		})
+	})
+	return c, ok
+}
+
+// countEventBlocks adds a KvEvent's stored blocks and removed hashes to n.
+func countEventBlocks(ev []byte, n *int) bool {
+	return eachField(ev, func(num protowire.Number, typ protowire.Type, v []byte) bool {
+		switch {
+		case num == fieldEventStored && typ == protowire.BytesType:
+			return eachField(v, func(num protowire.Number, typ protowire.Type, _ []byte) bool {
+				if num == fieldStoredBlocks {
+					*n++
+				}
+				return true
+			})
+		case num == fieldEventRemoved && typ == protowire.BytesType:
+			return eachField(v, func(num protowire.Number, typ protowire.Type, hashes []byte) bool {
+				switch {
+				case num != fieldRemovedHashes:
+				case typ == protowire.BytesType: // packed: one varint per hash
+					for _, x := range hashes {
+						if x < 0x80 {
+							*n++
+						}
+					}
+				default:
+					*n++
+				}
+				return true
+			})
+		}
+		return true
+	})
+}
+
+// eachField calls f with every field of an encoded message (v is the value's bytes for
+// length-delimited fields, nil otherwise) until f returns false; it reports false for malformed bytes.
+func eachField(b []byte, f func(num protowire.Number, typ protowire.Type, v []byte) bool) bool {
+	for len(b) > 0 {
+		num, typ, n := protowire.ConsumeTag(b)
+		if n < 0 {
+			return false
+		}
+		b = b[n:]
+		var v []byte
+		if typ == protowire.BytesType {
+			v, n = protowire.ConsumeBytes(b)
+		} else {
+			n = protowire.ConsumeFieldValue(num, typ, b)
+		}
+		if n < 0 {
+			return false
+		}
+		b = b[n:]
+		if !f(num, typ, v) {
+			return false
+		}
+	}
+	return true
+}
