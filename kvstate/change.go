@@ -8,9 +8,15 @@ type Change interface {
 
 // WorkerUp registers a worker rank, or re-announces it after a reconnect. With Reset, whatever the
 // router held for the rank (blocks, event numbering) is dropped first: the worker starts afresh.
+//
+// A WorkerUp with Epoch zero is a new stream's registration: it bumps the rank's registration epoch,
+// so the stream that held the rank until then is superseded (its later changes fail with
+// ErrSuperseded). A non-zero Epoch re-announces the rank on the stream registered at that epoch: it
+// applies only while that stream still holds the rank, and keeps the epoch.
 type WorkerUp struct {
 	Info  WorkerInfo
 	Reset bool
+	Epoch uint64
 }
 
 // WorkerRemoved removes a worker rank with its blocks and its share of bookings. With a non-zero
@@ -22,8 +28,13 @@ type WorkerRemoved struct {
 }
 
 // KVEvents applies a worker rank's KV events in order (§4.3, §4.4).
+//
+// Epoch, KVDump's and LoadReported's too, is the registration epoch of the stream that sent the
+// change: when it is non-zero and the rank has been registered again since, the change fails with
+// ErrSuperseded and nothing of it applies, on every replica alike. Zero applies unconditionally.
 type KVEvents struct {
 	Worker WorkerKey
+	Epoch  uint64
 	Events []Event
 }
 
@@ -31,6 +42,7 @@ type KVEvents struct {
 // worker's events up to ThroughEventID. Event ids inside the dump are ignored.
 type KVDump struct {
 	Worker         WorkerKey
+	Epoch          uint64
 	ThroughEventID uint64
 	Events         []Event
 }
@@ -38,6 +50,7 @@ type KVDump struct {
 // LoadReported records a worker's own load report.
 type LoadReported struct {
 	Worker          WorkerKey
+	Epoch           uint64
 	KVUsedBlocks    uint64
 	WaitingRequests uint64
 }
@@ -103,6 +116,9 @@ type Result struct {
 	Expired int
 	// Skipped is set when a conditional change did not apply (WorkerRemoved after a reconnect).
 	Skipped bool
+	// Epoch is the worker's registration epoch after a WorkerUp: the stream that appended it holds
+	// the rank at this epoch.
+	Epoch uint64
 	// Buffered is set when the change was applied locally but is not durable yet: the shared log
 	// was unreachable and the change waits in this replica's bounded buffer. Do not ack it.
 	Buffered bool

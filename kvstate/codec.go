@@ -9,7 +9,10 @@ import (
 
 // EntryVersion is the version of the log entry encoding. A replica refuses entries of a newer
 // version, and must keep reading older ones: the log and the public API evolve separately.
-const EntryVersion = 1
+//
+// Version 2 adds the registration epoch to WorkerUp (after Reset) and to KVEvents, KVDump and
+// LoadReported (after the worker's key); version 1 entries decode with epoch 0 (unconditional).
+const EntryVersion = 2
 
 // ErrCorruptEntry: a log entry could not be decoded.
 var ErrCorruptEntry = errors.New("corrupt log entry")
@@ -46,6 +49,7 @@ func encodeChange(b []byte, c Change) []byte {
 		b = append(b, kindWorkerUp)
 		b = putInfo(b, c.Info)
 		b = putBool(b, c.Reset)
+		b = binary.AppendUvarint(b, c.Epoch)
 	case WorkerRemoved:
 		b = append(b, kindWorkerRemoved)
 		b = putKey(b, c.Key)
@@ -53,15 +57,18 @@ func encodeChange(b []byte, c Change) []byte {
 	case KVEvents:
 		b = append(b, kindKVEvents)
 		b = putKey(b, c.Worker)
+		b = binary.AppendUvarint(b, c.Epoch)
 		b = putEvents(b, c.Events)
 	case KVDump:
 		b = append(b, kindKVDump)
 		b = putKey(b, c.Worker)
+		b = binary.AppendUvarint(b, c.Epoch)
 		b = binary.AppendUvarint(b, c.ThroughEventID)
 		b = putEvents(b, c.Events)
 	case LoadReported:
 		b = append(b, kindLoadReported)
 		b = putKey(b, c.Worker)
+		b = binary.AppendUvarint(b, c.Epoch)
 		b = binary.AppendUvarint(b, c.KVUsedBlocks)
 		b = binary.AppendUvarint(b, c.WaitingRequests)
 	case Booked:
@@ -161,8 +168,8 @@ func putEvents(b []byte, evs []Event) []byte {
 // wrapping ErrCorruptEntry, and no count is trusted beyond the bytes that remain.
 func DecodeEntry(data []byte) ([]Change, error) {
 	r := &reader{b: data}
-	if v := r.byte(); r.err == nil && v != EntryVersion {
-		return nil, fmt.Errorf("%w: version %d, this replica reads version %d", ErrCorruptEntry, v, EntryVersion)
+	if r.version = r.byte(); r.err == nil && (r.version < 1 || r.version > EntryVersion) {
+		return nil, fmt.Errorf("%w: version %d, this replica reads versions 1 to %d", ErrCorruptEntry, r.version, EntryVersion)
 	}
 	n := r.count(2)
 	changes := make([]Change, 0, n)
@@ -180,8 +187,17 @@ func DecodeEntry(data []byte) ([]Change, error) {
 
 // reader decodes with sticky errors: after the first failure every read returns zero values.
 type reader struct {
-	b   []byte
-	err error
+	b       []byte
+	err     error
+	version byte // of the entry being read
+}
+
+// epoch reads a registration epoch, which entries before version 2 do not carry.
+func (r *reader) epoch() uint64 {
+	if r.version < 2 {
+		return 0
+	}
+	return r.uvarint()
 }
 
 func (r *reader) fail(format string, args ...any) {
@@ -331,15 +347,15 @@ func (r *reader) events() []Event {
 func (r *reader) change() Change {
 	switch kind := r.byte(); kind {
 	case kindWorkerUp:
-		return WorkerUp{Info: r.info(), Reset: r.bool()}
+		return WorkerUp{Info: r.info(), Reset: r.bool(), Epoch: r.epoch()}
 	case kindWorkerRemoved:
 		return WorkerRemoved{Key: r.key(), Epoch: r.uvarint()}
 	case kindKVEvents:
-		return KVEvents{Worker: r.key(), Events: r.events()}
+		return KVEvents{Worker: r.key(), Epoch: r.epoch(), Events: r.events()}
 	case kindKVDump:
-		return KVDump{Worker: r.key(), ThroughEventID: r.uvarint(), Events: r.events()}
+		return KVDump{Worker: r.key(), Epoch: r.epoch(), ThroughEventID: r.uvarint(), Events: r.events()}
 	case kindLoadReported:
-		return LoadReported{Worker: r.key(), KVUsedBlocks: r.uvarint(), WaitingRequests: r.uvarint()}
+		return LoadReported{Worker: r.key(), Epoch: r.epoch(), KVUsedBlocks: r.uvarint(), WaitingRequests: r.uvarint()}
 	case kindBooked:
 		b := Booking{RequestID: r.string(), At: r.varint()}
 		if n := r.count(3); n > 0 {

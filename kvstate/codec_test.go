@@ -1,6 +1,7 @@
 package kvstate
 
 import (
+	"encoding/hex"
 	"errors"
 	"fmt"
 	"testing"
@@ -13,15 +14,16 @@ func everyChange() []Change {
 	return []Change{
 		WorkerUp{Info: WorkerInfo{Key: WorkerKey{ID: 1 << 40, Rank: 3}, Model: "llama-70b", Role: RoleDecode, BlockSize: 64,
 			TotalKVBlocks: 123456, MaxNumBatchedTokens: 8192, Endpoint: "10.0.0.1:8000", SupportsBypass: true, KVEventsEnabled: true}, Reset: true},
+		WorkerUp{Info: WorkerInfo{Key: WorkerKey{ID: 9}, Model: "m", Role: RolePrefill, BlockSize: 16}, Epoch: 3},
 		WorkerRemoved{Key: WorkerKey{ID: 9, Rank: 1}, Epoch: 42},
-		KVEvents{Worker: WorkerKey{ID: 9}, Events: []Event{
+		KVEvents{Worker: WorkerKey{ID: 9}, Epoch: 3, Events: []Event{
 			{ID: 0, Tier: TierDevice, Kind: EventStored, Blocks: []Block{{Hash: 1, Local: 2}, {Hash: ^uint64(0), Local: 1 << 63}}},
 			{ID: 1, Tier: TierHost, Kind: EventStored, HasParent: true, Parent: 7, Blocks: []Block{{Hash: 3, Local: 4}}},
 			{ID: 2, Tier: TierDisk, Kind: EventRemoved, Removed: []uint64{1, 3}},
 			{ID: 3, Tier: TierExternal, Kind: EventCleared},
 		}},
-		KVDump{Worker: WorkerKey{ID: 9}, ThroughEventID: 77, Events: []Event{{Tier: TierDevice, Kind: EventStored, Blocks: []Block{{Hash: 5, Local: 6}}}}},
-		LoadReported{Worker: WorkerKey{ID: 9}, KVUsedBlocks: 100, WaitingRequests: 2},
+		KVDump{Worker: WorkerKey{ID: 9}, Epoch: 1 << 33, ThroughEventID: 77, Events: []Event{{Tier: TierDevice, Kind: EventStored, Blocks: []Block{{Hash: 5, Local: 6}}}}},
+		LoadReported{Worker: WorkerKey{ID: 9}, Epoch: 3, KVUsedBlocks: 100, WaitingRequests: 2},
 		Booked{Booking: Booking{RequestID: "req-1", At: 1_700_000_000_000_000_000, Session: "chat-9", SessionExpires: -5, Hops: []HopBooking{
 			{Worker: WorkerKey{ID: 2}, PrefillTokens: 900},
 			{Worker: WorkerKey{ID: 9}, Blocks: []uint64{11, 12, 13}},
@@ -52,6 +54,46 @@ func TestEntryRoundTrip(t *testing.T) {
 	}
 }
 
+// v1Entry is everyChange (as it was before epochs) encoded by the release that wrote version 1.
+const v1Entry = "010a0180808080802003096c6c616d612d3730620240c0c40780400d31302e302e302e313a383030300101010209012a03090004000001000201000000000000000200000000000000ffffffffffffffff0000000000000080010101010700000000000000010300000000000000040000000000000002020202010000000000000003000000000000000303030409004d01000001000105000000000000000600000000000000050900640206057265712d318080d0e2c6bfce972f0202000084070900030b000000000000000c000000000000000d000000000000000006636861742d390907057265712d310a08057265712d310d09a4130a01"
+
+// TestDecodeVersion1: entries written by the previous release still decode, with epoch 0.
+func TestDecodeVersion1(t *testing.T) {
+	data, err := hex.DecodeString(v1Entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodeEntry(data)
+	if err != nil {
+		t.Fatalf("DecodeEntry(version 1) = %v", err)
+	}
+	var want []Change
+	for _, c := range everyChange() {
+		switch c := c.(type) {
+		case WorkerUp:
+			if c.Epoch != 0 {
+				continue // not in the version 1 entry
+			}
+		case KVEvents:
+			c.Epoch = 0
+			want = append(want, c)
+			continue
+		case KVDump:
+			c.Epoch = 0
+			want = append(want, c)
+			continue
+		case LoadReported:
+			c.Epoch = 0
+			want = append(want, c)
+			continue
+		}
+		want = append(want, c)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("version 1 entry (-want +got):\n%s", diff)
+	}
+}
+
 func TestDecodeEntryRejectsCorruption(t *testing.T) {
 	good := EncodeEntry(nil, everyChange()...)
 	tests := []struct {
@@ -60,6 +102,7 @@ func TestDecodeEntryRejectsCorruption(t *testing.T) {
 	}{
 		{"empty", nil},
 		{"newer version", append([]byte{EntryVersion + 1}, good[1:]...)},
+		{"version 0", append([]byte{0}, good[1:]...)},
 		{"truncated", good[:len(good)-3]},
 		{"trailing bytes", append(append([]byte(nil), good...), 0)},
 		{"unknown change kind", []byte{EntryVersion, 1, 99}},

@@ -115,12 +115,17 @@ func (s *State) Restore(data []byte) (string, error) {
 		return "", err
 	}
 	s.mu.Lock()
-	for k, w := range fresh.workers {
-		if old := s.workers[k]; old != nil {
-			old.track.mu.Lock()
-			w.track.streams, w.track.disconnectedAt = old.track.streams, old.track.disconnectedAt
-			old.track.mu.Unlock()
+	for k, old := range s.workers {
+		old.track.mu.Lock()
+		if w := fresh.workers[k]; w != nil {
+			w.track.streams, w.track.closedEpoch = old.track.streams, old.track.closedEpoch
+			w.track.disconnectedAt, w.track.disconnectedEpoch = old.track.disconnectedAt, old.track.disconnectedEpoch
+			if w.track.epoch == old.track.epoch {
+				w.track.epochEnds, old.track.epochEnds = old.track.epochEnds, nil // the same registration goes on
+			}
 		}
+		old.track.endEpochLocked() // a stream whose registration the snapshot does not hold is over
+		old.track.mu.Unlock()
 	}
 	s.models, s.workers, s.slots = fresh.models, fresh.workers, fresh.slots
 	// The load is swapped field by field: routers hold the *Load.

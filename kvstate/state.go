@@ -19,6 +19,9 @@ var (
 	ErrBlockSizeMismatch = errors.New("block size differs from the model's")
 	// ErrStaleDump: a dump reflects fewer events than already applied (and no resync is pending).
 	ErrStaleDump = errors.New("dump is older than the applied events")
+	// ErrSuperseded: a change comes from a stream that no longer holds its worker rank: a newer
+	// stream registered the rank since (on any replica).
+	ErrSuperseded = errors.New("a newer stream registered this worker")
 )
 
 // Worker is a registered worker rank. Its Info and Slot never change; a re-registration with new
@@ -32,8 +35,11 @@ type Worker struct {
 
 // workerTrack is a worker's mutable bookkeeping, shared by every Worker value of the same rank.
 type workerTrack struct {
-	mu             sync.Mutex
-	epoch          uint64 // registration epoch: bumped by every WorkerUp
+	mu    sync.Mutex
+	epoch uint64 // registration epoch: bumped by every new stream's WorkerUp
+	// epochEnds is closed when epoch changes (or the worker goes): the stream registered at epoch
+	// learns that it no longer holds the rank. Replica-local, like streams.
+	epochEnds      chan struct{}
 	lastEventID    uint64
 	hasLastEvent   bool
 	awaitingResync bool
@@ -43,6 +49,7 @@ type workerTrack struct {
 	// the registration epoch then (a hello on another replica since bumps the epoch, so a removal
 	// decided here for the old epoch is skipped everywhere).
 	streams           int
+	closedEpoch       uint64 // newest epoch among streams closed since streams was last 0
 	disconnectedAt    int64
 	disconnectedEpoch uint64
 }
@@ -205,9 +212,12 @@ func (s *State) Connected(key WorkerKey) bool {
 	return true
 }
 
-// Disconnected records that a stream for the worker closed at now (unix nanoseconds). It returns the
-// time the worker counts as disconnected since, or 0 while other streams for it remain open.
-func (s *State) Disconnected(key WorkerKey, now int64) int64 {
+// Disconnected records that a stream for the worker, registered at epoch (0: the current one), closed
+// at now (unix nanoseconds). It returns the time the worker counts as disconnected since, or 0 while
+// other streams for it remain open. The removal a grace period later names that epoch, so it is
+// skipped if a newer stream holds the rank by then (or already did, as when this stream was
+// superseded).
+func (s *State) Disconnected(key WorkerKey, now int64, epoch uint64) int64 {
 	w := s.Worker(key)
 	if w == nil {
 		return 0
@@ -217,8 +227,14 @@ func (s *State) Disconnected(key WorkerKey, now int64) int64 {
 	if w.track.streams > 0 {
 		w.track.streams--
 	}
+	if epoch == 0 {
+		epoch = w.track.epoch
+	}
+	// Epochs only grow: the newest of the streams that closed is the one a removal must name.
+	w.track.closedEpoch = max(w.track.closedEpoch, epoch)
 	if w.track.streams == 0 {
-		w.track.disconnectedAt, w.track.disconnectedEpoch = now, w.track.epoch
+		w.track.disconnectedAt, w.track.disconnectedEpoch = now, w.track.closedEpoch
+		w.track.closedEpoch = 0
 		return now
 	}
 	return 0
@@ -243,6 +259,47 @@ func (s *State) DisconnectedWorkers() map[WorkerKey]Disconnection {
 		w.track.mu.Unlock()
 	}
 	return out
+}
+
+// EpochEnds returns a channel that is closed once the worker rank is no longer registered at epoch:
+// a newer stream registered it, or it was removed. It is closed already when that happened before.
+func (s *State) EpochEnds(key WorkerKey, epoch uint64) <-chan struct{} {
+	w := s.Worker(key)
+	if w == nil {
+		return closedChan
+	}
+	t := w.track
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.epoch != epoch {
+		return closedChan
+	}
+	if t.epochEnds == nil {
+		t.epochEnds = make(chan struct{})
+	}
+	return t.epochEnds
+}
+
+var closedChan = func() chan struct{} { c := make(chan struct{}); close(c); return c }()
+
+// Holds reports why the stream registered at epoch no longer holds the worker rank: nil while it
+// does, ErrSuperseded when a newer stream registered the rank, ErrUnknownWorker when it was removed.
+func (s *State) Holds(key WorkerKey, epoch uint64) error {
+	w := s.Worker(key)
+	if w == nil {
+		return fmt.Errorf("%w: %v was removed", ErrUnknownWorker, key)
+	}
+	w.track.mu.Lock()
+	defer w.track.mu.Unlock()
+	return w.track.checkEpochLocked(key, epoch)
+}
+
+// endEpochLocked closes the channel of the track's current epoch; the caller holds t.mu.
+func (t *workerTrack) endEpochLocked() {
+	if t.epochEnds != nil {
+		close(t.epochEnds)
+		t.epochEnds = nil
+	}
 }
 
 // CapacityChanged returns a channel that is closed at the next change that may free routing
@@ -280,7 +337,8 @@ func (s *State) Apply(c Change) (Result, error) {
 func (s *State) apply(c Change) (Result, error) {
 	switch c := c.(type) {
 	case WorkerUp:
-		return Result{}, s.workerUp(c)
+		epoch, err := s.workerUp(c)
+		return Result{Epoch: epoch}, err
 	case WorkerRemoved:
 		return s.workerRemoved(c), nil
 	case KVEvents:
@@ -293,8 +351,11 @@ func (s *State) apply(c Change) (Result, error) {
 			return Result{}, ErrUnknownWorker
 		}
 		w.track.mu.Lock()
+		defer w.track.mu.Unlock()
+		if err := w.track.checkEpochLocked(c.Worker, c.Epoch); err != nil {
+			return Result{}, err
+		}
 		w.track.kvUsedBlocks, w.track.waiting = c.KVUsedBlocks, c.WaitingRequests
-		w.track.mu.Unlock()
 		return Result{}, nil
 	case Booked:
 		return Result{}, s.book(c.Booking, false)
@@ -310,13 +371,36 @@ func (s *State) apply(c Change) (Result, error) {
 	return Result{}, fmt.Errorf("kvstate: unknown change %T", c)
 }
 
-func (s *State) workerUp(c WorkerUp) error {
+// checkEpochLocked fails a change sent by the stream registered at epoch (0: unconditional) when a
+// newer stream holds the rank. The caller holds t.mu.
+func (t *workerTrack) checkEpochLocked(key WorkerKey, epoch uint64) error {
+	if epoch != 0 && epoch != t.epoch {
+		return fmt.Errorf("%w: worker %v was registered again (registration %d) after this stream's (registration %d)", ErrSuperseded, key, t.epoch, epoch)
+	}
+	return nil
+}
+
+// workerUp applies a registration and returns the rank's epoch after it.
+func (s *State) workerUp(c WorkerUp) (uint64, error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	info := c.Info
 	old := s.workers[info.Key]
+	if c.Epoch != 0 {
+		// A re-announcement on a live stream: it changes nothing but the details, and only while
+		// that stream holds the rank.
+		if old == nil {
+			return 0, fmt.Errorf("%w: %v", ErrUnknownWorker, info.Key)
+		}
+		old.track.mu.Lock()
+		err := old.track.checkEpochLocked(info.Key, c.Epoch)
+		old.track.mu.Unlock()
+		if err != nil {
+			return 0, err
+		}
+	}
 	if old != nil && !c.Reset && !old.Info.SameCapacity(info) {
-		return fmt.Errorf("%w: worker %v is registered as model %q, role %v, block_size %d, total_kv_blocks %d, max_num_batched_tokens %d",
+		return 0, fmt.Errorf("%w: worker %v is registered as model %q, role %v, block_size %d, total_kv_blocks %d, max_num_batched_tokens %d",
 			ErrWorkerConflict, info.Key, old.Info.Model, old.Info.Role, old.Info.BlockSize, old.Info.TotalKVBlocks, old.Info.MaxNumBatchedTokens)
 	}
 	m := s.models[info.Model]
@@ -324,8 +408,15 @@ func (s *State) workerUp(c WorkerUp) error {
 		// Only a reset of the model's sole worker may change the model's block size.
 		members := m.Workers()
 		if !(c.Reset && old != nil && len(members) == 1 && members[0].Info.Key == info.Key) {
-			return fmt.Errorf("%w: model %q uses block_size %d, the worker registered %d", ErrBlockSizeMismatch, info.Model, m.BlockSize, info.BlockSize)
+			return 0, fmt.Errorf("%w: model %q uses block_size %d, the worker registered %d", ErrBlockSizeMismatch, info.Model, m.BlockSize, info.BlockSize)
 		}
+	}
+	if c.Epoch != 0 {
+		w := &Worker{Info: info, Slot: old.Slot, track: old.track}
+		s.workers[info.Key] = w
+		s.slots[w.Slot] = w
+		setMember(m, w)
+		return c.Epoch, nil
 	}
 	// Validated; from here on the change applies whole.
 	var local *workerTrack // replica-local connection bookkeeping and the epoch survive a reset
@@ -334,6 +425,9 @@ func (s *State) workerUp(c WorkerUp) error {
 		s.removeLocked(old)
 		old = nil
 		m = s.models[info.Model]
+		local.mu.Lock()
+		local.endEpochLocked() // the new track carries the epoch on; the old stream's is over
+		local.mu.Unlock()
 	}
 	if m == nil {
 		m = &Model{Name: info.Model, BlockSize: info.BlockSize, Index: NewIndex()}
@@ -346,17 +440,20 @@ func (s *State) workerUp(c WorkerUp) error {
 		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
 		if local != nil {
 			local.mu.Lock()
-			w.track.streams, w.track.disconnectedAt, w.track.disconnectedEpoch, w.track.epoch = local.streams, local.disconnectedAt, local.disconnectedEpoch, local.epoch
+			w.track.streams, w.track.closedEpoch, w.track.epoch = local.streams, local.closedEpoch, local.epoch
+			w.track.disconnectedAt, w.track.disconnectedEpoch = local.disconnectedAt, local.disconnectedEpoch
 			local.mu.Unlock()
 		}
 	}
 	w.track.mu.Lock()
+	w.track.endEpochLocked()
 	w.track.epoch++
+	epoch := w.track.epoch
 	w.track.mu.Unlock()
 	s.workers[info.Key] = w
 	s.slots[w.Slot] = w
 	setMember(m, w)
-	return nil
+	return epoch, nil
 }
 
 func (s *State) allocSlotLocked() uint32 {
@@ -421,6 +518,9 @@ func (s *State) removeLocked(w *Worker) {
 	s.load.dropSlot(w.Slot)
 	delete(s.workers, w.Info.Key)
 	s.slots[w.Slot] = nil
+	w.track.mu.Lock()
+	w.track.endEpochLocked()
+	w.track.mu.Unlock()
 }
 
 // kvEvents applies a worker's events in order: duplicates are dropped, a gap drops the worker's
@@ -436,6 +536,9 @@ func (s *State) kvEvents(c KVEvents) (Result, error) {
 	t := w.track
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if err := t.checkEpochLocked(c.Worker, c.Epoch); err != nil {
+		return Result{}, err
+	}
 	var res Result
 	for i := range c.Events {
 		ev := &c.Events[i]
@@ -503,6 +606,9 @@ func (s *State) kvDump(c KVDump) (Result, error) {
 	t := w.track
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if err := t.checkEpochLocked(c.Worker, c.Epoch); err != nil {
+		return Result{}, err
+	}
 	if t.hasLastEvent && !t.awaitingResync && c.ThroughEventID < t.lastEventID {
 		return Result{}, fmt.Errorf("%w: dump through event %d, but event %d is already applied", ErrStaleDump, c.ThroughEventID, t.lastEventID)
 	}

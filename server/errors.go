@@ -40,6 +40,7 @@ var domainErrors = []struct {
 	{kvstate.ErrWorkerConflict, codes.FailedPrecondition, "WORKER_CONFLICT"},
 	{kvstate.ErrBlockSizeMismatch, codes.FailedPrecondition, "BLOCK_SIZE_MISMATCH"},
 	{kvstate.ErrStaleDump, codes.FailedPrecondition, "STALE_DUMP"},
+	{kvstate.ErrSuperseded, codes.FailedPrecondition, "WORKER_SUPERSEDED"},
 	{kvstate.ErrLogUnavailable, codes.Unavailable, "LOG_UNAVAILABLE"},
 }
 

@@ -5,6 +5,8 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 )
@@ -86,4 +88,51 @@ func TestGracePeriodRunsFromTheClose(t *testing.T) {
 	if got := e.cachedBlocks(1); got != -1 {
 		t.Fatalf("worker still listed (%d blocks) a whole grace period after its stream closed; want it removed", got)
 	}
+}
+
+// TestNewerStreamTakesOver: a second live stream for the same worker_id and dp_rank takes the rank
+// over. The older stream ends with FAILED_PRECONDITION WORKER_SUPERSEDED, and what it sent after the
+// takeover is neither applied nor acked; the newer one resumes after the last applied event. A
+// fresh_start stream takes over too, and starts the rank afresh.
+func TestNewerStreamTakesOver(t *testing.T) {
+	e := newTestEnv(t)
+	const superseded = "worker 1/0: a newer Publish stream registered this worker_id and dp_rank (on this or another replica); this stream no longer publishes for it. Two processes with the same worker_id? Do not reconnect automatically on this status"
+	old := e.connect(1)
+	old.send(events(stored(0, nil, 0, 1)))
+	wantMsg(t, old.recv(), ack(0))
+
+	newer := e.publish()
+	newer.send(hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, 4))
+	last := uint64(0)
+	wantMsg(t, newer.recv(), registered(&last))
+	// The older stream, not knowing yet, sends an event with other content: it must not apply.
+	_ = old.stream.Send(events(stored(1, nil, 7, 3)))
+	wantStatus(t, old.endErr(), codes.FailedPrecondition, superseded)
+	if got := e.cachedBlocks(1); got != 1 {
+		t.Errorf("cached blocks after the superseded stream's event = %d, want 1 (nothing of it applied)", got)
+	}
+	newer.send(events(stored(1, nil, 1, 1)))
+	wantMsg(t, newer.recv(), ack(1))
+	if got := e.cachedBlocks(1); got != 2 {
+		t.Errorf("cached blocks after the newer stream's event = %d, want 2", got)
+	}
+
+	fresh := e.publish()
+	h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, 4)
+	h.GetHello().FreshStart = true
+	fresh.send(h)
+	wantMsg(t, fresh.recv(), registered(nil))
+	wantStatus(t, newer.endErr(), codes.FailedPrecondition, superseded)
+	fresh.send(events(stored(0, nil, 5, 1)))
+	wantMsg(t, fresh.recv(), ack(0))
+	if got := e.cachedBlocks(1); got != 1 {
+		t.Errorf("cached blocks after the fresh start = %d, want 1", got)
+	}
+	if got := e.counter("kvrouter_publish_streams_superseded_total", "", ""); got != 2 {
+		t.Errorf("kvrouter_publish_streams_superseded_total = %v, want 2", got)
+	}
+	if w := e.state.Worker(kvstate.WorkerKey{ID: 1}); w == nil || !w.Status().Connected {
+		t.Error("the worker is not connected after two takeovers, want the live stream counted")
+	}
+	fresh.stream.CloseSend()
 }

@@ -18,6 +18,7 @@ type metrics struct {
 	effectiveISL   prometheus.Histogram
 	events         *prometheus.CounterVec
 	resyncs        prometheus.Counter
+	superseded     prometheus.Counter
 }
 
 func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log, router *policy.Router) *metrics {
@@ -48,8 +49,12 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 			Name: "kvrouter_resync_requests_total",
 			Help: "Dumps requested from workers after a gap in their event ids.",
 		}),
+		superseded: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "kvrouter_publish_streams_superseded_total",
+			Help: "Publish streams ended on this replica because a newer stream registered the same worker_id and dp_rank. A steady rate means two processes share a worker id.",
+		}),
 	}
-	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs,
+	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs, m.superseded,
 		&stateCollector{state: state, log: log, router: router})
 	if rl, ok := log.(*kvstate.RedisLog); ok {
 		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{

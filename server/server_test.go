@@ -458,7 +458,8 @@ func (e *testEnv) gauge(name, label, value string) float64 {
 	return -1
 }
 
-// metric finds the sample name{label=value} in the registry.
+// metric finds the sample name{label=value} in the registry (label "": the sample of a metric
+// without labels).
 func (e *testEnv) metric(name, label, value string) *dto.Metric {
 	e.t.Helper()
 	mfs, err := e.registry.Gather()
@@ -470,6 +471,9 @@ func (e *testEnv) metric(name, label, value string) *dto.Metric {
 			continue
 		}
 		for _, m := range mf.GetMetric() {
+			if label == "" {
+				return m // a metric without labels
+			}
 			for _, l := range m.GetLabel() {
 				if l.GetName() == label && l.GetValue() == value {
 					return m

@@ -61,6 +61,9 @@ type publishStream struct {
 	logger  *slog.Logger
 	release func() // lets go of the worker's lease
 	dump    *pendingDump
+	// epoch is the registration epoch this stream holds the rank at: every change it appends names
+	// it, so that once a newer stream registers the rank nothing more of this one applies.
+	epoch uint64
 }
 
 // pendingDump is a dump whose first parts arrived (KvDump.more_follows): it applies, whole, with the last.
@@ -70,15 +73,9 @@ type pendingDump struct {
 	blocks  int
 }
 
-// hold takes the worker's lease at its current registration epoch (every hello bumps the epoch).
+// hold takes the worker's lease at the stream's registration epoch.
 func (ps *publishStream) hold() {
-	if ps.release != nil {
-		ps.release()
-	}
-	ps.release = func() {}
-	if w := ps.svc.state.Worker(ps.info.Key); w != nil {
-		ps.release = ps.svc.liveness.Hold(ps.info.Key, w.Status().Epoch)
-	}
+	ps.release = ps.svc.liveness.Hold(ps.info.Key, ps.epoch)
 }
 
 // recvResult is one message (or the error that ended the stream) from the receiving goroutine.
@@ -110,12 +107,17 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		}
 	}()
 	// next returns the next message; a tick (nil when not wanted) interrupts the wait with neither.
+	// ended (nil before the registration) closes when the stream no longer holds its worker rank.
+	var ended <-chan struct{}
+	var ps *publishStream
 	next := func(tick <-chan time.Time) (*kvrouterv1.PublishRequest, error) {
 		select {
 		case r := <-msgs:
 			return r.msg, r.err
 		case <-tick:
 			return nil, nil
+		case <-ended:
+			return nil, ps.lost()
 		case <-ctx.Done():
 			return nil, status.FromContextError(ctx.Err()).Err()
 		case <-s.stopping:
@@ -141,19 +143,27 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	// A known worker counts as connected before its hello applies, so the housekeeper cannot remove
 	// it in between; a new one counts once it exists.
 	connected := s.state.Connected(info.Key)
-	_, err = s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
+	res, err := s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
 	if connected || err == nil {
 		if !connected {
 			s.state.Connected(info.Key)
 		}
 		// The grace period runs from when the stream closes: the time is read when the deferred
 		// call runs, not when the defer statement does (that would be the stream's start).
-		defer func() { s.state.Disconnected(info.Key, s.now().UnixNano()) }()
+		defer func() {
+			var epoch uint64 // 0, the current one, if the registration failed
+			if ps != nil {
+				epoch = ps.epoch
+			}
+			s.state.Disconnected(info.Key, s.now().UnixNano(), epoch)
+		}()
 	}
 	if err != nil {
 		return toStatus(err)
 	}
-	ps := &publishStream{svc: s, stream: stream, info: info, logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
+	ps = &publishStream{svc: s, stream: stream, info: info, epoch: res.Epoch,
+		logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
+	ended = s.state.EpochEnds(info.Key, ps.epoch)
 	ps.hold()
 	defer func() { ps.release() }()
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
@@ -180,6 +190,9 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 			return nil
 		}
 		if err != nil {
+			if st, _ := status.FromError(err); st.Code() == codes.FailedPrecondition || st.Code() == codes.Unavailable {
+				ps.logger.Warn("worker stream ended", "err", err)
+			}
 			return err
 		}
 		if msg != nil {
@@ -202,6 +215,19 @@ type bufferingLog interface {
 	Buffered(key kvstate.WorkerKey) int
 	// TakeResync reports, once, that the worker must resend its whole cache.
 	TakeResync(key kvstate.WorkerKey) bool
+}
+
+// lost returns the status that ends a stream that no longer holds its worker rank.
+func (ps *publishStream) lost() error {
+	err := ps.svc.state.Holds(ps.info.Key, ps.epoch)
+	switch {
+	case errors.Is(err, kvstate.ErrSuperseded):
+		ps.svc.metrics.superseded.Inc()
+		return failedPrecondition("WORKER_SUPERSEDED", "worker %v: a newer Publish stream registered this worker_id and dp_rank (on this or another replica); this stream no longer publishes for it. Two processes with the same worker_id? Do not reconnect automatically on this status", ps.info.Key)
+	case err != nil:
+		return status.Errorf(codes.Unavailable, "worker %v was removed from the router's state; reconnect and register again", ps.info.Key)
+	}
+	return nil
 }
 
 // refresh acks events that became durable since, and forwards a resync the log asks for.
@@ -243,11 +269,10 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return failedPrecondition("HELLO_CHANGED", "hello: a second hello on a stream must repeat the first (worker %v model %q role %v block_size %d total_kv_blocks %d max_num_batched_tokens %d) and must not set fresh_start; open a new stream to re-register",
 				ps.info.Key, ps.info.Model, ps.info.Role, ps.info.BlockSize, ps.info.TotalKVBlocks, ps.info.MaxNumBatchedTokens)
 		}
-		if _, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
-			return toStatus(err)
+		if _, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch}); err != nil {
+			return ps.appendError(err)
 		}
 		ps.info = info
-		ps.hold()
 		return ps.sendRegistered()
 	case *kvrouterv1.PublishRequest_Events:
 		events, err := ps.convertEvents("events.events", m.Events.GetEvents(), true)
@@ -257,9 +282,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if len(events) == 0 {
 			return invalidArgument("events.events", "must not be empty")
 		}
-		res, err := svc.log.Append(ctx, kvstate.KVEvents{Worker: ps.info.Key, Events: events})
+		res, err := svc.log.Append(ctx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
 		if err != nil {
-			return toStatus(err)
+			return ps.appendError(err)
 		}
 		svc.metrics.observeEvents(res)
 		if res.Gap {
@@ -302,9 +327,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return nil
 		}
 		ps.dump = nil
-		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, ThroughEventID: through, Events: events})
+		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
 		if err != nil {
-			return toStatus(err)
+			return ps.appendError(err)
 		}
 		svc.metrics.observeEvents(res)
 		ps.logger.Info("applied dump", "through_event_id", through, "events", len(events), "blocks", blocks)
@@ -316,10 +341,19 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if m.Load.GetDpRank() != ps.info.Key.Rank {
 			return invalidArgumentf("load.dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, m.Load.GetDpRank())
 		}
-		_, err := svc.log.Append(ctx, kvstate.LoadReported{Worker: ps.info.Key, KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
-		return toStatus(err)
+		_, err := svc.log.Append(ctx, kvstate.LoadReported{Worker: ps.info.Key, Epoch: ps.epoch, KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
+		return ps.appendError(err)
 	}
 	return invalidArgument("message", "must set one of hello, events, dump, load")
+}
+
+// appendError maps an append's error; a change refused because a newer stream holds the rank ends
+// the stream as superseded.
+func (ps *publishStream) appendError(err error) error {
+	if errors.Is(err, kvstate.ErrSuperseded) {
+		return ps.lost()
+	}
+	return toStatus(err)
 }
 
 // sendRegistered answers a hello with the last event id held for the rank, and asks for a dump at

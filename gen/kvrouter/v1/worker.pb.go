@@ -170,7 +170,9 @@ type WorkerHello struct {
 	// fresh_start says the worker starts afresh (a new process: empty cache, event ids from 0): the router
 	// drops what it held for this rank and accepts a new configuration. Without it, a hello for a rank
 	// the router already knows must repeat that rank's model, role and capacities, and the worker
-	// resumes after Registered.last_event_id.
+	// resumes after Registered.last_event_id: events up to that id are taken for a replay, dropped
+	// as duplicates and acked. A worker whose last acked id is above Registered.last_event_id (the
+	// router lost events, as after its shared state was lost) must send a KvDump.
 	FreshStart    bool `protobuf:"varint,11,opt,name=fresh_start,json=freshStart,proto3" json:"fresh_start,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache

@@ -40,6 +40,10 @@ type WorkerServiceClient interface {
 	// blocks (stored blocks plus removed hashes); a larger one ends the stream with RESOURCE_EXHAUSTED
 	// naming the limit, and nothing of it is applied. A dump larger than that is sent in parts
 	// (KvDump.more_follows), up to max_dump_blocks (1,048,576) blocks in all.
+	// One stream per worker rank is live at a time: a newer stream for the same worker_id and dp_rank,
+	// on any replica, takes over, and the older one ends with FAILED_PRECONDITION (reason
+	// WORKER_SUPERSEDED); nothing it sends after the takeover is applied or acked. A publisher must not
+	// reconnect automatically on that status: it means another process registered the same worker.
 	Publish(ctx context.Context, opts ...grpc.CallOption) (grpc.BidiStreamingClient[PublishRequest, PublishResponse], error)
 }
 
@@ -82,6 +86,10 @@ type WorkerServiceServer interface {
 	// blocks (stored blocks plus removed hashes); a larger one ends the stream with RESOURCE_EXHAUSTED
 	// naming the limit, and nothing of it is applied. A dump larger than that is sent in parts
 	// (KvDump.more_follows), up to max_dump_blocks (1,048,576) blocks in all.
+	// One stream per worker rank is live at a time: a newer stream for the same worker_id and dp_rank,
+	// on any replica, takes over, and the older one ends with FAILED_PRECONDITION (reason
+	// WORKER_SUPERSEDED); nothing it sends after the takeover is applied or acked. A publisher must not
+	// reconnect automatically on that status: it means another process registered the same worker.
 	Publish(grpc.BidiStreamingServer[PublishRequest, PublishResponse]) error
 	mustEmbedUnimplementedWorkerServiceServer()
 }
