@@ -68,7 +68,7 @@ func TestRegistrationEpochs(t *testing.T) {
 	}
 
 	// A snapshot restore keeps the current stream's epoch going; a reset registration ends it.
-	if _, err := s.Restore(s.EncodeSnapshot(nil, "1-1")); err != nil {
+	if _, err := s.Restore(s.EncodeSnapshot(nil, SnapshotHeader{Position: "1-1"})); err != nil {
 		t.Fatal(err)
 	}
 	if isClosed(second) {

@@ -43,11 +43,48 @@ type RedisLeases struct {
 	held map[string]int // member -> holders on this replica
 	// reachableFor, if set, says how long Redis has answered without interruption.
 	reachableFor func() time.Duration
+	// shared, if set, is the log whose generation the leases follow; seededFor is the generation
+	// the leases were last seeded for.
+	shared    *RedisLog
+	seededFor string
 }
 
 // AfterOutages makes the leases wait, after Redis was unreachable, for a grace period of Redis
-// answering before claiming any: l says how long that has been.
-func (r *RedisLeases) AfterOutages(l *RedisLog) { r.reachableFor = l.ReachableFor }
+// answering before claiming any: l says how long that has been. And when Redis lost its data (l's
+// generation changes), every worker of the state gets a lease again, which its holder refreshes: a
+// worker nobody holds any more is then removed a grace period later, instead of never.
+func (r *RedisLeases) AfterOutages(l *RedisLog) { r.reachableFor, r.shared = l.ReachableFor, l }
+
+// seed gives every worker of the shared state a lease, unless it has one, after the log's
+// generation changed.
+func (r *RedisLeases) seed(ctx context.Context) {
+	if r.shared == nil {
+		return
+	}
+	g := r.shared.Generation()
+	if g == "" || g == r.seededFor {
+		return
+	}
+	if r.seededFor == "" {
+		r.seededFor = g // joining at start: the leases in Redis are the deployment's own
+		return
+	}
+	deadline := float64(r.now().Add(r.grace).UnixMilli())
+	var zs []redis.Z
+	for _, m := range r.shared.state.Models() {
+		for _, w := range m.Workers() {
+			zs = append(zs, redis.Z{Score: deadline, Member: leaseMember(w.Info.Key, w.Status().Epoch)})
+		}
+	}
+	if len(zs) > 0 {
+		if err := r.rdb.ZAddNX(ctx, r.key, zs...).Err(); err != nil {
+			r.logger.Warn("seeding worker leases after the shared log changed generation failed", "err", err)
+			return
+		}
+	}
+	r.seededFor = g
+	r.logger.Info("seeded worker leases for the new generation of the shared log", "generation", g, "workers", len(zs))
+}
 
 // claimExpired removes and returns up to ARGV[2] members whose deadline is before ARGV[1].
 var claimExpired = redis.NewScript(`
@@ -137,6 +174,7 @@ func (r *RedisLeases) Sweep(ctx context.Context) {
 	}
 	r.mu.Unlock()
 	r.refresh(ctx, members)
+	r.seed(ctx)
 	// After an outage every lease looks expired, those of live workers too: their holders could not
 	// refresh. Claim only once Redis has answered for a whole grace period, so holders refresh first.
 	if r.reachableFor != nil && r.reachableFor() < r.grace {

@@ -680,7 +680,7 @@ func seedSnapshot(b *testing.B, rdb redis.UniversalClient, prefix string, fx sna
 		}
 		pos = id
 	}
-	snap := fx.state.EncodeSnapshot(nil, pos)
+	snap := fx.state.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: pos}) // a deployment from before generations: adopted
 	if err := rdb.Set(ctx, opts.SnapshotKey(), snap, 0).Err(); err != nil {
 		b.Fatal(err)
 	}
@@ -748,7 +748,7 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 				var size int
 				for b.Loop() {
 					t0 := time.Now()
-					data := fx.state.EncodeSnapshot(nil, "0-1")
+					data := fx.state.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: "0-1"})
 					t1 := time.Now()
 					if err := rdb.Set(ctx, opts.SnapshotKey()+"-bench", data, 0).Err(); err != nil {
 						b.Fatal(err)

@@ -40,6 +40,9 @@ type RedisOptions struct {
 	// locally, published when Redis returns). Past it, changes still apply locally, and the workers
 	// concerned are asked to resync once Redis is back.
 	MaxBuffered int
+	// ReseedWindow is how long a fresh generation (created by a replica without state on an empty
+	// Redis) may be replaced by a replica with state reseeding a lost log (generation.go).
+	ReseedWindow time.Duration
 	// BookingArrivalWait is how long a replica waits for a booking it does not hold to arrive from
 	// another replica (which publishes its bookings in the background) before it answers that a
 	// MarkPrefillComplete or Free names a request that is not booked.
@@ -91,6 +94,17 @@ type RedisLog struct {
 
 	appliedMu sync.Mutex
 	appliedCh chan struct{} // closed and replaced whenever the tailer applied entries
+
+	// The log's generation (generation.go).
+	gen         atomic.Value  // string: the generation this replica follows
+	genLost     atomic.Bool   // the log's generation is not ours: appends are fenced, the state may be incomplete
+	genReported atomic.Bool   // the current loss was logged
+	genKick     chan struct{} // an append was fenced: check the generation
+	freshUntil  atomic.Int64  // unix ns: until then a replica with state may still replace our fresh generation
+	genChanges  atomic.Uint64
+	genFate     map[string]bool // under mu: pending changes of a replaced generation are published (true) or dropped
+	joined      chan struct{}   // closed once this replica follows a generation
+	joinedOnce  sync.Once
 
 	// localMu keeps local-first applies out while a snapshot of the state is encoded.
 	localMu sync.RWMutex
@@ -182,6 +196,7 @@ type appliedEntry struct {
 type outgoing struct {
 	seq  uint64
 	data []byte
+	gen  string // the generation it was applied locally in
 }
 
 // buffered is a worker change applied locally while Redis was unreachable, waiting to be published.
@@ -231,6 +246,8 @@ const (
 	fieldEntry   = "e"
 	fieldReplica = "r"
 	fieldSeq     = "s"
+	// fieldGeneration is the generation the entry was appended in (generation.go).
+	fieldGeneration = "g"
 )
 
 // NewRedisLog returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
@@ -254,6 +271,9 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	if opts.MaxBuffered <= 0 {
 		opts.MaxBuffered = 100_000
 	}
+	if opts.ReseedWindow <= 0 {
+		opts.ReseedWindow = 10 * time.Second
+	}
 	if opts.BookingArrivalWait <= 0 {
 		opts.BookingArrivalWait = 100 * time.Millisecond
 	}
@@ -269,8 +289,12 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 		bufferedBy: make(map[WorkerKey]int),
 		resync:     make(map[WorkerKey]bool),
 		flushKick:  make(chan struct{}, 1),
+		genKick:    make(chan struct{}, 1),
+		genFate:    make(map[string]bool),
+		joined:     make(chan struct{}),
 		ready:      make(chan struct{}),
 	}
+	l.gen.Store("")
 	l.reachableSince.Store(time.Now().UnixNano())
 	l.lastID.Store("0")
 	return l
@@ -303,6 +327,11 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 	case PrefillDone, Freed:
 		return l.appendBookingEnd(ctx, c)
 	}
+	select {
+	case <-l.joined: // appends are fenced by the generation: none before this replica has one
+	case <-ctx.Done():
+		return Result{}, ctx.Err()
+	}
 	l.mu.Lock()
 	buffering := len(l.buffer) > 0
 	l.mu.Unlock()
@@ -316,14 +345,17 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 	l.waiters[seq] = done
 	l.mu.Unlock()
 	start := time.Now()
-	if err := l.xadd(ctx, seq, EncodeEntry(nil, c)); err != nil {
+	if err := l.addEntries(ctx, []outgoing{{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}})[0]; err != nil {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
 		if ctx.Err() != nil {
 			return Result{}, ctx.Err()
 		}
-		l.setDegraded(err)
+		if !errors.Is(err, errFenced) {
+			l.setDegraded(err)
+		}
+		// Fenced (the log's generation changed) or Redis unreachable: kept here until it can be published.
 		return l.appendBuffered(c)
 	}
 	l.setDegraded(nil)
@@ -365,7 +397,7 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 		l.LostChanges.Add(1)
 		return res, nil
 	}
-	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: EncodeEntry(nil, c)}, worker: worker, hasWorker: hasWorker})
+	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}, worker: worker, hasWorker: hasWorker})
 	l.unechoed[seq] = true
 	if hasWorker {
 		l.bufferedBy[worker]++
@@ -458,19 +490,24 @@ func (l *RedisLog) flushBuffer(ctx context.Context) bool {
 		if len(batch) == 0 {
 			return true
 		}
-		_, err := l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for _, b := range batch {
-				p.XAdd(ctx, l.xaddArgs(b.seq, b.data))
-			}
-			return nil
-		})
-		if err != nil {
-			l.setDegraded(err)
-			return false
+		entries := make([]outgoing, len(batch))
+		for i, b := range batch {
+			entries[i] = b.outgoing
+		}
+		// Only a prefix that Redis took leaves the buffer, so that the order is kept.
+		errs := l.addEntries(ctx, entries)
+		took := 0
+		for took < len(errs) && errs[took] == nil {
+			took++
 		}
 		l.mu.Lock()
-		l.buffer = l.buffer[len(batch):]
-		for _, b := range batch {
+		if len(l.buffer) == 0 || l.buffer[0].seq != batch[0].seq {
+			// A generation change replaced the buffer meanwhile.
+			l.mu.Unlock()
+			continue
+		}
+		l.buffer = l.buffer[took:]
+		for _, b := range batch[:took] {
 			if b.hasWorker {
 				if l.bufferedBy[b.worker]--; l.bufferedBy[b.worker] <= 0 {
 					delete(l.bufferedBy, b.worker)
@@ -479,6 +516,12 @@ func (l *RedisLog) flushBuffer(ctx context.Context) bool {
 		}
 		empty := len(l.buffer) == 0
 		l.mu.Unlock()
+		if took < len(batch) {
+			if err := errs[took]; !errors.Is(err, errFenced) {
+				l.setDegraded(err)
+			}
+			return false
+		}
 		if empty {
 			l.setDegraded(nil)
 			l.opts.Logger.Info("published the changes buffered during the outage")
@@ -602,7 +645,7 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	l.unechoed[seq] = true
 	l.mu.Unlock()
 	select {
-	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c)}:
+	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}:
 	default:
 		// A long outage filled the outbox. Routing must not wait on Redis: the change stays local
 		// (other replicas miss this booking's load until it is freed or expires), and it is counted.
@@ -616,44 +659,54 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	return res, nil
 }
 
-func (l *RedisLog) xadd(ctx context.Context, seq uint64, data []byte) error {
-	return l.rdb.XAdd(ctx, l.xaddArgs(seq, data)).Err()
-}
-
-func (l *RedisLog) xaddArgs(seq uint64, data []byte) *redis.XAddArgs {
-	return &redis.XAddArgs{
-		Stream: l.opts.Stream(),
-		Values: []any{fieldEntry, data, fieldReplica, l.opts.Replica, fieldSeq, strconv.FormatUint(seq, 10)},
-	}
-}
-
-// Run loads the latest snapshot, then tails the stream and publishes queued booking changes until
-// ctx ends. Between reads it writes snapshots when its turn comes, and reloads the snapshot if the
-// stream was trimmed past what it applied.
+// Run joins the log's generation (loading its snapshot), then tails the stream and publishes queued
+// booking changes until ctx ends. Between reads it writes snapshots when its turn comes, reloads the
+// snapshot if the stream was trimmed past what it applied, and follows the log's generation.
 func (l *RedisLog) Run(ctx context.Context) error {
 	go l.publish(ctx)
 	go l.probe(ctx)
 	l.lastSnapshot = time.Now()
 	for ctx.Err() == nil {
-		if err := l.catchUp(ctx); err == nil {
+		err := l.joinGeneration(ctx)
+		if err == nil {
 			break
-		} else {
-			l.opts.Logger.Warn("loading the snapshot failed; retrying", "err", err)
 		}
+		l.opts.Logger.Warn("joining the shared log failed; retrying", "err", err)
 		select {
 		case <-ctx.Done():
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
-	lastCheck, full := time.Now(), false
+	lastCheck, full, check := time.Now(), false, false
 	for ctx.Err() == nil {
+		select {
+		case <-l.genKick:
+			check = true
+		default:
+		}
 		// Before reading on: when the last batch was full this replica may be far behind, and the
-		// entries it needs next may have been trimmed; otherwise check once a second.
-		if full || time.Since(lastCheck) >= time.Second {
-			lastCheck = time.Now()
+		// entries it needs next may have been trimmed; otherwise check once a second. The
+		// generation is checked as often, and at once when an append was fenced or an entry of
+		// another generation turned up.
+		if check || full || time.Since(lastCheck) >= time.Second {
+			lastCheck, check = time.Now(), false
+			if err := l.checkGeneration(ctx); err != nil && ctx.Err() == nil {
+				l.opts.Logger.Warn("checking the shared log's generation failed", "err", err)
+			}
 			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
 				l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
 			}
+		}
+		if l.genLost.Load() {
+			// Nothing of this stream is ours until the generation is sorted out.
+			select {
+			case <-ctx.Done():
+			case <-l.genKick:
+				check = true
+			case <-time.After(100 * time.Millisecond):
+				check = true
+			}
+			continue
 		}
 		l.maybeSnapshot(ctx)
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
@@ -677,37 +730,41 @@ func (l *RedisLog) Run(ctx context.Context) error {
 			}
 			continue
 		}
+		n := 0
+	apply:
 		for _, st := range streams {
 			for _, msg := range st.Messages {
-				l.applyMessage(msg)
+				if !l.applyMessage(msg) {
+					check = true // an entry of another generation: stop here and find out
+					break apply
+				}
+				n++
 			}
 		}
 		l.notifyApplied()
-		full = len(streams) > 0 && len(streams[0].Messages) == int(l.opts.ReadCount)
-		if !full {
+		full = n == int(l.opts.ReadCount)
+		if !full && !check {
 			l.markReady()
 		}
 	}
 	return nil
 }
 
-// catchUp loads the snapshot when this replica has applied nothing yet or the stream no longer holds
-// the entries after what it applied (they were trimmed behind a newer snapshot).
+// catchUp reloads the snapshot when the stream no longer holds the entries after what this replica
+// applied (they were trimmed behind a newer snapshot).
 func (l *RedisLog) catchUp(ctx context.Context) error {
 	if n, err := l.rdb.XLen(ctx, l.opts.Stream()).Result(); err == nil {
 		l.streamLen.Store(n)
 	}
 	last := l.LastID()
-	if last != "0" {
-		first, err := l.rdb.XRangeN(ctx, l.opts.Stream(), "-", "+", 1).Result()
-		if err != nil {
-			return err
-		}
-		if len(first) == 0 || compareStreamIDs(first[0].ID, last) <= 0 {
-			return nil // the stream still holds everything after last
-		}
-		// Entries between last and first may have been trimmed; the snapshot covers them.
+	first, err := l.rdb.XRangeN(ctx, l.opts.Stream(), "-", "+", 1).Result()
+	if err != nil {
+		return err
 	}
+	if len(first) == 0 || compareStreamIDs(first[0].ID, last) <= 0 {
+		return nil // the stream still holds everything after last
+	}
+	// Entries between last and first may have been trimmed; the snapshot covers them.
 	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
 	if errors.Is(err, redis.Nil) {
 		return nil // no snapshot: the stream was never trimmed
@@ -715,24 +772,21 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	if last != "0" {
-		if pos, ok := snapshotPosition(data); ok && compareStreamIDs(pos, last) <= 0 {
-			return nil // the snapshot is not ahead of us: nothing was trimmed that we miss
-		}
-	}
-	start := time.Now()
-	l.localMu.Lock()
-	pos, err := l.state.Restore(data)
-	l.localMu.Unlock()
+	h, err := ReadSnapshotHeader(data)
 	if err != nil {
 		return err
 	}
-	l.lastID.Store(pos)
-	l.notifyApplied()
-	l.SnapshotBytes.Store(int64(len(data)))
-	l.SnapshotWritten.Store(time.Now().UnixNano())
-	l.SnapshotLoads.Add(1)
-	if last != "0" {
+	if g := l.Generation(); h.Generation != g && !(h.Generation == "" && strings.HasSuffix(g, "/"+genAdopted)) {
+		l.kickGeneration() // another generation's snapshot: the generation check sorts it out
+		return nil
+	}
+	if compareStreamIDs(h.Position, last) <= 0 {
+		return nil // the snapshot is not ahead of us: nothing was trimmed that we miss
+	}
+	start := time.Now()
+	l.localMu.Lock()
+	h, err = l.state.Restore(data)
+	if err == nil {
 		// The snapshot may cover entries this replica appended and still waits for: they will not
 		// come back through the stream. Their appenders retry (a worker replays, duplicates drop).
 		// And the restore replaced what this replica had applied locally first: its entries that
@@ -745,8 +799,17 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 		}
 		clear(l.unechoed)
 		l.mu.Unlock()
+		l.lastID.Store(h.Position)
 	}
-	l.opts.Logger.Info("loaded the log snapshot", "position", pos, "bytes", len(data), "took", time.Since(start))
+	l.localMu.Unlock()
+	if err != nil {
+		return err
+	}
+	l.notifyApplied()
+	l.SnapshotBytes.Store(int64(len(data)))
+	l.SnapshotWritten.Store(time.Now().UnixNano())
+	l.SnapshotLoads.Add(1)
+	l.opts.Logger.Info("loaded the log snapshot", "position", h.Position, "bytes", len(data), "took", time.Since(start))
 	return nil
 }
 
@@ -778,37 +841,26 @@ func (l *RedisLog) maybeSnapshot(ctx context.Context) {
 		l.localMu.Unlock()
 		return
 	}
-	pos := l.LastID()
-	data := l.state.EncodeSnapshot(nil, pos)
+	pos, g := l.LastID(), l.Generation()
+	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: pos, Generation: g})
 	l.localMu.Unlock()
-	if err := l.rdb.Set(ctx, l.opts.SnapshotKey(), data, 0).Err(); err != nil {
+	// One script writes the snapshot and its position, then keeps one snapshot period of history
+	// for replicas slightly behind, trimming what is older than the previous snapshot; all only while
+	// the log is still this replica's generation.
+	keys := []string{l.opts.GenerationKey(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.Stream()}
+	written, err := fencedSnapshot.Run(ctx, l.rdb, keys, g, data, pos, prev).Int()
+	if err != nil {
 		l.opts.Logger.Warn("writing the log snapshot failed", "err", err)
 		return
 	}
-	if err := l.rdb.Set(ctx, l.opts.SnapshotPositionKey(), pos, 0).Err(); err != nil {
-		l.opts.Logger.Warn("writing the snapshot position failed", "err", err)
-	}
-	// Keep one snapshot period of history, for replicas slightly behind: trim what is older than the
-	// previous snapshot.
-	if prev != "" {
-		if err := l.rdb.XTrimMinID(ctx, l.opts.Stream(), prev).Err(); err != nil {
-			l.opts.Logger.Warn("trimming the log failed", "err", err)
-		}
+	if written != 1 {
+		l.kickGeneration()
+		return
 	}
 	l.sinceSnapshot, l.lastSnapshot = 0, time.Now()
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.opts.Logger.Info("wrote the log snapshot", "position", pos, "bytes", len(data), "took", time.Since(start))
-}
-
-// snapshotPosition reads the stream id a snapshot covers without decoding the rest.
-func snapshotPosition(data []byte) (string, bool) {
-	r := &reader{b: data}
-	if r.byte() != SnapshotVersion {
-		return "", false
-	}
-	pos := r.string()
-	return pos, r.err == nil
 }
 
 // compareStreamIDs orders two Redis stream ids ("ms-seq").
@@ -866,18 +918,26 @@ func (l *RedisLog) publish(ctx context.Context) {
 				break drain
 			}
 		}
-		for {
-			_, err := l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-				for _, o := range batch {
-					p.XAdd(ctx, l.xaddArgs(o.seq, o.data))
+		for len(batch) > 0 {
+			errs := l.addEntries(ctx, batch)
+			var failed []outgoing
+			var lastErr error
+			for i, err := range errs {
+				if err != nil {
+					failed, lastErr = append(failed, batch[i]), err
 				}
-				return nil
-			})
-			if err == nil || ctx.Err() != nil {
-				l.setDegraded(err)
+			}
+			batch = failed
+			if ctx.Err() != nil {
+				return
+			}
+			if !errors.Is(lastErr, errFenced) {
+				l.setDegraded(lastErr) // nil when all went through
+			}
+			if len(batch) == 0 {
 				break
 			}
-			l.setDegraded(err)
+			// Redis unreachable, or the log's generation is being sorted out: retry, keeping the order.
 			select {
 			case <-ctx.Done():
 				return
@@ -887,8 +947,13 @@ func (l *RedisLog) publish(ctx context.Context) {
 	}
 }
 
-// applyMessage applies one stream entry and wakes its appender, if it is this replica's.
-func (l *RedisLog) applyMessage(msg redis.XMessage) {
+// applyMessage applies one stream entry and wakes its appender, if it is this replica's. It applies
+// nothing, and reports false, for an entry of another generation than this replica's (entries
+// written before generations existed carry none, and are applied).
+func (l *RedisLog) applyMessage(msg redis.XMessage) bool {
+	if g, ok := msg.Values[fieldGeneration].(string); ok && g != l.Generation() {
+		return false
+	}
 	weight := uint64(1) // toward the next snapshot: one per change, one per block of KV events
 	defer func() {
 		l.lastID.Store(msg.ID)
@@ -909,7 +974,7 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) {
 		delete(l.unechoed, seq)
 		l.mu.Unlock()
 		if appliedLocally {
-			return // applied when it was appended
+			return true // applied when it was appended
 		}
 	}
 	data, _ := msg.Values[fieldEntry].(string)
@@ -932,4 +997,5 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) {
 			w <- out
 		}
 	}
+	return true
 }

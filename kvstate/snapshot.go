@@ -2,21 +2,28 @@ package kvstate
 
 import (
 	"encoding/binary"
-	"fmt"
 )
 
 // SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
-// newer one and keeps reading older ones.
-const SnapshotVersion = 1
+// newer one and keeps reading older ones. Version 2 adds the log generation after the position.
+const SnapshotVersion = 2
 
-// EncodeSnapshot appends the replicated state, and the log position it reflects, to dst. The caller
-// must keep the state still while it runs: no change applied (the log tailer is the caller) and no
-// booking applied locally (the caller holds whatever lock keeps them out).
-func (s *State) EncodeSnapshot(dst []byte, position string) []byte {
+// SnapshotHeader is what a snapshot says of itself: the log position it reflects (a stream id) and
+// the generation of the log it belongs to ("" in version 1 snapshots, written before generations).
+type SnapshotHeader struct {
+	Position   string
+	Generation string
+}
+
+// EncodeSnapshot appends the replicated state, with its header, to dst. The caller must keep the
+// state still while it runs: no change applied (the log tailer is the caller) and no booking applied
+// locally (the caller holds whatever lock keeps them out).
+func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
 	b := append(dst, SnapshotVersion)
-	b = putString(b, position)
+	b = putString(b, h.Position)
+	b = putString(b, h.Generation)
 
 	// Workers in slot order: restoring them in this order gives the same slots.
 	var workers []*Worker
@@ -107,13 +114,14 @@ func (s *State) EncodeSnapshot(dst []byte, position string) []byte {
 	return b
 }
 
-// Restore replaces the state with a snapshot and returns the log position it reflects. Replica-local
-// bookkeeping (open streams) is kept for workers that survive. On error the state is unchanged.
-func (s *State) Restore(data []byte) (string, error) {
-	fresh, position, err := decodeSnapshot(data)
+// Restore replaces the state with a snapshot and returns its header. Replica-local bookkeeping
+// (open streams) is kept for workers that survive. On error the state is unchanged.
+func (s *State) Restore(data []byte) (SnapshotHeader, error) {
+	fresh, h, err := decodeSnapshot(data)
 	if err != nil {
-		return "", err
+		return SnapshotHeader{}, err
 	}
+	s.restores.Add(1)
 	s.mu.Lock()
 	for k, old := range s.workers {
 		old.track.mu.Lock()
@@ -140,15 +148,36 @@ func (s *State) Restore(data []byte) (string, error) {
 	s.rep.expiredBefore, s.rep.tombstones = fresh.rep.expiredBefore, fresh.rep.tombstones
 	s.rep.mu.Unlock()
 	s.signalCapacity()
-	return position, nil
+	return h, nil
 }
 
-func decodeSnapshot(data []byte) (*State, string, error) {
+// ReadSnapshotHeader reads a snapshot's header without decoding the rest.
+func ReadSnapshotHeader(data []byte) (SnapshotHeader, error) {
 	r := &reader{b: data}
-	if v := r.byte(); r.err == nil && v != SnapshotVersion {
-		return nil, "", fmt.Errorf("%w: snapshot version %d, this replica reads version %d", ErrCorruptEntry, v, SnapshotVersion)
+	h := r.snapshotHeader()
+	return h, r.err
+}
+
+func (r *reader) snapshotHeader() SnapshotHeader {
+	v := r.byte()
+	if r.err == nil && (v < 1 || v > SnapshotVersion) {
+		r.fail("snapshot version %d, this replica reads versions 1 to %d", v, SnapshotVersion)
+		return SnapshotHeader{}
 	}
-	position := r.string()
+	h := SnapshotHeader{Position: r.string()}
+	if v >= 2 {
+		h.Generation = r.string()
+	}
+	return h
+}
+
+// Restores returns how many snapshots this state was restored from: a stream that registered before
+// a restore may find its registration gone with it.
+func (s *State) Restores() uint64 { return s.restores.Load() }
+
+func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
+	r := &reader{b: data}
+	h := r.snapshotHeader()
 	s := NewState()
 	nw := r.count(8)
 	workers := make([]*Worker, nw)
@@ -271,7 +300,7 @@ func decodeSnapshot(data []byte) (*State, string, error) {
 		r.fail("%d trailing bytes", len(r.b))
 	}
 	if r.err != nil {
-		return nil, "", r.err
+		return nil, SnapshotHeader{}, r.err
 	}
-	return s, position, nil
+	return s, h, nil
 }

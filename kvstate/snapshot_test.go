@@ -30,12 +30,16 @@ func richState(t *testing.T) *State {
 
 func TestSnapshotRestoresTheSameState(t *testing.T) {
 	src := richState(t)
-	data := src.EncodeSnapshot(nil, "1700000000000-7")
+	header := SnapshotHeader{Position: "1700000000000-7", Generation: "0123456789abcdef/seeded"}
+	data := src.EncodeSnapshot(nil, header)
 	dst := NewState()
 	run(t, dst, []step{up(w2)}) // whatever was there is replaced
-	pos, err := dst.Restore(data)
-	if err != nil || pos != "1700000000000-7" {
-		t.Fatalf("Restore() = %q, %v", pos, err)
+	got, err := dst.Restore(data)
+	if err != nil || got != header {
+		t.Fatalf("Restore() = %+v, %v; want %+v", got, err, header)
+	}
+	if h, err := ReadSnapshotHeader(data); err != nil || h != header {
+		t.Errorf("ReadSnapshotHeader() = %+v, %v; want %+v", h, err, header)
 	}
 	if a, b := src.Digest(), dst.Digest(); a != b {
 		t.Fatalf("digest after restore = %x, want %x", b, a)
@@ -64,8 +68,27 @@ func TestSnapshotRestoresTheSameState(t *testing.T) {
 	}
 }
 
+// TestSnapshotVersion1: a snapshot written before generations (version 1: no generation after the
+// position) restores, with an empty generation.
+func TestSnapshotVersion1(t *testing.T) {
+	src := richState(t)
+	v2 := src.EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
+	// Version 2 with an empty generation is version 1 with one more byte (the empty string's length)
+	// after the position: byte 0 is the version, then the position's length and its 3 bytes.
+	v1 := append([]byte{1}, v2[1:5]...)
+	v1 = append(v1, v2[6:]...)
+	dst := NewState()
+	h, err := dst.Restore(v1)
+	if err != nil || h != (SnapshotHeader{Position: "5-0"}) {
+		t.Fatalf("Restore(version 1) = %+v, %v", h, err)
+	}
+	if dst.Digest() != src.Digest() {
+		t.Error("a version 1 snapshot restored to a different state")
+	}
+}
+
 func TestSnapshotRejectsCorruption(t *testing.T) {
-	data := richState(t).EncodeSnapshot(nil, "5-0")
+	data := richState(t).EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
 	for name, bad := range map[string][]byte{
 		"empty":     nil,
 		"version":   append([]byte{SnapshotVersion + 1}, data[1:]...),
@@ -85,7 +108,11 @@ func TestSnapshotRejectsCorruption(t *testing.T) {
 
 // FuzzRestore: restoring arbitrary bytes never panics.
 func FuzzRestore(f *testing.F) {
-	f.Add(NewState().EncodeSnapshot(nil, "0"))
+	f.Add(NewState().EncodeSnapshot(nil, SnapshotHeader{Position: "0"}))
+	small := NewState()
+	small.Apply(WorkerUp{Info: info(w0r0)})
+	small.Apply(KVEvents{Worker: w0r0, Events: []Event{stored(0, la, lb)}})
+	f.Add(small.EncodeSnapshot(nil, SnapshotHeader{Position: "1-1", Generation: "g/fresh/1"}))
 	f.Fuzz(func(t *testing.T, data []byte) {
 		_, _ = NewState().Restore(data)
 	})

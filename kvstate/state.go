@@ -110,6 +110,8 @@ type State struct {
 	sessions map[string]sessionBinding
 
 	rep replicated // see ApplyReplicated
+
+	restores atomic.Uint64 // snapshots restored (Restores)
 }
 
 // sessionBinding is the decode worker a session's turns go to, until it expires.

@@ -38,12 +38,15 @@ type adminService struct {
 type streamLog interface {
 	LastID() string
 	Pending() int
+	Generation() string
+	Incomplete() bool
 }
 
 func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
-	resp := &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: s.log.Position()}
+	resp := &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: s.log.Position(), SharedStateComplete: true}
 	if sl, ok := s.log.(streamLog); ok {
 		resp.Log, resp.LogLastId, resp.PendingChanges = "redis", sl.LastID(), uint64(sl.Pending())
+		resp.LogGeneration, resp.SharedStateComplete = sl.Generation(), !sl.Incomplete()
 	}
 	resp.Digest = fmt.Sprintf("%016x", s.state.Digest())
 	for _, m := range s.state.Models() {

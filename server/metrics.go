@@ -92,10 +92,14 @@ var (
 		"Size of the last snapshot this replica wrote or loaded.", nil, nil)
 	snapshotAgeDesc = prometheus.NewDesc("kvrouter_shared_log_snapshot_age_seconds",
 		"Time since the last snapshot this replica wrote or loaded.", nil, nil)
+	incompleteDesc = prometheus.NewDesc("kvrouter_shared_log_incomplete",
+		"1 while this replica knows its state may not be the shared one: Redis lost the log and it is not reseeded yet, or the replica follows a fresh log that a replica with state may still reseed.", nil, nil)
+	generationChangesDesc = prometheus.NewDesc("kvrouter_shared_log_generation_changes_total",
+		"Times this replica moved to another generation of the shared log: it reseeded a lost log from its state, or reloaded one reseeded elsewhere.", nil, nil)
 )
 
 func (c sharedLogCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{degradedDesc, bufferedDesc, lostDesc, streamLenDesc, snapshotBytesDesc, snapshotAgeDesc} {
+	for _, d := range []*prometheus.Desc{degradedDesc, bufferedDesc, lostDesc, streamLenDesc, snapshotBytesDesc, snapshotAgeDesc, incompleteDesc, generationChangesDesc} {
 		ch <- d
 	}
 }
@@ -111,6 +115,12 @@ func (c sharedLogCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(lostDesc, prometheus.CounterValue, float64(st.LostChanges))
 	ch <- prometheus.MustNewConstMetric(streamLenDesc, prometheus.GaugeValue, float64(st.StreamLength))
 	ch <- prometheus.MustNewConstMetric(snapshotBytesDesc, prometheus.GaugeValue, float64(st.SnapshotBytes))
+	incomplete := 0.0
+	if c.l.Incomplete() {
+		incomplete = 1
+	}
+	ch <- prometheus.MustNewConstMetric(incompleteDesc, prometheus.GaugeValue, incomplete)
+	ch <- prometheus.MustNewConstMetric(generationChangesDesc, prometheus.CounterValue, float64(c.l.GenerationChanges()))
 	if !st.SnapshotAt.IsZero() {
 		ch <- prometheus.MustNewConstMetric(snapshotAgeDesc, prometheus.GaugeValue, time.Since(st.SnapshotAt).Seconds())
 	}

@@ -150,8 +150,10 @@ func New(o Options) *Server {
 }
 
 // SharedStateService is the health entry of the state shared through Redis: NOT_SERVING while
-// Redis is unreachable or an outage's changes wait to be published. The routing services stay
-// SERVING meanwhile, since routing goes on from local state.
+// Redis is unreachable, an outage's changes wait to be published, or this replica knows its state
+// may be incomplete (the shared log was lost and is not re-established yet, or it follows a fresh
+// log that a replica with state may still reseed). The routing services stay SERVING meanwhile,
+// since routing goes on from local state.
 const SharedStateService = "kvrouter.v1.SharedState"
 
 func (s *Server) watchSharedLog(l *kvstate.RedisLog) {
@@ -168,7 +170,7 @@ func (s *Server) watchSharedLog(l *kvstate.RedisLog) {
 	last := healthpb.HealthCheckResponse_UNKNOWN
 	for {
 		want := healthpb.HealthCheckResponse_SERVING
-		if l.Degraded() {
+		if l.Degraded() || l.Incomplete() {
 			want = healthpb.HealthCheckResponse_NOT_SERVING
 		}
 		if want != last {

@@ -587,7 +587,7 @@ func TestAdmin(t *testing.T) {
 		t.Fatalf("GetState() = %v", err)
 	}
 	wantMsg(t, st, &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: e.log.Position(), Digest: fmt.Sprintf("%016x", e.state.Digest()),
-		Workers: 1, IndexBlocks: 3, Bookings: 1})
+		Workers: 1, IndexBlocks: 3, Bookings: 1, SharedStateComplete: true})
 	p.stream.CloseSend()
 }
 

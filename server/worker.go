@@ -64,6 +64,11 @@ type publishStream struct {
 	// epoch is the registration epoch this stream holds the rank at: every change it appends names
 	// it, so that once a newer stream registers the rank nothing more of this one applies.
 	epoch uint64
+	// restores is the state's restore count at registration: a registration that ends with a
+	// snapshot reload is not a takeover.
+	restores uint64
+	// dumpAsked is set once a resync was sent, until a dump applies: the worker is asked once.
+	dumpAsked bool
 }
 
 // pendingDump is a dump whose first parts arrived (KvDump.more_follows): it applies, whole, with the last.
@@ -161,7 +166,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err != nil {
 		return toStatus(err)
 	}
-	ps = &publishStream{svc: s, stream: stream, info: info, epoch: res.Epoch,
+	ps = &publishStream{svc: s, stream: stream, info: info, epoch: res.Epoch, restores: s.state.Restores(),
 		logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
 	ended = s.state.EpochEnds(info.Key, ps.epoch)
 	ps.hold()
@@ -221,6 +226,10 @@ type bufferingLog interface {
 func (ps *publishStream) lost() error {
 	err := ps.svc.state.Holds(ps.info.Key, ps.epoch)
 	switch {
+	case err != nil && ps.svc.state.Restores() != ps.restores:
+		// The state was reloaded from a snapshot that does not hold this registration (the shared
+		// log was lost and reseeded, or this replica fell behind its trim point): register again.
+		return status.Errorf(codes.Unavailable, "worker %v: the router reloaded its shared state, which does not hold this stream's registration; reconnect and register again", ps.info.Key)
 	case errors.Is(err, kvstate.ErrSuperseded):
 		ps.svc.metrics.superseded.Inc()
 		return failedPrecondition("WORKER_SUPERSEDED", "worker %v: a newer Publish stream registered this worker_id and dp_rank (on this or another replica); this stream no longer publishes for it. Two processes with the same worker_id? Do not reconnect automatically on this status", ps.info.Key)
@@ -230,23 +239,42 @@ func (ps *publishStream) lost() error {
 	return nil
 }
 
-// refresh acks events that became durable since, and forwards a resync the log asks for.
+// refresh acks events that became durable since, and asks for a dump when the log says so or when
+// the state no longer holds what this stream acked (the shared log lost it).
 func (ps *publishStream) refresh(l bufferingLog) error {
 	if l.TakeResync(ps.info.Key) {
-		ps.logger.Warn("asking the worker for a dump: its events applied here during a shared-log outage could not all be kept for the other replicas")
-		ps.svc.metrics.resyncs.Inc()
-		if err := ps.stream.Send(resync("shared log outage: events were lost for the other replicas", 0)); err != nil {
+		if err := ps.askDump("shared log outage: events were lost for the other replicas", 0); err != nil {
 			return err
 		}
 	}
 	if l.Buffered(ps.info.Key) > 0 {
 		return nil
 	}
-	if w := ps.svc.state.Worker(ps.info.Key); w != nil {
-		st := w.Status()
-		return ps.ack(kvstate.Result{LastEventID: st.LastEventID, HasLastEvent: st.HasLastEvent})
+	w := ps.svc.state.Worker(ps.info.Key)
+	if w == nil {
+		return nil
 	}
-	return nil
+	st := w.Status()
+	if ps.hasAck && (!st.HasLastEvent || st.LastEventID < ps.acked) && !ps.dumpAsked {
+		held := "none"
+		if st.HasLastEvent {
+			held = fmt.Sprint(st.LastEventID)
+		}
+		ps.logger.Warn("the shared state lost events this stream acked: asking the worker for a dump", "acked", ps.acked, "held", held)
+		expected := uint64(0)
+		if st.HasLastEvent {
+			expected = st.LastEventID + 1
+		}
+		return ps.askDump(fmt.Sprintf("the router's shared state lost events (acked through %d, holds %s); send a dump", ps.acked, held), expected)
+	}
+	return ps.ack(kvstate.Result{LastEventID: st.LastEventID, HasLastEvent: st.HasLastEvent})
+}
+
+// askDump sends a resync request, once until a dump applies.
+func (ps *publishStream) askDump(reason string, expected uint64) error {
+	ps.dumpAsked = true
+	ps.svc.metrics.resyncs.Inc()
+	return ps.stream.Send(resync(reason, expected))
 }
 
 func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequest) error {
@@ -289,10 +317,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		svc.metrics.observeEvents(res)
 		if res.Gap {
 			ps.logger.Warn("event id gap; dropped the worker's blocks and asked for a dump", "expected", res.ExpectedEventID, "got", res.GotEventID)
-			if err := ps.stream.Send(resync(fmt.Sprintf("gap: expected event %d, got %d", res.ExpectedEventID, res.GotEventID), res.ExpectedEventID)); err != nil {
+			if err := ps.askDump(fmt.Sprintf("gap: expected event %d, got %d", res.ExpectedEventID, res.GotEventID), res.ExpectedEventID); err != nil {
 				return err
 			}
-			svc.metrics.resyncs.Inc()
 		}
 		if res.Buffered {
 			return nil // applied here, not durable yet: acked once published
@@ -332,6 +359,7 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return ps.appendError(err)
 		}
 		svc.metrics.observeEvents(res)
+		ps.dumpAsked = false
 		ps.logger.Info("applied dump", "through_event_id", through, "events", len(events), "blocks", blocks)
 		if res.Buffered {
 			return nil
@@ -376,14 +404,16 @@ func (ps *publishStream) sendRegistered() error {
 		if st.HasLastEvent {
 			expected = st.LastEventID + 1
 		}
+		ps.dumpAsked = true
 		return ps.stream.Send(resync("a dump is still awaited after an event id gap", expected))
 	}
 	return nil
 }
 
-// ack sends a cumulative ack when the applied event id moved.
+// ack sends a cumulative ack when the applied event id moved forward. An ack never goes back: a
+// state that lost acked events asks for a dump instead (refresh), and acks resume with it.
 func (ps *publishStream) ack(res kvstate.Result) error {
-	if !res.HasLastEvent || (ps.hasAck && res.LastEventID == ps.acked) {
+	if !res.HasLastEvent || (ps.hasAck && res.LastEventID <= ps.acked) {
 		return nil
 	}
 	ps.acked, ps.hasAck = res.LastEventID, true

@@ -137,9 +137,16 @@ type GetStateResponse struct {
 	// index_blocks is the number of distinct block positions over all models' indexes.
 	IndexBlocks uint64 `protobuf:"varint,7,opt,name=index_blocks,json=indexBlocks,proto3" json:"index_blocks,omitempty"`
 	// bookings is the number of booked requests.
-	Bookings      uint64 `protobuf:"varint,8,opt,name=bookings,proto3" json:"bookings,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Bookings uint64 `protobuf:"varint,8,opt,name=bookings,proto3" json:"bookings,omitempty"`
+	// log_generation names the lineage of the shared log this replica follows (Redis mode): it changes
+	// when Redis lost the log and a replica reseeded it from its state. Replicas to compare must show
+	// the same one.
+	LogGeneration string `protobuf:"bytes,9,opt,name=log_generation,json=logGeneration,proto3" json:"log_generation,omitempty"`
+	// shared_state_complete is false while this replica knows its state may not be the shared one
+	// (as the kvrouter.v1.SharedState health entry reports); always true in embedded mode.
+	SharedStateComplete bool `protobuf:"varint,10,opt,name=shared_state_complete,json=sharedStateComplete,proto3" json:"shared_state_complete,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
 }
 
 func (x *GetStateResponse) Reset() {
@@ -226,6 +233,20 @@ func (x *GetStateResponse) GetBookings() uint64 {
 		return x.Bookings
 	}
 	return 0
+}
+
+func (x *GetStateResponse) GetLogGeneration() string {
+	if x != nil {
+		return x.LogGeneration
+	}
+	return ""
+}
+
+func (x *GetStateResponse) GetSharedStateComplete() bool {
+	if x != nil {
+		return x.SharedStateComplete
+	}
+	return false
 }
 
 // ListWorkersRequest filters the worker list.
@@ -627,7 +648,7 @@ var File_kvrouter_v1_admin_proto protoreflect.FileDescriptor
 const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x17kvrouter/v1/admin.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x11\n" +
-	"\x0fGetStateRequest\"\x81\x02\n" +
+	"\x0fGetStateRequest\"\xdc\x02\n" +
 	"\x10GetStateResponse\x12\x10\n" +
 	"\x03log\x18\x01 \x01(\tR\x03log\x12!\n" +
 	"\flog_position\x18\x02 \x01(\x04R\vlogPosition\x12\x1e\n" +
@@ -636,7 +657,10 @@ const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\x06digest\x18\x05 \x01(\tR\x06digest\x12\x18\n" +
 	"\aworkers\x18\x06 \x01(\x04R\aworkers\x12!\n" +
 	"\findex_blocks\x18\a \x01(\x04R\vindexBlocks\x12\x1a\n" +
-	"\bbookings\x18\b \x01(\x04R\bbookings\"*\n" +
+	"\bbookings\x18\b \x01(\x04R\bbookings\x12%\n" +
+	"\x0elog_generation\x18\t \x01(\tR\rlogGeneration\x122\n" +
+	"\x15shared_state_complete\x18\n" +
+	" \x01(\bR\x13sharedStateComplete\"*\n" +
 	"\x12ListWorkersRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\"J\n" +
 	"\x13ListWorkersResponse\x123\n" +

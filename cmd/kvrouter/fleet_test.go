@@ -1,0 +1,425 @@
+package main
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+)
+
+// fleetWorker is a worker publisher that behaves as a real one must: it numbers its events, keeps
+// those not acked yet, and when its stream breaks it reconnects to the next replica and resumes after
+// Registered.last_event_id. When the router holds less than it acked (its shared state lost events)
+// or asks for a resync, it sends a dump of its whole cache, in parts. Its cache is a chain of
+// one-block events: event i stores block i (tokens id, i, 1, 2; block size 4).
+type fleetWorker struct {
+	t     *testing.T
+	id    uint64
+	addrs []string
+
+	paused atomic.Bool // no new events; the stream goes on (acks, dumps, reconnects)
+
+	mu         sync.Mutex
+	produced   uint64 // events 0..produced-1 exist
+	acked      int64  // highest acked event id, -1 before the first
+	superseded error  // set when the router said another stream took over
+	reconnects int
+	dumps      int
+}
+
+func newFleetWorker(t *testing.T, id uint64, addrs ...string) *fleetWorker {
+	return &fleetWorker{t: t, id: id, addrs: addrs, acked: -1}
+}
+
+func (w *fleetWorker) blockHash(i uint64) uint64 { return 10_000*w.id + i }
+
+func (w *fleetWorker) storedEvent(i uint64) *kvrouterv1.KvEvent {
+	var parent *uint64
+	if i > 0 {
+		p := w.blockHash(i - 1)
+		parent = &p
+	}
+	return &kvrouterv1.KvEvent{EventId: i, StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE,
+		Data: &kvrouterv1.KvEvent_Stored{Stored: &kvrouterv1.BlocksStored{ParentHash: parent,
+			Blocks: []*kvrouterv1.StoredBlock{{BlockHash: w.blockHash(i), TokenIds: []uint32{uint32(w.id), uint32(i), 1, 2}}}}}}
+}
+
+// prompt is a request prompt that starts with the worker's first two blocks.
+func (w *fleetWorker) prompt() []uint32 {
+	return []uint32{uint32(w.id), 0, 1, 2, uint32(w.id), 1, 1, 2, 99}
+}
+
+// dumpMessages is the worker's whole cache, through event through, as dump parts of at most 1,000
+// blocks.
+func (w *fleetWorker) dumpMessages(through uint64) []*kvrouterv1.PublishRequest {
+	var out []*kvrouterv1.PublishRequest
+	for start := uint64(0); start <= through; start += 1000 {
+		st := &kvrouterv1.BlocksStored{}
+		if start > 0 {
+			p := w.blockHash(start - 1)
+			st.ParentHash = &p
+		}
+		for i := start; i <= through && i < start+1000; i++ {
+			st.Blocks = append(st.Blocks, &kvrouterv1.StoredBlock{BlockHash: w.blockHash(i), TokenIds: []uint32{uint32(w.id), uint32(i), 1, 2}})
+		}
+		out = append(out, &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Dump{Dump: &kvrouterv1.KvDump{
+			ThroughEventId: through, MoreFollows: start+1000 <= through,
+			Events: []*kvrouterv1.KvEvent{{StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: st}}}}}})
+	}
+	return out
+}
+
+// run publishes one new event every interval until ctx ends, reconnecting as needed.
+func (w *fleetWorker) run(ctx context.Context, interval time.Duration) {
+	for attempt := 0; ctx.Err() == nil; attempt++ {
+		err := w.session(ctx, w.addrs[attempt%len(w.addrs)], interval)
+		if st, _ := status.FromError(err); st.Code() == codes.FailedPrecondition {
+			w.mu.Lock()
+			w.superseded = err
+			w.mu.Unlock()
+			return // never reconnect on a refusal: that would flap
+		}
+		w.mu.Lock()
+		w.reconnects++
+		w.mu.Unlock()
+		select {
+		case <-ctx.Done():
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// session is one Publish stream: register, resume or dump, then publish until it breaks.
+func (w *fleetWorker) session(ctx context.Context, addr string, interval time.Duration) error {
+	conn := dial(w.t, addr)
+	defer conn.Close()
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := kvrouterv1.NewWorkerServiceClient(conn).Publish(sctx)
+	if err != nil {
+		return err
+	}
+	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+		WorkerId: w.id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4,
+		TotalKvBlocks: 100_000, KvEventsEnabled: true, Endpoint: fmt.Sprintf("w%d", w.id)}}}); err != nil {
+		return err
+	}
+	resp, err := stream.Recv()
+	if err != nil {
+		return err
+	}
+	reg := resp.GetRegistered()
+	if reg == nil {
+		return fmt.Errorf("first answer %v, want a registration", resp)
+	}
+	w.mu.Lock()
+	produced, acked := w.produced, w.acked
+	w.mu.Unlock()
+	// What to send first: a dump when the router holds less than was acked (or knows nothing of
+	// events that were), else every event after what it holds.
+	var first []*kvrouterv1.PublishRequest
+	switch {
+	case produced == 0:
+	case reg.LastEventId == nil && acked >= 0, reg.LastEventId != nil && int64(reg.GetLastEventId()) < acked:
+		first = w.dumpMessages(produced - 1)
+	default:
+		from := uint64(0)
+		if reg.LastEventId != nil {
+			from = reg.GetLastEventId() + 1
+		}
+		for i := from; i < produced; i++ {
+			first = append(first, &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{w.storedEvent(i)}}}})
+		}
+	}
+	dumpsWanted := make(chan struct{}, 1)
+	recvErr := make(chan error, 1)
+	go func() {
+		for {
+			resp, err := stream.Recv()
+			if err != nil {
+				recvErr <- err
+				return
+			}
+			switch m := resp.GetMessage().(type) {
+			case *kvrouterv1.PublishResponse_Ack:
+				w.mu.Lock()
+				w.acked = max(w.acked, int64(m.Ack.GetEventId()))
+				w.mu.Unlock()
+			case *kvrouterv1.PublishResponse_Resync:
+				select {
+				case dumpsWanted <- struct{}{}:
+				default:
+				}
+			}
+		}
+	}()
+	send := func(msgs []*kvrouterv1.PublishRequest) error {
+		for _, m := range msgs {
+			if m.GetDump() != nil && !m.GetDump().GetMoreFollows() {
+				w.mu.Lock()
+				w.dumps++
+				w.mu.Unlock()
+			}
+			if err := stream.Send(m); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+	if err := send(first); err != nil {
+		return <-recvErr
+	}
+	tick := time.NewTicker(interval)
+	defer tick.Stop()
+	for {
+		select {
+		case err := <-recvErr:
+			return err
+		case <-ctx.Done():
+			_ = stream.CloseSend()
+			return ctx.Err()
+		case <-dumpsWanted:
+			w.mu.Lock()
+			produced := w.produced
+			w.mu.Unlock()
+			if produced > 0 {
+				if err := send(w.dumpMessages(produced - 1)); err != nil {
+					return <-recvErr
+				}
+			}
+		case <-tick.C:
+			if w.paused.Load() {
+				continue
+			}
+			w.mu.Lock()
+			i := w.produced
+			w.produced++
+			w.mu.Unlock()
+			if err := send([]*kvrouterv1.PublishRequest{{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{w.storedEvent(i)}}}}}); err != nil {
+				return <-recvErr
+			}
+		}
+	}
+}
+
+// status returns what the worker produced and had acked.
+func (w *fleetWorker) status() (produced uint64, acked int64, reconnects, dumps int, superseded error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.produced, w.acked, w.reconnects, w.dumps, w.superseded
+}
+
+// fleet drives workers and Route load against a set of replicas, and checks what they converge to.
+type fleet struct {
+	t        *testing.T
+	workers  []*fleetWorker
+	ctx      context.Context
+	stop     context.CancelFunc
+	wg       sync.WaitGroup
+	routes   atomic.Int64
+	failures atomic.Int64
+	lastErr  atomic.Value
+}
+
+// startFleet starts n workers, worker i publishing to addrs[i%len] first (then the others, in turn,
+// after a drop), one event every interval, and query-only Route calls on every replica.
+func startFleet(t *testing.T, n int, interval time.Duration, addrs ...string) *fleet {
+	ctx, cancel := context.WithCancel(context.Background())
+	f := &fleet{t: t, ctx: ctx, stop: cancel}
+	for i := range n {
+		order := append(append([]string(nil), addrs[i%len(addrs):]...), addrs[:i%len(addrs)]...)
+		w := newFleetWorker(t, uint64(1+i), order...)
+		f.workers = append(f.workers, w)
+		f.wg.Add(1)
+		go func() { defer f.wg.Done(); w.run(ctx, interval) }()
+	}
+	for _, addr := range addrs {
+		f.routeOn(addr)
+	}
+	t.Cleanup(f.halt)
+	return f
+}
+
+// routeOn sends query-only Route calls to addr every 5 ms until the fleet stops.
+func (f *fleet) routeOn(addr string) {
+	ctx := f.ctx
+	client := kvrouterv1.NewRouterServiceClient(dial(f.t, addr))
+	f.wg.Add(1)
+	go func() {
+		defer f.wg.Done()
+		for i := 0; ctx.Err() == nil; i++ {
+			w := f.workers[i%len(f.workers)]
+			rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: w.prompt(), QueryOnly: true})
+			cancel()
+			if ctx.Err() != nil {
+				return
+			}
+			f.routes.Add(1)
+			// NOT_FOUND before any worker registered on a fresh replica is an answer, not a failure.
+			if err != nil && status.Code(err) != codes.NotFound {
+				f.failures.Add(1)
+				f.lastErr.Store(fmt.Sprintf("%s: %v", addr, err))
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}()
+}
+
+// pause stops producing events; streams go on, so what is in flight gets acked.
+func (f *fleet) pause() {
+	for _, w := range f.workers {
+		w.paused.Store(true)
+	}
+}
+
+// halt stops the workers and the Route load.
+func (f *fleet) halt() {
+	f.stop()
+	f.wg.Wait()
+}
+
+// routeFailures returns how many Route calls failed, and the last failure.
+func (f *fleet) routeFailures() (int64, string) {
+	s, _ := f.lastErr.Load().(string)
+	return f.failures.Load(), s
+}
+
+// replicaState is what one replica reports: GetState and each worker's blocks and last event.
+type replicaState struct {
+	state  *kvrouterv1.GetStateResponse
+	blocks map[uint64]uint64
+}
+
+func readReplica(ctx context.Context, t *testing.T, addr string) (replicaState, error) {
+	conn := dial(t, addr)
+	defer conn.Close()
+	admin := kvrouterv1.NewAdminServiceClient(conn)
+	st, err := admin.GetState(ctx, &kvrouterv1.GetStateRequest{})
+	if err != nil {
+		return replicaState{}, err
+	}
+	ws, err := admin.ListWorkers(ctx, &kvrouterv1.ListWorkersRequest{})
+	if err != nil {
+		return replicaState{}, err
+	}
+	out := replicaState{state: st, blocks: map[uint64]uint64{}}
+	for _, w := range ws.GetWorkers() {
+		out.blocks[w.GetWorker().GetWorkerId()] = w.GetCachedBlocks().GetDevice()
+	}
+	return out, nil
+}
+
+// waitConverged waits (up to timeout) until every replica reports the same log generation, stream
+// position and digest, nothing pending, its shared state complete, and every worker of the fleet
+// with all the blocks it had acked: no acked event lost. The fleet must be paused. It returns how
+// long that took and the last reading.
+func (f *fleet) waitConverged(timeout time.Duration, addrs ...string) (time.Duration, []replicaState, error) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), timeout)
+	defer cancel()
+	var last []replicaState
+	var why error
+	for {
+		last, why = last[:0], nil
+		for _, addr := range addrs {
+			rs, err := readReplica(ctx, f.t, addr)
+			if err != nil {
+				why = err
+				break
+			}
+			last = append(last, rs)
+		}
+		if why == nil {
+			why = f.agree(last)
+		}
+		if debugConverge && why != nil {
+			f.t.Logf("%v: %v", time.Since(start).Round(time.Millisecond), why)
+		}
+		if why == nil {
+			return time.Since(start), last, nil
+		}
+		select {
+		case <-ctx.Done():
+			return time.Since(start), last, fmt.Errorf("no convergence within %v: %w", timeout, why)
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// agree says why the readings do not (yet) show converged replicas holding every acked event.
+func (f *fleet) agree(rs []replicaState) error {
+	first := rs[0].state
+	for i, r := range rs {
+		s := r.state
+		switch {
+		case s.GetLogGeneration() != first.GetLogGeneration() || s.GetLogLastId() != first.GetLogLastId():
+			return fmt.Errorf("replica %d at %s %s, replica 0 at %s %s", i, s.GetLogGeneration(), s.GetLogLastId(), first.GetLogGeneration(), first.GetLogLastId())
+		case s.GetPendingChanges() != 0:
+			return fmt.Errorf("replica %d has %d pending changes", i, s.GetPendingChanges())
+		case !s.GetSharedStateComplete():
+			return fmt.Errorf("replica %d reports its shared state incomplete", i)
+		case s.GetDigest() != first.GetDigest():
+			return fmt.Errorf("replica %d digest %s, replica 0 %s", i, s.GetDigest(), first.GetDigest())
+		}
+		for _, w := range f.workers {
+			_, acked, _, _, _ := w.status()
+			if got := int64(r.blocks[w.id]); got < acked+1 {
+				return fmt.Errorf("replica %d holds %d blocks of worker %d, which had %d acked: %w", i, got, w.id, acked+1, errAckedLost)
+			}
+		}
+	}
+	return nil
+}
+
+const debugConverge = false
+
+// errAckedLost marks a reading where a replica lacks events a worker had acked.
+var errAckedLost = errors.New("acked events missing")
+
+// ackedLost returns, per worker, how many acked events the reading lacks (0 for all: none lost).
+func (f *fleet) ackedLost(rs []replicaState) int64 {
+	var lost int64
+	for _, w := range f.workers {
+		_, acked, _, _, _ := w.status()
+		for _, r := range rs {
+			if miss := acked + 1 - int64(r.blocks[w.id]); miss > lost {
+				lost = miss
+			}
+		}
+	}
+	return lost
+}
+
+// waitAllAcked waits until every worker's events are all acked (after the fleet paused, its last
+// ones may still be in flight or wait for a dump).
+func (f *fleet) waitAllAcked(timeout time.Duration) error {
+	deadline := time.Now().Add(timeout)
+	for {
+		pending := ""
+		for _, w := range f.workers {
+			produced, acked, _, _, sup := w.status()
+			if sup != nil {
+				return fmt.Errorf("worker %d was refused: %v", w.id, sup)
+			}
+			if int64(produced)-1 != acked {
+				pending = fmt.Sprintf("worker %d: produced %d, acked through %d", w.id, produced, acked)
+			}
+		}
+		if pending == "" {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not every event acked within %v: %s", timeout, pending)
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}

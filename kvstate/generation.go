@@ -1,0 +1,398 @@
+package kvstate
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+)
+
+// The shared log's generation.
+//
+// Redis may lose everything (a restart without persistence, a flush, a failover to an empty
+// replica). The replicas that were running keep their state, but a replica started afterwards would
+// find an empty stream and serve an empty state, and nothing would tell anyone. So the log has a
+// generation: a key, <prefix>:generation, that names the lineage of the stream and its snapshots.
+//
+//   - Every append is fenced by it: a script appends only while the key holds the appender's
+//     generation, and tags the entry with it. After a loss nothing can be appended until the shared
+//     state is re-established (appends wait in the outage buffer meanwhile, as when Redis is down).
+//   - A replica with state that finds the key missing (the loss) reseeds: under a lease, it writes
+//     its own state as the snapshot of a new generation, deletes whatever stream there is, and sets
+//     the key, in one script. The others see a generation that is not theirs and reload that
+//     snapshot; their pending changes are published again in the new generation.
+//   - A replica without state that finds no generation and no log creates a fresh one. If the log
+//     was lost and a replica with state is still running, that one replaces a fresh generation
+//     younger than ReseedWindow (measured on Redis's clock) with its state. After the window a fresh
+//     generation is the deployment's, so a replica back from a long partition reloads it rather than
+//     wiping what the others built since.
+//   - Each stream compares its last ack with the reloaded state and asks its worker for a dump when
+//     acked events were lost with Redis.
+//
+// The value is "<id>/<kind>" or "<id>/fresh/<created unix ms>"; kinds are seeded (reseeded from a
+// replica's state), fresh (created on an empty Redis) and adopted (a log written before generations
+// existed, taken over as it is).
+
+const (
+	genSeeded  = "seeded"
+	genFresh   = "fresh"
+	genAdopted = "adopted"
+)
+
+// GenerationKey holds the log's generation.
+func (o RedisOptions) GenerationKey() string { return o.Prefix + ":generation" }
+
+// ReseedLeaseKey says which replica reseeds a lost log.
+func (o RedisOptions) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
+
+// errFenced: an append was refused because the log's generation is not this replica's.
+var errFenced = errors.New("the shared log's generation changed")
+
+// fencedAdd appends one entry (ARGV[2], appender ARGV[3], sequence ARGV[4]) to the stream KEYS[2]
+// if the generation KEYS[1] is ARGV[1], tagging it with the generation.
+var fencedAdd = redis.NewScript(`
+local g = redis.call('GET', KEYS[1])
+if g ~= ARGV[1] then
+  return redis.error_reply('KVRFENCED ' .. (g or 'none'))
+end
+return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1])
+`)
+
+// bootstrapGeneration returns the generation KEYS[1], creating it if missing: "adopted" when a
+// stream KEYS[2] or snapshot KEYS[3] exists already (written before generations), else "fresh" with
+// Redis's time. ARGV[1] is the new id.
+var bootstrapGeneration = redis.NewScript(`
+local g = redis.call('GET', KEYS[1])
+if g then return g end
+if redis.call('EXISTS', KEYS[2]) == 1 or redis.call('EXISTS', KEYS[3]) == 1 then
+  g = ARGV[1] .. '/adopted'
+else
+  local t = redis.call('TIME')
+  g = ARGV[1] .. '/fresh/' .. (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+end
+redis.call('SET', KEYS[1], g)
+return g
+`)
+
+// reseedGeneration replaces the generation KEYS[1] by ARGV[2] with the snapshot ARGV[3] (KEYS[3],
+// position "0-0" in KEYS[4]) and an empty stream KEYS[2], if the generation is still ARGV[1] ("":
+// missing) and, when present, fresh and at most ARGV[4] ms old by Redis's clock. Returns 1 if done.
+var reseedGeneration = redis.NewScript(`
+local g = redis.call('GET', KEYS[1])
+if g then
+  if g ~= ARGV[1] then return 0 end
+  local created = string.match(g, '^[^/]+/fresh/(%d+)$')
+  if not created then return 0 end
+  local t = redis.call('TIME')
+  if tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) - tonumber(created) > tonumber(ARGV[4]) then return 0 end
+elseif ARGV[1] ~= '' then
+  return 0
+end
+redis.call('DEL', KEYS[2])
+redis.call('SET', KEYS[3], ARGV[3])
+redis.call('SET', KEYS[4], '0-0')
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+`)
+
+// fencedSnapshot writes the snapshot ARGV[2] (KEYS[2]) and its position ARGV[3] (KEYS[3]), then
+// trims the stream KEYS[4] behind ARGV[4] (if not empty), if the generation KEYS[1] is ARGV[1].
+var fencedSnapshot = redis.NewScript(`
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[2], ARGV[2])
+redis.call('SET', KEYS[3], ARGV[3])
+if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[4], 'MINID', ARGV[4]) end
+return 1
+`)
+
+func newGenerationID() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	return hex.EncodeToString(b[:])
+}
+
+// generationKind returns a generation's kind and, for a fresh one, when Redis created it.
+func generationKind(g string) (kind string, created time.Time) {
+	parts := strings.Split(g, "/")
+	if len(parts) < 2 {
+		return "", time.Time{}
+	}
+	if parts[1] == genFresh && len(parts) == 3 {
+		if ms, err := strconv.ParseInt(parts[2], 10, 64); err == nil {
+			created = time.UnixMilli(ms)
+		}
+	}
+	return parts[1], created
+}
+
+// Generation returns the log generation this replica follows ("" before it joined one).
+func (l *RedisLog) Generation() string {
+	g, _ := l.gen.Load().(string)
+	return g
+}
+
+// GenerationChanges returns how many times this replica moved to another generation (a reseed or a
+// reload after the log was lost), besides joining one at start.
+func (l *RedisLog) GenerationChanges() uint64 { return l.genChanges.Load() }
+
+// Incomplete reports whether this replica knows its state may not be the shared one: the log's
+// generation is not its own (lost, or reseeded elsewhere and not reloaded yet), or it follows a
+// fresh generation that a replica with state may still replace.
+func (l *RedisLog) Incomplete() bool {
+	if l.genLost.Load() {
+		return true
+	}
+	return time.Now().UnixNano() < l.freshUntil.Load()
+}
+
+// kickGeneration asks the tailer to check the generation soon (an append was fenced).
+func (l *RedisLog) kickGeneration() {
+	l.genLost.Store(true)
+	select {
+	case l.genKick <- struct{}{}:
+	default:
+	}
+}
+
+func isFenced(err error) bool { return err != nil && strings.HasPrefix(err.Error(), "KVRFENCED") }
+
+// joinGeneration runs at start: it creates the generation if there is none (after ReseedWindow has
+// let a replica with state reseed a lost log, if the log has neither stream nor snapshot), then
+// loads it.
+func (l *RedisLog) joinGeneration(ctx context.Context) error {
+	g, err := l.rdb.Get(ctx, l.opts.GenerationKey()).Result()
+	if errors.Is(err, redis.Nil) {
+		g, err = bootstrapGeneration.Run(ctx, l.rdb, []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey()}, newGenerationID()).Text()
+		if err == nil {
+			l.opts.Logger.Info("created the shared log's generation", "generation", g)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	return l.loadGeneration(ctx, g)
+}
+
+// checkGeneration compares the log's generation with this replica's, and reseeds or reloads when
+// they differ. It runs on the tailer goroutine.
+func (l *RedisLog) checkGeneration(ctx context.Context) error {
+	g, err := l.rdb.Get(ctx, l.opts.GenerationKey()).Result()
+	if errors.Is(err, redis.Nil) {
+		g, err = "", nil
+	}
+	if err != nil {
+		return err
+	}
+	mine := l.Generation()
+	if g == mine {
+		l.genLost.Store(false)
+		return nil
+	}
+	l.genLost.Store(true)
+	if !l.genReported.Swap(true) {
+		l.opts.Logger.Error("the shared log's generation changed: Redis lost its data, or another replica reseeded it; shared state NOT_SERVING until this replica follows",
+			"mine", mine, "redis", g)
+	}
+	kind, created := generationKind(g)
+	// A fresh generation's age is checked again, on Redis's clock, by the reseed script.
+	if g == "" || (kind == genFresh && time.Since(created) < l.opts.ReseedWindow+2*time.Second) {
+		// Lost, or replaced by a fresh log that this state may still take over. If another
+		// replica holds the reseed lease, wait for its generation: loading the fresh one now would
+		// throw this state away while the reseed may still fail. (The 2 s absorb clock skew; the
+		// reseed script decides on Redis's clock.)
+		_, err := l.reseed(ctx, g)
+		return err
+	}
+	return l.loadGeneration(ctx, g)
+}
+
+// reseed makes this replica's state the snapshot of a new generation replacing expected ("": none),
+// if it wins the reseed lease. It reports whether it did.
+func (l *RedisLog) reseed(ctx context.Context, expected string) (bool, error) {
+	// The lease runs out well within the window, so that a reseeder that dies leaves the others
+	// time to take over.
+	won, err := l.rdb.SetNX(ctx, l.opts.ReseedLeaseKey(), l.opts.Replica, l.opts.ReseedWindow/3).Result()
+	if err != nil || !won {
+		return false, err
+	}
+	defer l.rdb.Del(context.WithoutCancel(ctx), l.opts.ReseedLeaseKey())
+	start := time.Now()
+	g := newGenerationID() + "/" + genSeeded
+	// Local bookings wait until the new generation is in place: they must be in the snapshot, or be
+	// published under the new generation, never both and never neither.
+	l.localMu.Lock()
+	defer l.localMu.Unlock()
+	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: "0-0", Generation: g})
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey()}
+	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds()).Int()
+	if err != nil || ok != 1 {
+		return false, err
+	}
+	l.switchGeneration(g, "0-0", false)
+	l.SnapshotBytes.Store(int64(len(data)))
+	l.SnapshotWritten.Store(time.Now().UnixNano())
+	l.opts.Logger.Warn("reseeded the lost shared log from this replica's state", "generation", g, "replaced", expected,
+		"bytes", len(data), "took", time.Since(start))
+	return true, nil
+}
+
+// loadGeneration makes generation g this replica's: it loads g's snapshot (or starts empty when g
+// has none yet) and replays g's stream from the snapshot's position.
+func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
+	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
+	if errors.Is(err, redis.Nil) {
+		data, err = nil, nil
+	}
+	if err != nil {
+		return err
+	}
+	kind, created := generationKind(g)
+	var h SnapshotHeader
+	if data != nil {
+		if h, err = ReadSnapshotHeader(data); err != nil {
+			return err
+		}
+	}
+	switch {
+	case data != nil && (h.Generation == g || (h.Generation == "" && kind == genAdopted)):
+	case kind == genFresh || kind == genAdopted:
+		// No snapshot of this generation yet: its stream holds everything since it began.
+		data = NewState().EncodeSnapshot(nil, SnapshotHeader{Position: "0-0", Generation: g})
+	default:
+		return fmt.Errorf("the snapshot belongs to generation %q, not to the log's %q; retrying", h.Generation, g)
+	}
+	start := time.Now()
+	l.localMu.Lock()
+	h, err = l.state.Restore(data)
+	if err == nil {
+		l.switchGeneration(g, h.Position, true)
+	}
+	l.localMu.Unlock()
+	if err != nil {
+		return err
+	}
+	if kind == genFresh {
+		if t, err := l.rdb.Time(ctx).Result(); err == nil {
+			// The window ends on Redis's clock; translate it to this replica's.
+			l.freshUntil.Store(time.Now().Add(created.Add(l.opts.ReseedWindow).Sub(t)).UnixNano())
+		}
+	}
+	l.SnapshotBytes.Store(int64(len(data)))
+	l.SnapshotWritten.Store(time.Now().UnixNano())
+	l.SnapshotLoads.Add(1)
+	l.opts.Logger.Info("loaded the shared log's snapshot", "generation", g, "position", h.Position, "bytes", len(data), "took", time.Since(start))
+	return nil
+}
+
+// switchGeneration makes g this replica's generation, at stream position pos, after its state was
+// replaced (a reload: carry) or written as g's snapshot (a reseed: !carry). The caller holds localMu
+// and runs on the tailer goroutine.
+//
+// Changes this replica applied locally and had not published yet (bookings in the outbox, worker
+// changes in the outage buffer) are in the state. On a reseed they are in the snapshot: they are
+// dropped. On a reload they are not: they are published in g and applied when they come back.
+// Appends still waiting for their entry fail with ErrLogUnavailable (their callers retry).
+func (l *RedisLog) switchGeneration(g, pos string, carry bool) {
+	old := l.Generation()
+	l.mu.Lock()
+	l.genFate[old] = carry
+	if old != "" {
+		l.genChanges.Add(1)
+	}
+	if !carry {
+		l.buffer, l.bufferedBy, l.resync = nil, make(map[WorkerKey]int), make(map[WorkerKey]bool)
+	}
+	for seq, w := range l.waiters {
+		w <- appliedEntry{err: fmt.Errorf("%w: the shared log moved to another generation; retry", ErrLogUnavailable)}
+		delete(l.waiters, seq)
+	}
+	clear(l.unechoed)
+	l.gen.Store(g)
+	l.mu.Unlock()
+	l.lastID.Store(pos)
+	l.freshUntil.Store(0) // loadGeneration sets it again for a fresh generation
+	l.genLost.Store(false)
+	l.genReported.Store(false)
+	l.joinedOnce.Do(func() { close(l.joined) })
+	l.notifyApplied()
+}
+
+// fateOf says what becomes of a pending change tagged with generation g: published now (ok), or
+// dropped (its generation was replaced by a reseed that holds it).
+func (l *RedisLog) fateOf(g string) (publish bool) {
+	if g == l.Generation() {
+		return true
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.genFate[g]
+}
+
+// addEntries appends entries to the stream in one round trip, fenced by this replica's generation,
+// and returns each one's error (nil: appended). Entries whose generation was replaced by a reseed
+// are dropped (reported appended: they are in the snapshot).
+func (l *RedisLog) addEntries(ctx context.Context, entries []outgoing) []error {
+	errs := make([]error, len(entries))
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream()}
+	for attempt := 0; attempt < 2; attempt++ {
+		g := l.Generation()
+		cmds := make([]*redis.Cmd, len(entries))
+		_, err := l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for i, e := range entries {
+				if attempt > 0 && errs[i] == nil {
+					continue // appended in the first attempt
+				}
+				if !l.fateOf(e.gen) {
+					continue
+				}
+				cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10))
+			}
+			return nil
+		})
+		noScript := false
+		for i, c := range cmds {
+			switch {
+			case c == nil:
+				if attempt == 0 {
+					errs[i] = nil
+				}
+			case c.Err() == nil:
+				errs[i] = nil
+			case redis.HasErrorPrefix(c.Err(), "NOSCRIPT"):
+				errs[i], noScript = c.Err(), true
+			case isFenced(c.Err()):
+				errs[i] = fmt.Errorf("%w (%v)", errFenced, c.Err())
+			default:
+				errs[i] = c.Err()
+			}
+		}
+		if err != nil && !noScript && !isFenced(err) {
+			// A transport error: whatever has no result of its own failed with it.
+			for i, c := range cmds {
+				if c != nil && errs[i] == nil && c.Err() != nil {
+					errs[i] = c.Err()
+				}
+			}
+		}
+		if !noScript {
+			break
+		}
+		// Redis lost its script cache (a restart): load the script and send those again.
+		if err := fencedAdd.Load(ctx, l.rdb).Err(); err != nil {
+			break
+		}
+	}
+	for _, err := range errs {
+		if errors.Is(err, errFenced) {
+			l.kickGeneration()
+			break
+		}
+	}
+	return errs
+}

@@ -1,0 +1,183 @@
+package kvstate_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+)
+
+// converged reports whether the replicas follow the same generation, have applied the same stream
+// up to the same entry with nothing in flight, and hold the same state.
+func converged(rs ...replica) bool {
+	for _, r := range rs[1:] {
+		if r.log.Generation() != rs[0].log.Generation() || r.log.LastID() != rs[0].log.LastID() ||
+			r.state.Digest() != rs[0].state.Digest() {
+			return false
+		}
+	}
+	for _, r := range rs {
+		if r.log.Generation() == "" || r.log.Pending() != 0 || r.log.BufferedChanges() != 0 || r.log.Degraded() {
+			return false
+		}
+	}
+	return true
+}
+
+// publishBlocks appends n one-block stored events of the test worker, from event id first on.
+func publishBlocks(t *testing.T, ctx context.Context, l *kvstate.RedisLog, first, n int) kvstate.Result {
+	t.Helper()
+	var res kvstate.Result
+	for i := first; i < first+n; i++ {
+		ev := kvstate.Event{ID: uint64(i), Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: uint64(1000 + i), Local: uint64(5000 + i)}}}
+		if i > 0 {
+			ev.Parent, ev.HasParent = uint64(1000+i-1), true
+		}
+		var err error
+		if res, err = l.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{ev}}); err != nil {
+			t.Fatalf("Append(event %d) = %v", i, err)
+		}
+	}
+	return res
+}
+
+// TestRedisLostIsReseeded restarts Redis empty under two running replicas and starts a third, either
+// at once (it creates a fresh generation before the survivors notice) or after they reseeded. Every
+// replica ends on one seeded generation with the state from before the loss plus what was appended
+// since, and the third replica holds the worker with all its blocks.
+func TestRedisLostIsReseeded(t *testing.T) {
+	for _, startNewAt := range []string{"at once", "after the reseed"} {
+		t.Run(startNewAt, func(t *testing.T) {
+			srv := redistest.Start(t)
+			rdb := srv.Client()
+			ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
+			defer cancel()
+			rs := startReplicas(t, rdb, 2)
+			a, b := rs[0], rs[1]
+			if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+				t.Fatal(err)
+			}
+			publishBlocks(t, ctx, a.log, 0, 20)
+			publishBlocks(t, ctx, b.log, 20, 10)
+			if _, err := b.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: "kept", At: time.Now().UnixNano(),
+				Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{1, 2}, PrefillTokens: 32}}}}); err != nil {
+				t.Fatal(err)
+			}
+			eventually(t, "A and B to converge before the loss", func() bool { return converged(a, b) })
+			before := a.log.Generation()
+
+			srv.Restart() // empty: no persistence
+			var c replica
+			if startNewAt == "at once" {
+				c = startReplicasNamed(t, rdb, "c", 1)[0]
+			}
+			// Appends go on across the loss: fenced until the log is reseeded, then published.
+			res := publishBlocks(t, ctx, a.log, 30, 5)
+			t.Logf("append right after the loss: buffered %v", res.Buffered)
+			if startNewAt != "at once" {
+				eventually(t, "a survivor to reseed", func() bool {
+					g, _ := rdb.Get(ctx, fmt.Sprintf("kvr:{%s}:generation", t.Name())).Result()
+					return strings.HasSuffix(g, "/seeded")
+				})
+				c = startReplicasNamed(t, rdb, "c", 1)[0]
+			}
+			// The worker's stream is on A; B books a request meanwhile.
+			publishBlocks(t, ctx, a.log, 35, 5)
+			if _, err := b.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: "during", At: time.Now().UnixNano(),
+				Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{3}, PrefillTokens: 16}}}}); err != nil {
+				t.Fatal(err)
+			}
+
+			eventually(t, "A, B and C to converge on the reseeded log", func() bool { return converged(a, b, c) })
+			g := c.log.Generation()
+			if g == before || !strings.HasSuffix(g, "/seeded") {
+				t.Errorf("generation after the loss = %q (before %q), want a new seeded one", g, before)
+			}
+			if got := overlapBlocks(c.state, 40); got != 40 {
+				t.Errorf("the new replica holds %d of the worker's 40 blocks, want all", got)
+			}
+			if n := c.state.Load().Bookings(); n != 2 {
+				t.Errorf("the new replica holds %d bookings, want the one made before the loss and the one during", n)
+			}
+			if a.log.GenerationChanges()+b.log.GenerationChanges() < 2 {
+				t.Errorf("generation changes: A %d, B %d; want both to have moved", a.log.GenerationChanges(), b.log.GenerationChanges())
+			}
+			for name, r := range map[string]replica{"A": a, "B": b, "C": c} {
+				if r.log.Generation() != g {
+					t.Errorf("%s follows %q, want %q", name, r.log.Generation(), g)
+				}
+			}
+		})
+	}
+}
+
+// overlapBlocks returns how many of the worker's first n chained blocks (publishBlocks) the state's
+// index holds on the device tier.
+func overlapBlocks(st *kvstate.State, n int) uint64 {
+	locals := make([]uint64, n)
+	for i := range locals {
+		locals[i] = uint64(5000 + i)
+	}
+	return overlap(st, locals...)
+}
+
+// TestOldFreshGenerationIsFollowed: a replica with state that finds a fresh generation older than
+// the reseed window (a replica back from a long partition) follows it rather than replacing what the
+// deployment built since, and reports its state incomplete only until it has.
+func TestOldFreshGenerationIsFollowed(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	a := startReplicas(t, rdb, 1, func(o *kvstate.RedisOptions) { o.ReseedWindow = time.Second })[0]
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	publishBlocks(t, ctx, a.log, 0, 3)
+	// Meanwhile, elsewhere: the log was lost and a new, fresh one began an hour ago.
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	if err := rdb.FlushAll(ctx).Err(); err != nil {
+		t.Fatal(err)
+	}
+	old := fmt.Sprintf("00000000000000ff/fresh/%d", time.Now().Add(-time.Hour).UnixMilli())
+	if err := rdb.Set(ctx, prefix+":generation", old, 0).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "A to follow the old fresh generation", func() bool { return a.log.Generation() == old && !a.log.Incomplete() })
+	if a.state.Worker(wk) != nil {
+		t.Error("A kept its worker after following another generation, want the generation's (empty) state")
+	}
+}
+
+// TestLegacyLogIsAdopted: a log written before generations existed (entries without one, no
+// generation key) is adopted as it is: a replica reads it whole.
+func TestLegacyLogIsAdopted(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	for i, c := range []kvstate.Change{
+		kvstate.WorkerUp{Info: info},
+		kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{{ID: 0, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: 1000, Local: 5000}}}}},
+	} {
+		if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: stream, Values: []any{"e", kvstate.EncodeEntry(nil, c), "r", "old-release", "s", fmt.Sprint(i)}}).Err(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	a := startReplicas(t, rdb, 1)[0]
+	eventually(t, "A to read the legacy log", func() bool { return overlapBlocks(a.state, 1) == 1 })
+	if g := a.log.Generation(); !strings.HasSuffix(g, "/adopted") {
+		t.Errorf("generation = %q, want an adopted one", g)
+	}
+	publishBlocks(t, ctx, a.log, 1, 2)
+	if got := overlapBlocks(a.state, 3); got != 3 {
+		t.Errorf("blocks after appending to the adopted log = %d, want 3", got)
+	}
+}
