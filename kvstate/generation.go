@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	"strconv"
 	"strings"
 	"time"
@@ -48,6 +49,9 @@ const (
 // GenerationKey holds the log's generation.
 func (o RedisOptions) GenerationKey() string { return o.Prefix + ":generation" }
 
+// SeqKey counts the entries appended in the current generation; each entry carries its number.
+func (o RedisOptions) SeqKey() string { return o.Prefix + ":seq" }
+
 // ReseedLeaseKey says which replica reseeds a lost log.
 func (o RedisOptions) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
 
@@ -55,13 +59,17 @@ func (o RedisOptions) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease
 var errFenced = errors.New("the shared log's generation changed")
 
 // fencedAdd appends one entry (ARGV[2], appender ARGV[3], sequence ARGV[4]) to the stream KEYS[2]
-// if the generation KEYS[1] is ARGV[1], tagging it with the generation.
+// if the generation KEYS[1] is ARGV[1], tagging it with the generation and with its number, counted
+// in KEYS[3]. The counter and the stream change together, so a Redis that comes back from an AOF
+// missing its last writes has both rolled back alike: a replica that applied entry N and finds the
+// counter below N knows the log lost entries it holds.
 var fencedAdd = redis.NewScript(`
 local g = redis.call('GET', KEYS[1])
 if g ~= ARGV[1] then
   return redis.error_reply('KVRFENCED ' .. (g or 'none'))
 end
-return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1])
+local n = redis.call('INCR', KEYS[3])
+return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n)
 `)
 
 // bootstrapGeneration returns the generation KEYS[1], creating it if missing: "adopted" when a
@@ -81,11 +89,16 @@ return g
 `)
 
 // reseedGeneration replaces the generation KEYS[1] by ARGV[2] with the snapshot ARGV[3] (KEYS[3],
-// position "0-0" in KEYS[4]) and an empty stream KEYS[2], if the generation is still ARGV[1] ("":
-// missing) and, when present, fresh and at most ARGV[4] ms old by Redis's clock. Returns 1 if done.
+// position "0-0" in KEYS[4]), an empty stream KEYS[2] and entry counter KEYS[5], if the generation
+// is still ARGV[1] ("": missing) and either: ARGV[5] is not 0 and the counter is below it (the log
+// rewound behind entry ARGV[5], which the reseeding replica applied), or the generation is missing,
+// or fresh and at most ARGV[4] ms old by Redis's clock. Returns 1 if done.
 var reseedGeneration = redis.NewScript(`
 local g = redis.call('GET', KEYS[1])
-if g then
+if ARGV[5] ~= '0' then
+  if g ~= ARGV[1] then return 0 end
+  if tonumber(redis.call('GET', KEYS[5]) or '0') >= tonumber(ARGV[5]) then return 0 end
+elseif g then
   if g ~= ARGV[1] then return 0 end
   local created = string.match(g, '^[^/]+/fresh/(%d+)$')
   if not created then return 0 end
@@ -94,7 +107,7 @@ if g then
 elseif ARGV[1] ~= '' then
   return 0
 end
-redis.call('DEL', KEYS[2])
+redis.call('DEL', KEYS[2], KEYS[5])
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[4], '0-0')
 redis.call('SET', KEYS[1], ARGV[2])
@@ -182,15 +195,29 @@ func (l *RedisLog) joinGeneration(ctx context.Context) error {
 // checkGeneration compares the log's generation with this replica's, and reseeds or reloads when
 // they differ. It runs on the tailer goroutine.
 func (l *RedisLog) checkGeneration(ctx context.Context) error {
-	g, err := l.rdb.Get(ctx, l.opts.GenerationKey()).Result()
-	if errors.Is(err, redis.Nil) {
-		g, err = "", nil
-	}
+	vals, err := l.rdb.MGet(ctx, l.opts.GenerationKey(), l.opts.SeqKey()).Result()
 	if err != nil {
 		return err
 	}
+	g, _ := vals[0].(string)
+	count, _ := strconv.ParseUint(fmt.Sprint(vals[1]), 10, 64) // "<nil>" parses to 0
 	mine := l.Generation()
 	if g == mine {
+		if applied := l.lastEntry.Load(); l.rewound.Load() || (applied > 0 && count < applied) {
+			// The log is ours, but lost entries this replica applied: Redis came back from a
+			// persistence file that missed its last writes. This state is ahead of the log.
+			l.genLost.Store(true)
+			l.opts.Logger.Error("the shared log rewound: Redis lost entries this replica applied; reseeding it from this replica's state",
+				"applied", applied, "log_holds", count)
+			// The script checks the rewind again: the counter below what this replica applied. An
+			// entry numbered at or below it was proof already; the counter may have grown since.
+			behind := applied
+			if l.rewound.Load() {
+				behind = math.MaxInt64
+			}
+			_, err := l.reseedRewound(ctx, g, behind)
+			return err
+		}
 		l.genLost.Store(false)
 		return nil
 	}
@@ -215,6 +242,12 @@ func (l *RedisLog) checkGeneration(ctx context.Context) error {
 // reseed makes this replica's state the snapshot of a new generation replacing expected ("": none),
 // if it wins the reseed lease. It reports whether it did.
 func (l *RedisLog) reseed(ctx context.Context, expected string) (bool, error) {
+	return l.reseedRewound(ctx, expected, 0)
+}
+
+// reseedRewound is reseed; with rewoundBehind > 0 it replaces this replica's own generation, whose
+// log holds fewer entries than that.
+func (l *RedisLog) reseedRewound(ctx context.Context, expected string, rewoundBehind uint64) (bool, error) {
 	// The lease runs out well within the window, so that a reseeder that dies leaves the others
 	// time to take over.
 	won, err := l.rdb.SetNX(ctx, l.opts.ReseedLeaseKey(), l.opts.Replica, l.opts.ReseedWindow/3).Result()
@@ -229,12 +262,12 @@ func (l *RedisLog) reseed(ctx context.Context, expected string) (bool, error) {
 	l.localMu.Lock()
 	defer l.localMu.Unlock()
 	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: "0-0", Generation: g})
-	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey()}
-	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds()).Int()
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.SeqKey()}
+	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds(), rewoundBehind).Int()
 	if err != nil || ok != 1 {
 		return false, err
 	}
-	l.switchGeneration(g, "0-0", false)
+	l.switchGeneration(g, "0-0", 0, false)
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.opts.Logger.Warn("reseeded the lost shared log from this replica's state", "generation", g, "replaced", expected,
@@ -271,7 +304,7 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 	l.localMu.Lock()
 	h, err = l.state.Restore(data)
 	if err == nil {
-		l.switchGeneration(g, h.Position, true)
+		l.switchGeneration(g, h.Position, h.Entry, true)
 	}
 	l.localMu.Unlock()
 	if err != nil {
@@ -290,7 +323,8 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 	return nil
 }
 
-// switchGeneration makes g this replica's generation, at stream position pos, after its state was
+// switchGeneration makes g this replica's generation, at stream position pos (entry number entry),
+// after its state was
 // replaced (a reload: carry) or written as g's snapshot (a reseed: !carry). The caller holds localMu
 // and runs on the tailer goroutine.
 //
@@ -298,7 +332,7 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 // changes in the outage buffer) are in the state. On a reseed they are in the snapshot: they are
 // dropped. On a reload they are not: they are published in g and applied when they come back.
 // Appends still waiting for their entry fail with ErrLogUnavailable (their callers retry).
-func (l *RedisLog) switchGeneration(g, pos string, carry bool) {
+func (l *RedisLog) switchGeneration(g, pos string, entry uint64, carry bool) {
 	old := l.Generation()
 	l.mu.Lock()
 	l.genFate[old] = carry
@@ -316,6 +350,8 @@ func (l *RedisLog) switchGeneration(g, pos string, carry bool) {
 	l.gen.Store(g)
 	l.mu.Unlock()
 	l.lastID.Store(pos)
+	l.lastEntry.Store(entry)
+	l.rewound.Store(false)
 	l.freshUntil.Store(0) // loadGeneration sets it again for a fresh generation
 	l.genLost.Store(false)
 	l.genReported.Store(false)
@@ -339,7 +375,7 @@ func (l *RedisLog) fateOf(g string) (publish bool) {
 // are dropped (reported appended: they are in the snapshot).
 func (l *RedisLog) addEntries(ctx context.Context, entries []outgoing) []error {
 	errs := make([]error, len(entries))
-	keys := []string{l.opts.GenerationKey(), l.opts.Stream()}
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SeqKey()}
 	for attempt := 0; attempt < 2; attempt++ {
 		g := l.Generation()
 		cmds := make([]*redis.Cmd, len(entries))

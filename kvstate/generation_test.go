@@ -2,6 +2,7 @@ package kvstate_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -179,5 +180,56 @@ func TestLegacyLogIsAdopted(t *testing.T) {
 	publishBlocks(t, ctx, a.log, 1, 2)
 	if got := overlapBlocks(a.state, 3); got != 3 {
 		t.Errorf("blocks after appending to the adopted log = %d, want 3", got)
+	}
+}
+
+// TestRewoundLogIsReseeded: Redis comes back from a persistence file that missed its last writes (as
+// with appendfsync everysec): the stream and the entry counter lost their last entries, which the
+// replicas had applied. The next entry's number shows it; a replica reseeds the log from its state,
+// and nothing it had applied is lost, for a replica started afterwards either.
+func TestRewoundLogIsReseeded(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	publishBlocks(t, ctx, a.log, 0, 10)
+	eventually(t, "A and B to converge", func() bool { return converged(a, b) })
+	before := a.log.Generation()
+
+	// The last three writes never reached the disk.
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	last, err := rdb.XRevRangeN(ctx, prefix+":log", "+", "-", 3).Result()
+	if err != nil || len(last) != 3 {
+		t.Fatalf("XREVRANGE = %v, %v", last, err)
+	}
+	for _, m := range last {
+		rdb.XDel(ctx, prefix+":log", m.ID)
+	}
+	rdb.DecrBy(ctx, prefix+":seq", 3)
+
+	// The next append is numbered like one the replicas applied already.
+	for {
+		_, err := b.log.Append(ctx, kvstate.KVEvents{Worker: wk, Epoch: 0, Events: []kvstate.Event{{ID: 10, Kind: kvstate.EventStored,
+			HasParent: true, Parent: 1009, Blocks: []kvstate.Block{{Hash: 1010, Local: 5010}}}}})
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, kvstate.ErrLogUnavailable) {
+			t.Fatalf("Append after the rewind = %v", err)
+		}
+		// The reseed dropped it with the rewound stream: the appender retries, as a worker would.
+	}
+	// A replica that never read the lost entries must get them too.
+	c := startReplicasNamed(t, rdb, "c", 1)[0]
+	eventually(t, "A, B and C to converge on a reseeded log", func() bool { return converged(a, b, c) && a.log.Generation() != before })
+	for name, r := range map[string]replica{"A": a, "B": b, "C": c} {
+		if got := overlapBlocks(r.state, 11); got != 11 {
+			t.Errorf("%s holds %d of the worker's 11 blocks after the rewind, want all", name, got)
+		}
 	}
 }

@@ -103,6 +103,8 @@ type RedisLog struct {
 	freshUntil  atomic.Int64  // unix ns: until then a replica with state may still replace our fresh generation
 	genChanges  atomic.Uint64
 	genFate     map[string]bool // under mu: pending changes of a replaced generation are published (true) or dropped
+	lastEntry   atomic.Uint64   // number of the last entry applied (0: none yet, or unnumbered entries)
+	rewound     atomic.Bool     // an entry came whose number this replica had applied already
 	joined      chan struct{}   // closed once this replica follows a generation
 	joinedOnce  sync.Once
 
@@ -246,8 +248,10 @@ const (
 	fieldEntry   = "e"
 	fieldReplica = "r"
 	fieldSeq     = "s"
-	// fieldGeneration is the generation the entry was appended in (generation.go).
+	// fieldGeneration is the generation the entry was appended in, fieldNumber its number in it
+	// (generation.go).
 	fieldGeneration = "g"
+	fieldNumber     = "n"
 )
 
 // NewRedisLog returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
@@ -800,6 +804,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 		clear(l.unechoed)
 		l.mu.Unlock()
 		l.lastID.Store(h.Position)
+		l.lastEntry.Store(h.Entry)
 	}
 	l.localMu.Unlock()
 	if err != nil {
@@ -842,7 +847,7 @@ func (l *RedisLog) maybeSnapshot(ctx context.Context) {
 		return
 	}
 	pos, g := l.LastID(), l.Generation()
-	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: pos, Generation: g})
+	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: pos, Generation: g, Entry: l.lastEntry.Load()})
 	l.localMu.Unlock()
 	// One script writes the snapshot and its position, then keeps one snapshot period of history
 	// for replicas slightly behind, trimming what is older than the previous snapshot; all only while
@@ -953,6 +958,15 @@ func (l *RedisLog) publish(ctx context.Context) {
 func (l *RedisLog) applyMessage(msg redis.XMessage) bool {
 	if g, ok := msg.Values[fieldGeneration].(string); ok && g != l.Generation() {
 		return false
+	}
+	if v, ok := msg.Values[fieldNumber].(string); ok {
+		n, _ := strconv.ParseUint(v, 10, 64)
+		if n <= l.lastEntry.Load() {
+			// The log lost its last entries (and this replica had applied them) and numbers anew.
+			l.rewound.Store(true)
+			return false
+		}
+		l.lastEntry.Store(n)
 	}
 	weight := uint64(1) // toward the next snapshot: one per change, one per block of KV events
 	defer func() {

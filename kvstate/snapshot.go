@@ -5,7 +5,8 @@ import (
 )
 
 // SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
-// newer one and keeps reading older ones. Version 2 adds the log generation after the position.
+// newer one and keeps reading older ones. Version 2 adds, after the position, the log generation and
+// the number of the last entry applied.
 const SnapshotVersion = 2
 
 // SnapshotHeader is what a snapshot says of itself: the log position it reflects (a stream id) and
@@ -13,6 +14,9 @@ const SnapshotVersion = 2
 type SnapshotHeader struct {
 	Position   string
 	Generation string
+	// Entry is the number of the last entry the snapshot reflects (entries are numbered from 1 in a
+	// generation; 0: none, or a log written before entries were numbered).
+	Entry uint64
 }
 
 // EncodeSnapshot appends the replicated state, with its header, to dst. The caller must keep the
@@ -24,6 +28,7 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 	b := append(dst, SnapshotVersion)
 	b = putString(b, h.Position)
 	b = putString(b, h.Generation)
+	b = binary.AppendUvarint(b, h.Entry)
 
 	// Workers in slot order: restoring them in this order gives the same slots.
 	var workers []*Worker
@@ -166,7 +171,7 @@ func (r *reader) snapshotHeader() SnapshotHeader {
 	}
 	h := SnapshotHeader{Position: r.string()}
 	if v >= 2 {
-		h.Generation = r.string()
+		h.Generation, h.Entry = r.string(), r.uvarint()
 	}
 	return h
 }

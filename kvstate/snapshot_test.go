@@ -30,7 +30,7 @@ func richState(t *testing.T) *State {
 
 func TestSnapshotRestoresTheSameState(t *testing.T) {
 	src := richState(t)
-	header := SnapshotHeader{Position: "1700000000000-7", Generation: "0123456789abcdef/seeded"}
+	header := SnapshotHeader{Position: "1700000000000-7", Generation: "0123456789abcdef/seeded", Entry: 1234}
 	data := src.EncodeSnapshot(nil, header)
 	dst := NewState()
 	run(t, dst, []step{up(w2)}) // whatever was there is replaced
@@ -73,10 +73,11 @@ func TestSnapshotRestoresTheSameState(t *testing.T) {
 func TestSnapshotVersion1(t *testing.T) {
 	src := richState(t)
 	v2 := src.EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
-	// Version 2 with an empty generation is version 1 with one more byte (the empty string's length)
-	// after the position: byte 0 is the version, then the position's length and its 3 bytes.
+	// Version 2 with an empty generation and entry 0 is version 1 with two more bytes (the empty
+	// string's length, the zero varint) after the position: byte 0 is the version, then the
+	// position's length and its 3 bytes.
 	v1 := append([]byte{1}, v2[1:5]...)
-	v1 = append(v1, v2[6:]...)
+	v1 = append(v1, v2[7:]...)
 	dst := NewState()
 	h, err := dst.Restore(v1)
 	if err != nil || h != (SnapshotHeader{Position: "5-0"}) {
