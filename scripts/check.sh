@@ -12,6 +12,7 @@ if [ -n "$unformatted" ]; then
   exit 1
 fi
 go vet ./...
+go vet -tags chaos ./cmd/kvrouter # the fault suite (scripts/chaos.sh)
 buf lint
 buf format -d --exit-code
 

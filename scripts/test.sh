@@ -6,14 +6,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
-if ! command -v redis-server >/dev/null || ! command -v redis-cli >/dev/null; then
-  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-    echo "installing redis-server" >&2
-    apt-get update -qq && apt-get install -y -qq redis-server >/dev/null
-  else
-    echo "redis-server and redis-cli are needed: apt-get install redis-server" >&2
-    exit 1
-  fi
-fi
+. scripts/redis.sh
 go vet ./...
 go test -race -count=1 -timeout 10m ./... "$@"

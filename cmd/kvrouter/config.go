@@ -46,6 +46,7 @@ type Options struct {
 	RedisMaxBuffered  int    // worker changes kept locally during a Redis outage
 	SnapshotEvery     int    // applied changes between snapshot attempts
 	SnapshotInterval  time.Duration
+	RedisReseedWindow time.Duration // how long a fresh shared log may be reseeded by a replica with state
 
 	// Routing.
 	Router                  policy.Config
@@ -180,6 +181,7 @@ var settings = []setting{
 	intSetting("redis_max_buffered", "worker changes a replica keeps while Redis is unreachable; past it, workers are asked to resync when Redis returns", func(o *Options) *int { return &o.RedisMaxBuffered }, 1),
 	intSetting("snapshot_every", "changes (one per block event of KV batches) applied between two snapshots of the shared state; one replica at a time writes them", func(o *Options) *int { return &o.SnapshotEvery }, 1),
 	durationSetting("snapshot_interval", "longest time between two snapshots of the shared state", func(o *Options) *time.Duration { return &o.SnapshotInterval }),
+	durationSetting("redis_reseed_window", "after Redis lost its data, how long a fresh shared log started by a replica without state may still be replaced by a running replica's state (its SharedState health is NOT_SERVING meanwhile)", func(o *Options) *time.Duration { return &o.RedisReseedWindow }),
 	stringSetting("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	floatSetting("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),
 	floatSetting("overlap_score_credit_decay", "shrinks the credit of workers with more prefill load than the least loaded", func(o *Options) *float64 { return &o.Router.OverlapScoreCreditDecay }),
@@ -222,6 +224,7 @@ func defaultOptions() Options {
 		RedisMaxBuffered:     100_000,
 		SnapshotEvery:        1_000_000,
 		SnapshotInterval:     5 * time.Minute,
+		RedisReseedWindow:    10 * time.Second,
 		Router:               policy.DefaultConfig(),
 	}
 }
@@ -431,6 +434,9 @@ func (c *loadedConfig) validate(logger *slog.Logger) error {
 	}
 	if c.WorkerGracePeriod == 0 {
 		return fmt.Errorf("%s: must be > 0", c.describe("worker_grace_period"))
+	}
+	if c.RedisReseedWindow < time.Second {
+		return fmt.Errorf("%s: must be at least 1s (got %v)", c.describe("redis_reseed_window"), c.RedisReseedWindow)
 	}
 	if c.BookingExpiry == 0 {
 		return fmt.Errorf("%s: must be > 0", c.describe("booking_expiry"))

@@ -26,6 +26,8 @@ type fleetWorker struct {
 	addrs []string
 
 	paused atomic.Bool // no new events; the stream goes on (acks, dumps, reconnects)
+	// fresh: the first hello says fresh_start (a new process taking the worker id over).
+	fresh bool
 
 	mu         sync.Mutex
 	produced   uint64 // events 0..produced-1 exist
@@ -109,7 +111,7 @@ func (w *fleetWorker) session(ctx context.Context, addr string, interval time.Du
 	}
 	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
 		WorkerId: w.id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4,
-		TotalKvBlocks: 100_000, KvEventsEnabled: true, Endpoint: fmt.Sprintf("w%d", w.id)}}}); err != nil {
+		TotalKvBlocks: 100_000, KvEventsEnabled: true, Endpoint: fmt.Sprintf("w%d", w.id), FreshStart: w.fresh && w.firstSession()}}}); err != nil {
 		return err
 	}
 	resp, err := stream.Recv()
@@ -184,8 +186,7 @@ func (w *fleetWorker) session(ctx context.Context, addr string, interval time.Du
 		case err := <-recvErr:
 			return err
 		case <-ctx.Done():
-			_ = stream.CloseSend()
-			return ctx.Err()
+			return ctx.Err() // the connection closes under the stream: a cut, not a goodbye
 		case <-dumpsWanted:
 			w.mu.Lock()
 			produced := w.produced
@@ -210,6 +211,13 @@ func (w *fleetWorker) session(ctx context.Context, addr string, interval time.Du
 	}
 }
 
+// firstSession reports whether no stream of this worker registered yet.
+func (w *fleetWorker) firstSession() bool {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.reconnects == 0 && w.produced == 0
+}
+
 // status returns what the worker produced and had acked.
 func (w *fleetWorker) status() (produced uint64, acked int64, reconnects, dumps int, superseded error) {
 	w.mu.Lock()
@@ -223,6 +231,7 @@ type fleet struct {
 	workers  []*fleetWorker
 	ctx      context.Context
 	stop     context.CancelFunc
+	interval time.Duration
 	wg       sync.WaitGroup
 	routes   atomic.Int64
 	failures atomic.Int64
@@ -232,33 +241,55 @@ type fleet struct {
 // startFleet starts n workers, worker i publishing to addrs[i%len] first (then the others, in turn,
 // after a drop), one event every interval, and query-only Route calls on every replica.
 func startFleet(t *testing.T, n int, interval time.Duration, addrs ...string) *fleet {
+	return startFleetOn(t, n, interval, addrs, addrs)
+}
+
+// startFleetOn is startFleet with Route calls on routeAddrs only.
+func startFleetOn(t *testing.T, n int, interval time.Duration, addrs, routeAddrs []string) *fleet {
 	ctx, cancel := context.WithCancel(context.Background())
-	f := &fleet{t: t, ctx: ctx, stop: cancel}
+	f := &fleet{t: t, ctx: ctx, stop: cancel, interval: interval}
 	for i := range n {
 		order := append(append([]string(nil), addrs[i%len(addrs):]...), addrs[:i%len(addrs)]...)
-		w := newFleetWorker(t, uint64(1+i), order...)
-		f.workers = append(f.workers, w)
-		f.wg.Add(1)
-		go func() { defer f.wg.Done(); w.run(ctx, interval) }()
+		f.add(newFleetWorker(t, uint64(1+i), order...))
 	}
-	for _, addr := range addrs {
+	for _, addr := range routeAddrs {
 		f.routeOn(addr)
 	}
 	t.Cleanup(f.halt)
 	return f
 }
 
+// add starts w with the fleet and checks its events with the others'.
+func (f *fleet) add(w *fleetWorker) {
+	f.workers = append(f.workers, w)
+	f.wg.Add(1)
+	go func() { defer f.wg.Done(); w.run(f.ctx, f.interval) }()
+}
+
+// forget leaves the worker with id out of the checks (it was superseded, or left for good).
+func (f *fleet) forget(w *fleetWorker) {
+	for i, x := range f.workers {
+		if x == w {
+			f.workers = append(f.workers[:i:i], f.workers[i+1:]...)
+			return
+		}
+	}
+}
+
 // routeOn sends query-only Route calls to addr every 5 ms until the fleet stops.
 func (f *fleet) routeOn(addr string) {
 	ctx := f.ctx
 	client := kvrouterv1.NewRouterServiceClient(dial(f.t, addr))
+	var prompts [][]uint32 // of the workers started so far
+	for _, w := range f.workers {
+		prompts = append(prompts, w.prompt())
+	}
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
 		for i := 0; ctx.Err() == nil; i++ {
-			w := f.workers[i%len(f.workers)]
 			rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: w.prompt(), QueryOnly: true})
+			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompts[i%len(prompts)], QueryOnly: true})
 			cancel()
 			if ctx.Err() != nil {
 				return

@@ -175,6 +175,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 	l := kvstate.NewRedisLog(rdb, state, kvstate.RedisOptions{
 		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
 		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second),
+		ReseedWindow: cfg.RedisReseedWindow,
 	})
 	done := make(chan struct{})
 	go func() {

@@ -33,6 +33,7 @@ func init() { redis.SetLogger(quietLogger{}) }
 type Server struct {
 	Addr string
 	dir  string
+	args []string // extra arguments, kept for restarts
 	cmd  *exec.Cmd
 	t    testing.TB
 }
@@ -66,7 +67,7 @@ func Start(t testing.TB, extraArgs ...string) *Server {
 	t.Helper()
 	bin := serverBinary(t)
 	dir := t.TempDir()
-	s := &Server{dir: dir, t: t}
+	s := &Server{dir: dir, args: extraArgs, t: t}
 	s.start(bin, freePort(t), extraArgs...)
 	t.Cleanup(s.Stop)
 	return s
@@ -136,13 +137,14 @@ func (s *Server) FastClient() redis.UniversalClient {
 	return c
 }
 
-// Restart starts the server again on the same address (empty: persistence is off), as after an
-// outage.
+// Restart kills the server (SIGKILL, as a crash) and starts it again on the same address, with the
+// same settings and directory: empty by default (persistence is off), or from its append-only file
+// when it was started with "--appendonly", "yes".
 func (s *Server) Restart() {
 	s.t.Helper()
 	s.Stop()
 	port, _ := strconv.Atoi(s.Addr[strings.LastIndexByte(s.Addr, ':')+1:])
-	s.start(serverBinary(s.t), port)
+	s.start(serverBinary(s.t), port, s.args...)
 }
 
 // Client returns a client of the server, closed at cleanup.
