@@ -682,6 +682,7 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		}
 	}
 	lastCheck, full, check := time.Now(), false, false
+	var lastWarn time.Time
 	for ctx.Err() == nil {
 		select {
 		case <-l.genKick:
@@ -694,7 +695,8 @@ func (l *RedisLog) Run(ctx context.Context) error {
 		// another generation turned up.
 		if check || full || time.Since(lastCheck) >= time.Second {
 			lastCheck, check = time.Now(), false
-			if err := l.checkGeneration(ctx); err != nil && ctx.Err() == nil {
+			if err := l.checkGeneration(ctx); err != nil && ctx.Err() == nil && time.Since(lastWarn) > 5*time.Second {
+				lastWarn = time.Now() // it is retried every 100 ms while the generation is lost
 				l.opts.Logger.Warn("checking the shared log's generation failed", "err", err)
 			}
 			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
