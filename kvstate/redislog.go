@@ -27,7 +27,7 @@ type RedisOptions struct {
 	Replica string
 	// SnapshotEvery is how many applied changes (a KV batch counting one per block event) trigger an
 	// attempt to write a snapshot (one replica at a time writes, under a lease); SnapshotInterval
-	// triggers one after that long regardless.
+	// triggers one after that long regardless. Zero means DefaultSnapshotEvery.
 	// The stream is trimmed behind the previous snapshot, so the Redis memory the log holds stays
 	// bounded by about two snapshot periods of changes.
 	SnapshotEvery    uint64
@@ -254,6 +254,12 @@ const (
 	fieldNumber     = "n"
 )
 
+// DefaultSnapshotEvery is the default SnapshotEvery, kvrouter serve's too. A cold start replays at
+// most this many block events after the snapshot it loads, while a snapshot of a 1M-block state
+// holds its writer's tailer for 1-2 s of encoding (docs/BENCHMARKS.md, "Shared state through
+// Redis"): so snapshots are coarse.
+const DefaultSnapshotEvery = 1_000_000
+
 // NewRedisLog returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
 // appends of worker changes wait.
 func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *RedisLog {
@@ -267,7 +273,7 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 		opts.Logger = slog.Default()
 	}
 	if opts.SnapshotEvery == 0 {
-		opts.SnapshotEvery = 100_000
+		opts.SnapshotEvery = DefaultSnapshotEvery
 	}
 	if opts.SnapshotInterval <= 0 {
 		opts.SnapshotInterval = 5 * time.Minute
