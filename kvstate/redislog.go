@@ -254,10 +254,10 @@ const (
 	fieldNumber     = "n"
 )
 
-// DefaultSnapshotEvery is the default SnapshotEvery, kvrouter serve's too. A cold start replays at
-// most this many block events after the snapshot it loads, while a snapshot of a 1M-block state
-// holds its writer's tailer for 1-2 s of encoding (docs/BENCHMARKS.md, "Shared state through
-// Redis"): so snapshots are coarse.
+// DefaultSnapshotEvery is the default SnapshotEvery, kvrouter serve's too. A cold start replays
+// about this many block events after the snapshot it loads at most, while a snapshot of a 1M-block
+// state holds its writer's tailer for 0.5-2 s of encoding and writing (docs/BENCHMARKS.md): so
+// snapshots are coarse.
 const DefaultSnapshotEvery = 1_000_000
 
 // NewRedisLog returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
