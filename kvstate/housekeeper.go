@@ -62,10 +62,11 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 }
 
 // Run sweeps every interval until ctx ends.
-func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) { every(ctx, interval, h.Sweep) }
+func (h *Housekeeper) Run(ctx context.Context, interval time.Duration) { Every(ctx, interval, h.Sweep) }
 
-// every calls f every interval until ctx ends.
-func every(ctx context.Context, interval time.Duration, f func(context.Context)) {
+// Every calls f every interval until ctx ends: the sweeps of the housekeeper and of every log
+// backend's leases run on it.
+func Every(ctx context.Context, interval time.Duration, f func(context.Context)) {
 	t := time.NewTicker(interval)
 	defer t.Stop()
 	for {

@@ -2,14 +2,19 @@ package kvstate
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"sync/atomic"
 )
 
+// ErrLogUnavailable: the change could not be made durable in the shared log (its store is
+// unreachable, or the log moved on while the change waited); the caller may retry.
+var ErrLogUnavailable = errors.New("shared log unavailable")
+
 // Log is the ordered event log every change to State goes through. Append returns once the change is
 // durable (for the in-process log: applied) and reports what applying it did; a change that fails
 // validation against the state returns an error and changes nothing. Implementations: MemLog (one
-// replica, embedded) and, in Redis mode, a Redis stream that every replica tails.
+// replica, embedded) and redislog.Log (a Redis stream that every replica tails; a SharedLog).
 type Log interface {
 	// Append makes c durable and applies it to the local state.
 	Append(ctx context.Context, c Change) (Result, error)

@@ -34,18 +34,10 @@ type adminService struct {
 	config []ConfigEntry
 }
 
-// streamLog is what a log shared through Redis adds to kvstate.Log.
-type streamLog interface {
-	LastID() string
-	Pending() int
-	Generation() string
-	Incomplete() bool
-}
-
 func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
 	resp := &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: s.log.Position(), SharedStateComplete: true}
-	if sl, ok := s.log.(streamLog); ok {
-		resp.Log, resp.LogLastId, resp.PendingChanges = "redis", sl.LastID(), uint64(sl.Pending())
+	if sl, ok := s.log.(kvstate.SharedLog); ok {
+		resp.Log, resp.LogLastId, resp.PendingChanges = sl.Backend(), sl.LastID(), uint64(sl.Pending())
 		resp.LogGeneration, resp.SharedStateComplete = sl.Generation(), !sl.Incomplete()
 	}
 	resp.Digest = fmt.Sprintf("%016x", s.state.Digest())

@@ -56,10 +56,10 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 	}
 	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs, m.superseded,
 		&stateCollector{state: state, log: log, router: router})
-	if rl, ok := log.(*kvstate.RedisLog); ok {
+	if sl, ok := log.(kvstate.SharedLog); ok {
 		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_shared_log_append_seconds",
-			Help:    "Time to append a worker change to the Redis stream (the ack to the worker waits for it).",
+			Help:    "Time to append a worker change to the shared log (the ack to the worker waits for it).",
 			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 14),
 		})
 		applyLag := prometheus.NewHistogram(prometheus.HistogramOpts{
@@ -67,8 +67,8 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 			Help:    "Time from a change's append to the stream to its apply on this replica: how stale this replica's view is.",
 			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 16),
 		})
-		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{rl})
-		rl.Observe(kvstate.Observers{
+		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{sl})
+		sl.Observe(kvstate.Observers{
 			Append: func(d time.Duration) { appendLatency.Observe(d.Seconds()) },
 			Apply:  func(d time.Duration) { applyLag.Observe(max(0, d.Seconds())) },
 		})
@@ -76,8 +76,8 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 	return m
 }
 
-// sharedLogCollector reports the Redis log's gauges at scrape time.
-type sharedLogCollector struct{ l *kvstate.RedisLog }
+// sharedLogCollector reports a shared log's gauges at scrape time.
+type sharedLogCollector struct{ l kvstate.SharedLog }
 
 var (
 	degradedDesc = prometheus.NewDesc("kvrouter_shared_log_degraded",
@@ -113,14 +113,14 @@ func (c sharedLogCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(degradedDesc, prometheus.GaugeValue, degraded)
 	ch <- prometheus.MustNewConstMetric(bufferedDesc, prometheus.GaugeValue, float64(st.BufferedChanges))
 	ch <- prometheus.MustNewConstMetric(lostDesc, prometheus.CounterValue, float64(st.LostChanges))
-	ch <- prometheus.MustNewConstMetric(streamLenDesc, prometheus.GaugeValue, float64(st.StreamLength))
+	ch <- prometheus.MustNewConstMetric(streamLenDesc, prometheus.GaugeValue, float64(st.Length))
 	ch <- prometheus.MustNewConstMetric(snapshotBytesDesc, prometheus.GaugeValue, float64(st.SnapshotBytes))
 	incomplete := 0.0
-	if c.l.Incomplete() {
+	if st.Incomplete {
 		incomplete = 1
 	}
 	ch <- prometheus.MustNewConstMetric(incompleteDesc, prometheus.GaugeValue, incomplete)
-	ch <- prometheus.MustNewConstMetric(generationChangesDesc, prometheus.CounterValue, float64(c.l.GenerationChanges()))
+	ch <- prometheus.MustNewConstMetric(generationChangesDesc, prometheus.CounterValue, float64(st.GenerationChanges))
 	if !st.SnapshotAt.IsZero() {
 		ch <- prometheus.MustNewConstMetric(snapshotAgeDesc, prometheus.GaugeValue, time.Since(st.SnapshotAt).Seconds())
 	}

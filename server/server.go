@@ -134,9 +134,9 @@ func New(o Options) *Server {
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
 	serving := healthpb.HealthCheckResponse_SERVING
-	rl, shared := o.Log.(*kvstate.RedisLog)
+	sl, shared := o.Log.(kvstate.SharedLog)
 	if shared {
-		// A replica sharing state through Redis serves once it has caught up with the log: before,
+		// A replica sharing state through a store serves once it has caught up with the log: before,
 		// it would route from a partial view.
 		serving = healthpb.HealthCheckResponse_NOT_SERVING
 	}
@@ -144,19 +144,19 @@ func New(o Options) *Server {
 		s.health.SetServingStatus(name, serving)
 	}
 	if shared {
-		go s.watchSharedLog(rl)
+		go s.watchSharedLog(sl)
 	}
 	return s
 }
 
-// SharedStateService is the health entry of the state shared through Redis: NOT_SERVING while
-// Redis is unreachable, an outage's changes wait to be published, or this replica knows its state
-// may be incomplete (the shared log was lost and is not re-established yet, or it follows a fresh
+// SharedStateService is the health entry of the state shared through a store (Redis): NOT_SERVING
+// while the store is unreachable, an outage's changes wait to be published, or this replica knows
+// its state may be incomplete (the shared log was lost and is not re-established yet, or it follows a fresh
 // log that a replica with state may still reseed). The routing services stay SERVING meanwhile,
 // since routing goes on from local state.
 const SharedStateService = "kvrouter.v1.SharedState"
 
-func (s *Server) watchSharedLog(l *kvstate.RedisLog) {
+func (s *Server) watchSharedLog(l kvstate.SharedLog) {
 	select {
 	case <-l.Ready():
 		for _, name := range append([]string{""}, serviceNames...) {

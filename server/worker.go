@@ -181,7 +181,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	// With a shared log that may buffer (Redis mode), acks of buffered events wait until they are
 	// published, and a resync may be asked after an outage: both are checked between messages and
 	// on a timer, for an idle worker.
-	buffering, _ := s.log.(bufferingLog)
+	buffering, _ := s.log.(kvstate.BufferingLog)
 	var tick <-chan time.Time
 	if buffering != nil {
 		t := time.NewTicker(time.Second)
@@ -214,14 +214,6 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	}
 }
 
-// bufferingLog is a log that keeps changes locally while its store is unreachable (kvstate.RedisLog).
-type bufferingLog interface {
-	// Buffered returns how many of the worker's changes are not durable yet.
-	Buffered(key kvstate.WorkerKey) int
-	// TakeResync reports, once, that the worker must resend its whole cache.
-	TakeResync(key kvstate.WorkerKey) bool
-}
-
 // lost returns the status that ends a stream that no longer holds its worker rank.
 func (ps *publishStream) lost() error {
 	err := ps.svc.state.Holds(ps.info.Key, ps.epoch)
@@ -241,7 +233,7 @@ func (ps *publishStream) lost() error {
 
 // refresh acks events that became durable since, and asks for a dump when the log says so or when
 // the state no longer holds what this stream acked (the shared log lost it).
-func (ps *publishStream) refresh(l bufferingLog) error {
+func (ps *publishStream) refresh(l kvstate.BufferingLog) error {
 	if l.TakeResync(ps.info.Key) {
 		if err := ps.askDump("shared log outage: events were lost for the other replicas", 0); err != nil {
 			return err

@@ -17,7 +17,7 @@ import (
 
 	"gopkg.in/yaml.v3"
 
-	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
 )
@@ -223,7 +223,7 @@ func defaultOptions() Options {
 		ShutdownTimeout:      15 * time.Second,
 		RedisPrefix:          "kvr:{default}",
 		RedisMaxBuffered:     100_000,
-		SnapshotEvery:        kvstate.DefaultSnapshotEvery,
+		SnapshotEvery:        redislog.DefaultSnapshotEvery,
 		SnapshotInterval:     5 * time.Minute,
 		RedisReseedWindow:    10 * time.Second,
 		Router:               policy.DefaultConfig(),

@@ -28,6 +28,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
 )
@@ -172,7 +173,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		host, _ := os.Hostname()
 		replica = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
-	l := kvstate.NewRedisLog(rdb, state, kvstate.RedisOptions{
+	l := redislog.New(rdb, state, redislog.Options{
 		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
 		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second),
 		ReseedWindow: cfg.RedisReseedWindow,
@@ -183,7 +184,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		_ = l.Run(ctx)
 	}()
 	// Workers whose replica died are removed by whichever replica sees their lease run out.
-	leases := kvstate.NewRedisLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
+	leases := redislog.NewLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
 	leases.AfterOutages(l)
 	go leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
 	mode := "redis " + strings.Join(addrs, ",")

@@ -1,9 +1,10 @@
-package kvstate
+package redislog
 
 import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/kvrouter/kvrouter/kvstate"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -15,11 +16,8 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// ErrLogUnavailable: the change could not be made durable in the shared log (Redis unreachable).
-var ErrLogUnavailable = errors.New("shared log unavailable")
-
-// RedisOptions configure a RedisLog.
-type RedisOptions struct {
+// Options configure a Log.
+type Options struct {
 	// Prefix starts every key, hash tag included, e.g. "kvr:{prod}". Every key of a deployment
 	// shares the tag, so the layout works unchanged on Redis Cluster.
 	Prefix string
@@ -51,16 +49,16 @@ type RedisOptions struct {
 }
 
 // Stream returns the name of the log stream.
-func (o RedisOptions) Stream() string { return o.Prefix + ":log" }
+func (o Options) Stream() string { return o.Prefix + ":log" }
 
 // SnapshotKey holds the latest snapshot, which names the stream id it covers.
-func (o RedisOptions) SnapshotKey() string { return o.Prefix + ":snapshot" }
+func (o Options) SnapshotKey() string { return o.Prefix + ":snapshot" }
 
 // SnapshotLeaseKey says which replica writes the next snapshot.
-func (o RedisOptions) SnapshotLeaseKey() string { return o.Prefix + ":snapshot-lease" }
+func (o Options) SnapshotLeaseKey() string { return o.Prefix + ":snapshot-lease" }
 
 // SnapshotPositionKey holds the stream id the latest snapshot covers (without its bulk).
-func (o RedisOptions) SnapshotPositionKey() string { return o.Prefix + ":snapshot-position" }
+func (o Options) SnapshotPositionKey() string { return o.Prefix + ":snapshot-position" }
 
 // takeLease takes the lease KEYS[1] for ARGV[1] for ARGV[2] milliseconds, or extends it if ARGV[1]
 // holds it already. It returns 1 when ARGV[1] holds the lease.
@@ -75,7 +73,7 @@ end
 return 0
 `)
 
-// RedisLog is the Log of a deployment with several replicas: a Redis stream that every replica
+// Log is the kvstate.Log of a deployment with several replicas: a Redis stream that every replica
 // appends to and tails, applying every entry in stream order (DESIGN "Redis mode").
 //
 // Worker changes are appended, then awaited until this replica's tailer has applied them, so their
@@ -83,10 +81,10 @@ return 0
 // Booking changes are applied locally at once, since routing never waits on Redis, and published in
 // the background; the tailer skips them when they come back. Entries from the log are applied with
 // State.ApplyReplicated, which makes the two orders converge.
-type RedisLog struct {
+type Log struct {
 	rdb   redis.UniversalClient
-	state *State
-	opts  RedisOptions
+	state *kvstate.State
+	opts  Options
 
 	seq      atomic.Uint64 // this replica's entry numbers
 	position atomic.Uint64 // entries applied from the stream
@@ -121,9 +119,9 @@ type RedisLog struct {
 
 	// Degraded mode (Redis unreachable), under mu.
 	degraded   atomic.Bool
-	buffer     []buffered        // worker changes applied locally during an outage, oldest first
-	bufferedBy map[WorkerKey]int // buffered changes per worker: their events are not acked yet
-	resync     map[WorkerKey]bool
+	buffer     []buffered                // worker changes applied locally during an outage, oldest first
+	bufferedBy map[kvstate.WorkerKey]int // buffered changes per worker: their events are not acked yet
+	resync     map[kvstate.WorkerKey]bool
 	flushKick  chan struct{}
 	// LostChanges counts changes that could not be kept for publishing (buffer or outbox full).
 	LostChanges atomic.Int64
@@ -137,52 +135,35 @@ type RedisLog struct {
 	SnapshotWritten atomic.Int64 // unix nanoseconds of the last snapshot this replica wrote or loaded
 	SnapshotLoads   atomic.Int64 // snapshots loaded (at start, or after falling behind)
 	streamLen       atomic.Int64 // the stream's length, refreshed by the tailer
-	observers       atomic.Pointer[Observers]
+	observers       atomic.Pointer[kvstate.Observers]
 	ready           chan struct{} // closed once the replica has loaded the snapshot and read the stream to its end
 	readyOnce       sync.Once
 	reachableSince  atomic.Int64 // unix nanoseconds since Redis answers again (or since start)
 }
 
-func (l *RedisLog) markReady() { l.readyOnce.Do(func() { close(l.ready) }) }
+func (l *Log) markReady() { l.readyOnce.Do(func() { close(l.ready) }) }
 
 // Ready is closed once the replica has caught up with the log at start (snapshot loaded, stream read
 // to its end): before that it must not serve, its state is partial.
-func (l *RedisLog) Ready() <-chan struct{} { return l.ready }
+func (l *Log) Ready() <-chan struct{} { return l.ready }
 
 // ReachableFor returns how long Redis has answered without interruption.
-func (l *RedisLog) ReachableFor() time.Duration {
+func (l *Log) ReachableFor() time.Duration {
 	if l.degraded.Load() {
 		return 0
 	}
 	return time.Since(time.Unix(0, l.reachableSince.Load()))
 }
 
-// Observers receive timings as they happen, for metrics.
-type Observers struct {
-	// Append is called with how long each synchronous append to Redis took.
-	Append func(took time.Duration)
-	// Apply is called for each applied entry with the time since it was appended (stream id time).
-	Apply func(lag time.Duration)
-}
-
 // Observe installs observers; safe to call at any time.
-func (l *RedisLog) Observe(o Observers) { l.observers.Store(&o) }
-
-// RedisLogStats is a point-in-time view of the log, for metrics and health.
-type RedisLogStats struct {
-	Degraded        bool
-	BufferedChanges int
-	LostChanges     int64
-	StreamLength    int64
-	SnapshotBytes   int64
-	SnapshotAt      time.Time // zero before the first snapshot written or loaded here
-}
+func (l *Log) Observe(o kvstate.Observers) { l.observers.Store(&o) }
 
 // Stats returns the log's current figures.
-func (l *RedisLog) Stats() RedisLogStats {
-	st := RedisLogStats{
-		Degraded: l.Degraded(), BufferedChanges: l.BufferedChanges(), LostChanges: l.LostChanges.Load(),
-		StreamLength: l.streamLen.Load(), SnapshotBytes: l.SnapshotBytes.Load(),
+func (l *Log) Stats() kvstate.SharedLogStats {
+	st := kvstate.SharedLogStats{
+		Degraded: l.Degraded(), Incomplete: l.Incomplete(), BufferedChanges: l.BufferedChanges(),
+		LostChanges: l.LostChanges.Load(), Length: l.streamLen.Load(), SnapshotBytes: l.SnapshotBytes.Load(),
+		GenerationChanges: l.GenerationChanges(),
 	}
 	if ns := l.SnapshotWritten.Load(); ns != 0 {
 		st.SnapshotAt = time.Unix(0, ns)
@@ -190,8 +171,14 @@ func (l *RedisLog) Stats() RedisLogStats {
 	return st
 }
 
+// Backend names the store: "redis".
+func (l *Log) Backend() string { return "redis" }
+
+// The Redis log is a shared log that buffers through outages.
+var _ kvstate.BufferingLog = (*Log)(nil)
+
 type appliedEntry struct {
-	res Result
+	res kvstate.Result
 	err error
 }
 
@@ -204,20 +191,20 @@ type outgoing struct {
 // buffered is a worker change applied locally while Redis was unreachable, waiting to be published.
 type buffered struct {
 	outgoing
-	worker    WorkerKey
+	worker    kvstate.WorkerKey
 	hasWorker bool
 }
 
 // changeWeight is how much a change counts toward the next snapshot: the replay it would cost a
 // replica starting from the previous one (a KV batch of 512 blocks is 512 block events, not one).
-func changeWeight(c Change) uint64 {
+func changeWeight(c kvstate.Change) uint64 {
 	var n uint64
 	switch c := c.(type) {
-	case KVEvents:
+	case kvstate.KVEvents:
 		for _, e := range c.Events {
 			n += uint64(max(len(e.Blocks), len(e.Removed), 1))
 		}
-	case KVDump:
+	case kvstate.KVDump:
 		for _, e := range c.Events {
 			n += uint64(max(len(e.Blocks), 1))
 		}
@@ -228,20 +215,20 @@ func changeWeight(c Change) uint64 {
 }
 
 // changeWorker returns the worker rank a change concerns, if any.
-func changeWorker(c Change) (WorkerKey, bool) {
+func changeWorker(c kvstate.Change) (kvstate.WorkerKey, bool) {
 	switch c := c.(type) {
-	case WorkerUp:
+	case kvstate.WorkerUp:
 		return c.Info.Key, true
-	case WorkerRemoved:
+	case kvstate.WorkerRemoved:
 		return c.Key, true
-	case KVEvents:
+	case kvstate.KVEvents:
 		return c.Worker, true
-	case KVDump:
+	case kvstate.KVDump:
 		return c.Worker, true
-	case LoadReported:
+	case kvstate.LoadReported:
 		return c.Worker, true
 	}
-	return WorkerKey{}, false
+	return kvstate.WorkerKey{}, false
 }
 
 const (
@@ -260,9 +247,9 @@ const (
 // snapshots are coarse.
 const DefaultSnapshotEvery = 1_000_000
 
-// NewRedisLog returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
+// New returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
 // appends of worker changes wait.
-func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *RedisLog {
+func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 	if opts.ReadBlock <= 0 {
 		opts.ReadBlock = time.Second
 	}
@@ -291,13 +278,13 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 	// process: a restarted replica with the same name (a container's hostname and pid 1) must not
 	// take its predecessor's entries for its own.
 	opts.Replica = fmt.Sprintf("%s-%08x", opts.Replica, rand.Uint32())
-	l := &RedisLog{
+	l := &Log{
 		rdb: rdb, state: state, opts: opts,
 		waiters:    make(map[uint64]chan appliedEntry),
 		unechoed:   make(map[uint64]bool),
 		outbox:     make(chan outgoing, 65536),
-		bufferedBy: make(map[WorkerKey]int),
-		resync:     make(map[WorkerKey]bool),
+		bufferedBy: make(map[kvstate.WorkerKey]int),
+		resync:     make(map[kvstate.WorkerKey]bool),
 		flushKick:  make(chan struct{}, 1),
 		genKick:    make(chan struct{}, 1),
 		genFate:    make(map[string]bool),
@@ -311,36 +298,36 @@ func NewRedisLog(rdb redis.UniversalClient, state *State, opts RedisOptions) *Re
 }
 
 // Position returns how many stream entries this replica has applied.
-func (l *RedisLog) Position() uint64 { return l.position.Load() }
+func (l *Log) Position() uint64 { return l.position.Load() }
 
 // Pending returns how many of this replica's changes were published in the background and have not
 // yet come back through the stream: while it is 0 and the replica has read the whole stream, it has
 // applied exactly what every other caught-up replica has.
-func (l *RedisLog) Pending() int {
+func (l *Log) Pending() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.unechoed)
 }
 
 // LastID returns the stream id of the last applied entry ("0" before the first).
-func (l *RedisLog) LastID() string { return l.lastID.Load().(string) }
+func (l *Log) LastID() string { return l.lastID.Load().(string) }
 
 // Append makes c durable in the stream. Booking changes apply locally first and publish in the
 // background; others return once this replica has applied them from the stream.
-func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
+func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, error) {
 	if err := ctx.Err(); err != nil {
-		return Result{}, err
+		return kvstate.Result{}, err
 	}
 	switch c.(type) {
-	case Booked:
+	case kvstate.Booked:
 		return l.appendLocalFirst(c)
-	case PrefillDone, Freed:
+	case kvstate.PrefillDone, kvstate.Freed:
 		return l.appendBookingEnd(ctx, c)
 	}
 	select {
 	case <-l.joined: // appends are fenced by the generation: none before this replica has one
 	case <-ctx.Done():
-		return Result{}, ctx.Err()
+		return kvstate.Result{}, ctx.Err()
 	}
 	l.mu.Lock()
 	buffering := len(l.buffer) > 0
@@ -355,12 +342,12 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 	l.waiters[seq] = done
 	l.mu.Unlock()
 	start := time.Now()
-	if err := l.addEntries(ctx, []outgoing{{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}})[0]; err != nil {
+	if err := l.addEntries(ctx, []outgoing{{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}})[0]; err != nil {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
 		if ctx.Err() != nil {
-			return Result{}, ctx.Err()
+			return kvstate.Result{}, ctx.Err()
 		}
 		if !errors.Is(err, errFenced) {
 			l.setDegraded(err)
@@ -380,14 +367,14 @@ func (l *RedisLog) Append(ctx context.Context, c Change) (Result, error) {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
-		return Result{}, ctx.Err()
+		return kvstate.Result{}, ctx.Err()
 	}
 }
 
 // appendBuffered applies a worker change locally and keeps it for publishing when Redis returns
 // (degraded mode). Past the bound it is applied but not kept, and its worker is asked to resync once
 // Redis is back, so that every replica gets the worker's whole cache again.
-func (l *RedisLog) appendBuffered(c Change) (Result, error) {
+func (l *Log) appendBuffered(c kvstate.Change) (kvstate.Result, error) {
 	l.localMu.RLock()
 	defer l.localMu.RUnlock()
 	res, err := l.state.Apply(c)
@@ -398,7 +385,7 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 	worker, hasWorker := changeWorker(c)
 	seq := l.seq.Add(1)
 	l.mu.Lock()
-	_, isHello := c.(WorkerUp)
+	_, isHello := c.(kvstate.WorkerUp)
 	if len(l.buffer) >= l.opts.MaxBuffered && !isHello { // a hello is small and others cannot do without it
 		if hasWorker {
 			l.resync[worker] = true
@@ -407,7 +394,7 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 		l.LostChanges.Add(1)
 		return res, nil
 	}
-	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}, worker: worker, hasWorker: hasWorker})
+	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}, worker: worker, hasWorker: hasWorker})
 	l.unechoed[seq] = true
 	if hasWorker {
 		l.bufferedBy[worker]++
@@ -422,8 +409,8 @@ func (l *RedisLog) appendBuffered(c Change) (Result, error) {
 
 // probe pings Redis with a short timeout, so an outage shows in health within a second whether or
 // not changes are flowing (client retries can hold a failing append for several seconds).
-func (l *RedisLog) probe(ctx context.Context) {
-	every(ctx, 250*time.Millisecond, func(ctx context.Context) {
+func (l *Log) probe(ctx context.Context) {
+	kvstate.Every(ctx, 250*time.Millisecond, func(ctx context.Context) {
 		pctx, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 		err := l.rdb.Ping(pctx).Err()
 		cancel()
@@ -434,7 +421,7 @@ func (l *RedisLog) probe(ctx context.Context) {
 }
 
 // setDegraded records whether the last exchange with Redis failed.
-func (l *RedisLog) setDegraded(err error) {
+func (l *Log) setDegraded(err error) {
 	if err != nil {
 		if !l.degraded.Swap(true) {
 			l.opts.Logger.Error("shared log unreachable: routing from local state, buffering worker changes", "err", err)
@@ -449,7 +436,7 @@ func (l *RedisLog) setDegraded(err error) {
 
 // Degraded reports whether Redis was unreachable at the last attempt, or changes still wait to be
 // published.
-func (l *RedisLog) Degraded() bool {
+func (l *Log) Degraded() bool {
 	if l.degraded.Load() {
 		return true
 	}
@@ -459,7 +446,7 @@ func (l *RedisLog) Degraded() bool {
 }
 
 // BufferedChanges returns how many changes wait to be published.
-func (l *RedisLog) BufferedChanges() int {
+func (l *Log) BufferedChanges() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.buffer)
@@ -467,7 +454,7 @@ func (l *RedisLog) BufferedChanges() int {
 
 // Buffered returns how many of the worker's changes wait to be published: while it is not zero,
 // the worker's latest events are not durable and must not be acked.
-func (l *RedisLog) Buffered(key WorkerKey) int {
+func (l *Log) Buffered(key kvstate.WorkerKey) int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	n := l.bufferedBy[key]
@@ -480,7 +467,7 @@ func (l *RedisLog) Buffered(key WorkerKey) int {
 // TakeResync reports, once, that the worker must resend its whole cache: some of its changes were
 // applied here during an outage but could not be kept for the other replicas. It answers only once
 // Redis is reachable and the buffer is empty, so the dump goes through the log.
-func (l *RedisLog) TakeResync(key WorkerKey) bool {
+func (l *Log) TakeResync(key kvstate.WorkerKey) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if !l.resync[key] || len(l.buffer) > 0 || l.degraded.Load() {
@@ -492,7 +479,7 @@ func (l *RedisLog) TakeResync(key WorkerKey) bool {
 
 // flushBuffer publishes buffered changes in order, as many as Redis takes; it reports whether the
 // buffer is empty.
-func (l *RedisLog) flushBuffer(ctx context.Context) bool {
+func (l *Log) flushBuffer(ctx context.Context) bool {
 	for {
 		l.mu.Lock()
 		batch := append([]buffered(nil), l.buffer[:min(len(l.buffer), 256)]...)
@@ -546,29 +533,29 @@ func (l *RedisLog) flushBuffer(ctx context.Context) bool {
 // waits up to BookingArrivalWait for the booking, and catches up once more. A request that is still
 // unknown is ErrUnknownRequest, as in the embedded log, and nothing is appended: a request id that
 // was never booked never reaches the shared stream. While Redis is unreachable the replica cannot
-// tell, and says so (ErrLogUnavailable: the caller may retry, or ask another replica).
-func (l *RedisLog) appendBookingEnd(ctx context.Context, c Change) (Result, error) {
+// tell, and says so (kvstate.ErrLogUnavailable: the caller may retry, or ask another replica).
+func (l *Log) appendBookingEnd(ctx context.Context, c kvstate.Change) (kvstate.Result, error) {
 	res, err := l.appendLocalFirst(c)
-	if !errors.Is(err, ErrUnknownRequest) {
+	if !errors.Is(err, kvstate.ErrUnknownRequest) {
 		return res, err
 	}
 	deadline := time.Now().Add(l.opts.BookingArrivalWait)
 	for round := 0; ; round++ {
 		if l.degraded.Load() {
-			return Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log is unreachable, so another replica may hold the booking; retry", ErrLogUnavailable)
+			return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log is unreachable, so another replica may hold the booking; retry", kvstate.ErrLogUnavailable)
 		}
 		if err := l.catchUpWithTip(ctx); err != nil {
-			return Result{}, err
+			return kvstate.Result{}, err
 		}
-		if res, err = l.appendLocalFirst(c); !errors.Is(err, ErrUnknownRequest) || round == 1 {
+		if res, err = l.appendLocalFirst(c); !errors.Is(err, kvstate.ErrUnknownRequest) || round == 1 {
 			return res, err
 		}
 		// Not in the stream yet: watch what this replica applies until the wait is over.
 		for time.Now().Before(deadline) {
 			if err := l.waitApplied(ctx, deadline); err != nil {
-				return Result{}, err
+				return kvstate.Result{}, err
 			}
-			if res, err = l.appendLocalFirst(c); !errors.Is(err, ErrUnknownRequest) {
+			if res, err = l.appendLocalFirst(c); !errors.Is(err, kvstate.ErrUnknownRequest) {
 				return res, err
 			}
 		}
@@ -583,19 +570,19 @@ return last[1][1]
 `)
 
 // catchUpWithTip waits until this replica has applied every entry the stream holds now.
-func (l *RedisLog) catchUpWithTip(ctx context.Context) error {
+func (l *Log) catchUpWithTip(ctx context.Context) error {
 	tip, err := streamTip.Run(ctx, l.rdb, []string{l.opts.Stream()}).Text()
 	if err != nil {
 		if ctx.Err() != nil {
 			return ctx.Err()
 		}
 		l.setDegraded(err)
-		return fmt.Errorf("%w: %v", ErrLogUnavailable, err)
+		return fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
 	}
 	deadline := time.Now().Add(catchUpTimeout)
 	for compareStreamIDs(l.LastID(), tip) < 0 {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("%w: this replica did not apply the stream up to %s within %v", ErrLogUnavailable, tip, catchUpTimeout)
+			return fmt.Errorf("%w: this replica did not apply the stream up to %s within %v", kvstate.ErrLogUnavailable, tip, catchUpTimeout)
 		}
 		if err := l.waitApplied(ctx, deadline); err != nil {
 			return err
@@ -609,7 +596,7 @@ const catchUpTimeout = 5 * time.Second
 
 // waitApplied returns once the tailer applies more entries, at the deadline (zero: none), or with
 // ctx's error.
-func (l *RedisLog) waitApplied(ctx context.Context, deadline time.Time) error {
+func (l *Log) waitApplied(ctx context.Context, deadline time.Time) error {
 	l.appliedMu.Lock()
 	if l.appliedCh == nil {
 		l.appliedCh = make(chan struct{})
@@ -632,7 +619,7 @@ func (l *RedisLog) waitApplied(ctx context.Context, deadline time.Time) error {
 }
 
 // notifyApplied wakes waitApplied callers.
-func (l *RedisLog) notifyApplied() {
+func (l *Log) notifyApplied() {
 	l.appliedMu.Lock()
 	if l.appliedCh != nil {
 		close(l.appliedCh)
@@ -643,7 +630,7 @@ func (l *RedisLog) notifyApplied() {
 
 // appendLocalFirst applies a booking change at once and queues it for publishing. A change that
 // fails to apply (ErrUnknownRequest for a request this replica does not hold) is not published.
-func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
+func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 	l.localMu.RLock()
 	defer l.localMu.RUnlock()
 	res, err := l.state.Apply(c)
@@ -655,7 +642,7 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 	l.unechoed[seq] = true
 	l.mu.Unlock()
 	select {
-	case l.outbox <- outgoing{seq: seq, data: EncodeEntry(nil, c), gen: l.Generation()}:
+	case l.outbox <- outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}:
 	default:
 		// A long outage filled the outbox. Routing must not wait on Redis: the change stays local
 		// (other replicas miss this booking's load until it is freed or expires), and it is counted.
@@ -672,7 +659,7 @@ func (l *RedisLog) appendLocalFirst(c Change) (Result, error) {
 // Run joins the log's generation (loading its snapshot), then tails the stream and publishes queued
 // booking changes until ctx ends. Between reads it writes snapshots when its turn comes, reloads the
 // snapshot if the stream was trimmed past what it applied, and follows the log's generation.
-func (l *RedisLog) Run(ctx context.Context) error {
+func (l *Log) Run(ctx context.Context) error {
 	go l.publish(ctx)
 	go l.probe(ctx)
 	l.lastSnapshot = time.Now()
@@ -764,7 +751,7 @@ func (l *RedisLog) Run(ctx context.Context) error {
 
 // catchUp reloads the snapshot when the stream no longer holds the entries after what this replica
 // applied (they were trimmed behind a newer snapshot).
-func (l *RedisLog) catchUp(ctx context.Context) error {
+func (l *Log) catchUp(ctx context.Context) error {
 	if n, err := l.rdb.XLen(ctx, l.opts.Stream()).Result(); err == nil {
 		l.streamLen.Store(n)
 	}
@@ -784,7 +771,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	h, err := ReadSnapshotHeader(data)
+	h, err := kvstate.ReadSnapshotHeader(data)
 	if err != nil {
 		return err
 	}
@@ -806,7 +793,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 		// never come back.
 		l.mu.Lock()
 		for seq, w := range l.waiters {
-			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", ErrLogUnavailable)}
+			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", kvstate.ErrLogUnavailable)}
 			delete(l.waiters, seq)
 		}
 		clear(l.unechoed)
@@ -830,7 +817,7 @@ func (l *RedisLog) catchUp(ctx context.Context) error {
 // wins the lease. It runs on the tailer goroutine, so the state is at exactly LastID while it
 // encodes; local bookings are held off meanwhile, and it writes only when none is in flight, so the
 // snapshot holds exactly the log up to LastID.
-func (l *RedisLog) maybeSnapshot(ctx context.Context) {
+func (l *Log) maybeSnapshot(ctx context.Context) {
 	if l.sinceSnapshot < l.opts.SnapshotEvery && time.Since(l.lastSnapshot) < l.opts.SnapshotInterval {
 		return
 	}
@@ -855,7 +842,7 @@ func (l *RedisLog) maybeSnapshot(ctx context.Context) {
 		return
 	}
 	pos, g := l.LastID(), l.Generation()
-	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: pos, Generation: g, Entry: l.lastEntry.Load()})
+	data := l.state.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: pos, Generation: g, Entry: l.lastEntry.Load()})
 	l.localMu.Unlock()
 	// One script writes the snapshot and its position, then keeps one snapshot period of history
 	// for replicas slightly behind, trimming what is older than the previous snapshot; all only while
@@ -902,7 +889,7 @@ func splitStreamID(id string) (ms, seq uint64) {
 }
 
 // publish sends queued booking changes, pipelining whatever has accumulated.
-func (l *RedisLog) publish(ctx context.Context) {
+func (l *Log) publish(ctx context.Context) {
 	retry := time.NewTicker(200 * time.Millisecond)
 	defer retry.Stop()
 	for {
@@ -963,7 +950,7 @@ func (l *RedisLog) publish(ctx context.Context) {
 // applyMessage applies one stream entry and wakes its appender, if it is this replica's. It applies
 // nothing, and reports false, for an entry of another generation than this replica's (entries
 // written before generations existed carry none, and are applied).
-func (l *RedisLog) applyMessage(msg redis.XMessage) bool {
+func (l *Log) applyMessage(msg redis.XMessage) bool {
 	if g, ok := msg.Values[fieldGeneration].(string); ok && g != l.Generation() {
 		return false
 	}
@@ -1000,7 +987,7 @@ func (l *RedisLog) applyMessage(msg redis.XMessage) bool {
 		}
 	}
 	data, _ := msg.Values[fieldEntry].(string)
-	changes, err := DecodeEntry([]byte(data))
+	changes, err := kvstate.DecodeEntry([]byte(data))
 	var out appliedEntry
 	if err != nil {
 		l.opts.Logger.Error("skipping an undecodable log entry", "id", msg.ID, "err", err)

@@ -1,4 +1,4 @@
-package kvstate_test
+package redislog_test
 
 // The shared state through Redis, measured (docs/BENCHMARKS.md, "Shared state through Redis"):
 //
@@ -33,6 +33,8 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 	"github.com/kvrouter/kvrouter/policy"
 )
@@ -168,9 +170,9 @@ func TestCrossReplicaVisibility(t *testing.T) {
 		}
 		acks[i] = r.at.Sub(start)
 	}
-	p50, p99, worst := percentile(lags, 0.50), percentile(lags, 0.99), percentile(lags, 1)
+	p50, p99, worst := kvtest.Percentile(lags, 0.50), kvtest.Percentile(lags, 0.99), kvtest.Percentile(lags, 1)
 	t.Logf("B sees W's overlap after p50 %v, p99 %v, max %v (%d batches of %d blocks); A's ack p50 %v, p99 %v",
-		p50, p99, worst, batches, visBlocks, percentile(acks, 0.50), percentile(acks, 0.99))
+		p50, p99, worst, batches, visBlocks, kvtest.Percentile(acks, 0.50), kvtest.Percentile(acks, 0.99))
 	if p99 > target {
 		t.Errorf("cross-replica visibility p99 = %v over %d batches, want ≤ %v", p99, batches, target)
 	}
@@ -212,9 +214,9 @@ func newBenchPrefix() string { return fmt.Sprintf("kvr:{bench%d}", benchPrefixes
 var quietLogger = slog.New(slog.DiscardHandler)
 
 // startBenchReplicas starts a replica tailing prefix for each state, every one with its own client
-// (as separate processes would have) and the production defaults of RedisOptions. setup runs before
+// (as separate processes would have) and the production defaults of Options. setup runs before
 // a replica's Run starts (to install observers, say). The replicas stop at cleanup.
-func startBenchReplicas(tb testing.TB, client func() redis.UniversalClient, prefix string, states []*kvstate.State, setup func(i int, l *kvstate.RedisLog)) []replica {
+func startBenchReplicas(tb testing.TB, client func() redis.UniversalClient, prefix string, states []*kvstate.State, setup func(i int, l *redislog.Log)) []replica {
 	tb.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	var wg sync.WaitGroup
@@ -222,8 +224,8 @@ func startBenchReplicas(tb testing.TB, client func() redis.UniversalClient, pref
 	for i, st := range states {
 		// No snapshot is due during a run (BenchmarkRedisSnapshot measures them): at 1M blocks one
 		// stalls the writing replica's tailer for 1-2 s, which would measure the snapshot cadence.
-		opts := kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("bench%d", i), Logger: quietLogger, SnapshotEvery: math.MaxUint64}
-		l := kvstate.NewRedisLog(client(), st, opts)
+		opts := redislog.Options{Prefix: prefix, Replica: fmt.Sprintf("bench%d", i), Logger: quietLogger, SnapshotEvery: math.MaxUint64}
+		l := redislog.New(client(), st, opts)
 		if setup != nil {
 			setup(i, l)
 		}
@@ -247,7 +249,7 @@ func startBenchReplicas(tb testing.TB, client func() redis.UniversalClient, pref
 // it instead of joining a fresh, empty log, which would empty them.
 func seedFill(tb testing.TB, rdb redis.UniversalClient, prefix string, st *kvstate.State) {
 	tb.Helper()
-	opts := kvstate.RedisOptions{Prefix: prefix}
+	opts := redislog.Options{Prefix: prefix}
 	if err := rdb.Set(context.Background(), opts.SnapshotKey(), st.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: "0-0"}), 0).Err(); err != nil {
 		tb.Fatal(err)
 	}
@@ -276,25 +278,25 @@ func numbered(evs []kvstate.Event, next *uint64) []kvstate.Event {
 	return out
 }
 
-// fillStates registers benchWorkers workers and stores the first applyLive prompts of the
-// applyPrompts ring (about 1.06M blocks, 64 workers, shared prefixes) in every state, through
+// fillStates registers kvtest.Workers workers and stores the first kvtest.Live prompts of the
+// kvtest.ApplyPrompts ring (about 1.06M blocks, 64 workers, shared prefixes) in every state, through
 // State.Apply: the same changes in the same order, so the states are equal. It returns the next
 // event id of every worker.
 func fillStates(tb testing.TB, states ...*kvstate.State) []uint64 {
 	tb.Helper()
-	ring := applyPrompts()
+	ring := kvtest.ApplyPrompts()
 	for _, st := range states {
-		for pod := range uint32(benchWorkers) {
-			inf := kvstate.WorkerInfo{Key: benchWorker(pod), Model: benchModel, Role: kvstate.RoleAggregated, BlockSize: benchBlockSize, TotalKVBlocks: 1 << 20, KVEventsEnabled: true}
+		for pod := range uint32(kvtest.Workers) {
+			inf := kvstate.WorkerInfo{Key: kvtest.WorkerKey(pod), Model: kvtest.Model, Role: kvstate.RoleAggregated, BlockSize: kvtest.BlockSize, TotalKVBlocks: 1 << 20, KVEventsEnabled: true}
 			if _, err := st.Apply(kvstate.WorkerUp{Info: inf}); err != nil {
 				tb.Fatalf("State.Apply(WorkerUp) = %v", err)
 			}
 		}
 	}
-	next := make([]uint64, benchWorkers)
-	for i := range applyLive {
+	next := make([]uint64, kvtest.Workers)
+	for i := range kvtest.Live {
 		p := ring[i]
-		c := kvstate.KVEvents{Worker: p.worker, Events: numbered(p.stored, &next[p.worker.ID-1])}
+		c := kvstate.KVEvents{Worker: p.Worker, Events: numbered(p.Stored, &next[p.Worker.ID-1])}
 		for _, st := range states {
 			if res, err := st.Apply(c); err != nil || res.Applied != len(c.Events) || res.ParentNotFound > 0 {
 				tb.Fatalf("State.Apply(KVEvents) = %+v, %v", res, err)
@@ -422,7 +424,7 @@ func BenchmarkRedisIngest(b *testing.B) {
 }
 
 func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate int) {
-	ring := applyPrompts()
+	ring := kvtest.ApplyPrompts()
 	sa, sb := kvstate.NewState(), kvstate.NewState()
 	next := fillStates(b, sa, sb)
 
@@ -431,7 +433,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 	const probeBase = 3 << 40
 	probeRoot, probeLocal, probeTokens := visRoot(probeBase)
 	for _, st := range []*kvstate.State{sa, sb} {
-		inf := kvstate.WorkerInfo{Key: probe, Model: benchModel, Role: kvstate.RoleAggregated, BlockSize: benchBlockSize, KVEventsEnabled: true}
+		inf := kvstate.WorkerInfo{Key: probe, Model: kvtest.Model, Role: kvstate.RoleAggregated, BlockSize: kvtest.BlockSize, KVEventsEnabled: true}
 		if _, err := st.Apply(kvstate.WorkerUp{Info: inf}); err != nil {
 			b.Fatal(err)
 		}
@@ -447,9 +449,9 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 		applied   = make(chan struct{}, 1)
 	)
 	prefix := newBenchPrefix()
-	stream := kvstate.RedisOptions{Prefix: prefix}.Stream()
+	stream := redislog.Options{Prefix: prefix}.Stream()
 	seedFill(b, client(), prefix, sa)
-	rs := startBenchReplicas(b, client, prefix, []*kvstate.State{sa, sb}, func(i int, l *kvstate.RedisLog) {
+	rs := startBenchReplicas(b, client, prefix, []*kvstate.State{sa, sb}, func(i int, l *redislog.Log) {
 		if i != 1 {
 			return
 		}
@@ -486,24 +488,24 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 		events   atomic.Int64
 		failOnce sync.Once
 		failure  error
-		tokens   = make(chan struct{}, benchWorkers)
+		tokens   = make(chan struct{}, kvtest.Workers)
 	)
 	fail := func(err error) { failOnce.Do(func() { failure = err }) }
-	own := make([][]int, benchWorkers)
-	live := make([]int, benchWorkers)
+	own := make([][]int, kvtest.Workers)
+	live := make([]int, kvtest.Workers)
 	for j, p := range ring {
-		w := p.worker.ID - 1
+		w := p.Worker.ID - 1
 		own[w] = append(own[w], j)
-		if j < applyLive {
+		if j < kvtest.Live {
 			live[w]++
 		}
 	}
-	chunks := peerPromptBlocks / batch
-	for w := range benchWorkers {
+	chunks := kvtest.PromptBlocks / batch
+	for w := range kvtest.Workers {
 		if live[w] >= len(own[w]) {
 			b.Fatalf("worker %d holds all of its %d prompts: the ring is too small to evict before re-storing", w, len(own[w]))
 		}
-		key := benchWorker(uint32(w))
+		key := kvtest.WorkerKey(uint32(w))
 		publish := func(evs []kvstate.Event) bool {
 			if _, ok := <-tokens; !ok {
 				return false
@@ -528,7 +530,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 					}
 				}
 				for c := range chunks {
-					evs := []kvstate.Event{{ID: next[w], Kind: kvstate.EventRemoved, Tier: kvstate.TierDevice, Removed: out.removed[0].Removed[c*batch : (c+1)*batch]}}
+					evs := []kvstate.Event{{ID: next[w], Kind: kvstate.EventRemoved, Tier: kvstate.TierDevice, Removed: out.Removed[0].Removed[c*batch : (c+1)*batch]}}
 					next[w]++
 					if !publish(evs) {
 						return
@@ -561,7 +563,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 				}
 				acked <- err
 			}()
-			for deviceDepth(rb.state, benchModel, probe, p.seq, &o) != 2*visBlocks {
+			for deviceDepth(rb.state, kvtest.Model, probe, p.seq, &o) != 2*visBlocks {
 				select {
 				case <-applied:
 				case <-time.After(time.Millisecond):
@@ -615,15 +617,15 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 
 	b.ReportMetric(float64(events.Load())/elapsed.Seconds(), "block-events/s")
 	if len(probeLags) > 0 {
-		b.ReportMetric(millis(percentile(probeLags, 0.50)), "lag-p50-ms")
-		b.ReportMetric(millis(percentile(probeLags, 0.99)), "lag-p99-ms")
-		b.ReportMetric(millis(percentile(probeLags, 1)), "lag-max-ms")
+		b.ReportMetric(millis(kvtest.Percentile(probeLags, 0.50)), "lag-p50-ms")
+		b.ReportMetric(millis(kvtest.Percentile(probeLags, 0.99)), "lag-p99-ms")
+		b.ReportMetric(millis(kvtest.Percentile(probeLags, 1)), "lag-max-ms")
 		b.ReportMetric(float64(len(probeLags)), "probes")
 	}
 	applyMu.Lock()
 	if len(applyLags) > 0 {
-		b.ReportMetric(millis(percentile(applyLags, 0.50)), "apply-lag-p50-ms")
-		b.ReportMetric(millis(percentile(applyLags, 0.99)), "apply-lag-p99-ms")
+		b.ReportMetric(millis(kvtest.Percentile(applyLags, 0.50)), "apply-lag-p50-ms")
+		b.ReportMetric(millis(kvtest.Percentile(applyLags, 0.99)), "apply-lag-p99-ms")
 	}
 	applyMu.Unlock()
 	b.ReportMetric(100*cpu.Seconds()/elapsed.Seconds(), "go-cpu-%")
@@ -641,13 +643,13 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 // storeBatch returns the stored events of blocks [chunk*size, (chunk+1)*size) of prompt p, numbered
 // from *next: one event per 128 blocks at most (as the prompt's own events), each chained by parent
 // onto the block before it.
-func storeBatch(p *applyPrompt, chunk, size int, next *uint64) []kvstate.Event {
-	per := len(p.stored[0].Blocks)
-	block := func(k int) kvstate.Block { return p.stored[k/per].Blocks[k%per] }
+func storeBatch(p *kvtest.PromptEvents, chunk, size int, next *uint64) []kvstate.Event {
+	per := len(p.Stored[0].Blocks)
+	block := func(k int) kvstate.Block { return p.Stored[k/per].Blocks[k%per] }
 	var evs []kvstate.Event
 	for k := chunk * size; k < (chunk+1)*size; {
 		end := min((k/per+1)*per, (chunk+1)*size)
-		ev := kvstate.Event{ID: *next, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: p.stored[k/per].Blocks[k%per : k%per+end-k]}
+		ev := kvstate.Event{ID: *next, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: p.Stored[k/per].Blocks[k%per : k%per+end-k]}
 		if k > 0 {
 			ev.Parent, ev.HasParent = block(k-1).Hash, true
 		}
@@ -673,11 +675,11 @@ var (
 
 func buildSnapshotFixture(tb testing.TB) snapshotFixture {
 	snapshotOnce.Do(func() {
-		applyPrompts() // the workload's own data is allocated before the baseline
-		base := heapAlloc()
+		kvtest.ApplyPrompts() // the workload's own data is allocated before the baseline
+		base := kvtest.HeapAlloc()
 		st := kvstate.NewState()
 		next := fillStates(tb, st)
-		snapshotFix = snapshotFixture{state: st, next: next, heapMB: float64(heapAlloc()-base) / 1e6}
+		snapshotFix = snapshotFixture{state: st, next: next, heapMB: float64(kvtest.HeapAlloc()-base) / 1e6}
 	})
 	if snapshotFix.state == nil {
 		tb.Fatal("building the snapshot fixture failed")
@@ -692,10 +694,10 @@ func buildSnapshotFixture(tb testing.TB) snapshotFixture {
 // applied it all must reach.
 func seedSnapshot(b *testing.B, rdb redis.UniversalClient, prefix string, fx snapshotFixture, tail int) ([]byte, uint64) {
 	ctx := context.Background()
-	opts := kvstate.RedisOptions{Prefix: prefix}
+	opts := redislog.Options{Prefix: prefix}
 	var pos string
-	for pod := range uint32(benchWorkers) {
-		w := fx.state.Worker(benchWorker(pod))
+	for pod := range uint32(kvtest.Workers) {
+		w := fx.state.Worker(kvtest.WorkerKey(pod))
 		id, err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: opts.Stream(), Values: []any{"e", kvstate.EncodeEntry(nil, kvstate.WorkerUp{Info: w.Info}), "r", "history", "s", "0"}}).Result()
 		if err != nil {
 			b.Fatal(err)
@@ -714,19 +716,19 @@ func seedSnapshot(b *testing.B, rdb redis.UniversalClient, prefix string, fx sna
 	if _, err := ref.Restore(snap); err != nil {
 		b.Fatalf("State.Restore(snapshot) = %v", err)
 	}
-	ring := applyPrompts()
+	ring := kvtest.ApplyPrompts()
 	next := slices.Clone(fx.next)
 	p := rdb.Pipeline()
 	for k := range tail {
-		pr := &ring[(applyLive+k/2)%len(ring)]
+		pr := &ring[(kvtest.Live+k/2)%len(ring)]
 		var evs []kvstate.Event
 		if k%2 == 1 {
 			pr = &ring[k/2]
-			evs = numbered(pr.removed, &next[pr.worker.ID-1])
+			evs = numbered(pr.Removed, &next[pr.Worker.ID-1])
 		} else {
-			evs = numbered(pr.stored, &next[pr.worker.ID-1])
+			evs = numbered(pr.Stored, &next[pr.Worker.ID-1])
 		}
-		c := kvstate.KVEvents{Worker: pr.worker, Events: evs}
+		c := kvstate.KVEvents{Worker: pr.Worker, Events: evs}
 		if _, err := ref.Apply(c); err != nil {
 			b.Fatal(err)
 		}
@@ -760,7 +762,7 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 			rdb := client()
 			prefix := newBenchPrefix()
 			snap, _ := seedSnapshot(b, rdb, prefix, fx, 0)
-			opts := kvstate.RedisOptions{Prefix: prefix}
+			opts := redislog.Options{Prefix: prefix}
 
 			b.Run("write", func(b *testing.B) {
 				ctx := context.Background()
@@ -811,12 +813,12 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 				b.ReportMetric(commandMillis(ctx, rdb, "get"), "redis-get-ms")
 				b.ReportMetric(millis(ping.finish()), "ping-max-ms")
 				b.StopTimer()
-				base := heapAlloc()
+				base := kvtest.HeapAlloc()
 				st := kvstate.NewState()
 				if _, err := st.Restore(snap); err != nil {
 					b.Fatal(err)
 				}
-				b.ReportMetric(float64(heapAlloc()-base)/1e6, "restored-heap-MB")
+				b.ReportMetric(float64(kvtest.HeapAlloc()-base)/1e6, "restored-heap-MB")
 				b.ReportMetric(fx.heapMB, "built-heap-MB")
 				if st.Digest() != fx.state.Digest() {
 					b.Fatal("the restored state's digest differs from the state's")
@@ -828,13 +830,13 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 				b.Run(fmt.Sprintf("coldstart/tail=%d", tail), func(b *testing.B) {
 					prefix := newBenchPrefix()
 					_, want := seedSnapshot(b, rdb, prefix, fx, tail)
-					stream := kvstate.RedisOptions{Prefix: prefix}.Stream()
+					stream := redislog.Options{Prefix: prefix}.Stream()
 					cl := client()
 					var took time.Duration
 					i := 0
 					for b.Loop() {
 						st := kvstate.NewState()
-						l := kvstate.NewRedisLog(cl, st, kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("cold%d", i), Logger: quietLogger})
+						l := redislog.New(cl, st, redislog.Options{Prefix: prefix, Replica: fmt.Sprintf("cold%d", i), Logger: quietLogger})
 						ctx, cancel := context.WithCancel(context.Background())
 						done := make(chan struct{})
 						t0 := time.Now()
@@ -851,7 +853,7 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 						i++
 					}
 					b.ReportMetric(millis(took)/float64(b.N), "coldstart-ms")
-					b.ReportMetric(float64(tail*peerPromptBlocks), "tail-block-events")
+					b.ReportMetric(float64(tail*kvtest.PromptBlocks), "tail-block-events")
 				})
 			}
 		})

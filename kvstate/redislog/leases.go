@@ -1,8 +1,9 @@
-package kvstate
+package redislog
 
 import (
 	"context"
 	"fmt"
+	"github.com/kvrouter/kvrouter/kvstate"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -12,29 +13,15 @@ import (
 	"github.com/redis/go-redis/v9"
 )
 
-// Liveness keeps workers alive while a replica holds their stream. When the holder lets go (the
-// stream ended) or dies, the worker is removed after a grace period, by whichever replica notices.
-type Liveness interface {
-	// Hold marks the worker rank at this registration epoch as alive until release is called.
-	Hold(key WorkerKey, epoch uint64) (release func())
-}
-
-// LocalLiveness is the embedded mode's liveness: the Housekeeper removes workers whose streams on
-// this (only) replica stayed closed past the grace period, so holding needs no bookkeeping here.
-type LocalLiveness struct{}
-
-// Hold does nothing: State.Connected and State.Disconnected track streams.
-func (LocalLiveness) Hold(WorkerKey, uint64) func() { return func() {} }
-
-// RedisLeases keeps worker leases in one sorted set, <prefix>:leases, member "id/rank/epoch", score
+// Leases keeps worker leases in one sorted set, <prefix>:leases, member "id/rank/epoch", score
 // the lease's deadline in unix milliseconds. The replica holding a worker's stream pushes the deadline
 // forward; every replica claims expired leases with a script that removes them atomically, so exactly
 // one replica appends each removal. The removal names the epoch, so a worker that re-registered (on
 // any replica) since is left alone.
-type RedisLeases struct {
+type Leases struct {
 	rdb    redis.UniversalClient
 	key    string
-	log    Log
+	log    kvstate.Log
 	grace  time.Duration
 	now    func() time.Time
 	logger *slog.Logger
@@ -45,7 +32,7 @@ type RedisLeases struct {
 	reachableFor func() time.Duration
 	// shared, if set, is the log whose generation the leases follow; seededFor is the generation
 	// the leases were last seeded for.
-	shared    *RedisLog
+	shared    *Log
 	seededFor string
 }
 
@@ -53,11 +40,11 @@ type RedisLeases struct {
 // answering before claiming any: l says how long that has been. And when Redis lost its data (l's
 // generation changes), every worker of the state gets a lease again, which its holder refreshes: a
 // worker nobody holds any more is then removed a grace period later, instead of never.
-func (r *RedisLeases) AfterOutages(l *RedisLog) { r.reachableFor, r.shared = l.ReachableFor, l }
+func (r *Leases) AfterOutages(l *Log) { r.reachableFor, r.shared = l.ReachableFor, l }
 
 // seed gives every worker of the shared state a lease, unless it has one, after the log's
 // generation changed.
-func (r *RedisLeases) seed(ctx context.Context) {
+func (r *Leases) seed(ctx context.Context) {
 	if r.shared == nil {
 		return
 	}
@@ -95,36 +82,36 @@ end
 return expired
 `)
 
-// NewRedisLeases returns leases under prefix that expire grace after the last refresh.
-func NewRedisLeases(rdb redis.UniversalClient, prefix string, log Log, grace time.Duration, logger *slog.Logger) *RedisLeases {
+// NewLeases returns leases under prefix that expire grace after the last refresh.
+func NewLeases(rdb redis.UniversalClient, prefix string, log kvstate.Log, grace time.Duration, logger *slog.Logger) *Leases {
 	if logger == nil {
 		logger = slog.Default()
 	}
-	return &RedisLeases{rdb: rdb, key: prefix + ":leases", log: log, grace: grace, now: time.Now, logger: logger, held: make(map[string]int)}
+	return &Leases{rdb: rdb, key: prefix + ":leases", log: log, grace: grace, now: time.Now, logger: logger, held: make(map[string]int)}
 }
 
-func leaseMember(key WorkerKey, epoch uint64) string {
+func leaseMember(key kvstate.WorkerKey, epoch uint64) string {
 	return fmt.Sprintf("%d/%d/%d", key.ID, key.Rank, epoch)
 }
 
-func parseLeaseMember(m string) (WorkerKey, uint64, error) {
+func parseLeaseMember(m string) (kvstate.WorkerKey, uint64, error) {
 	parts := strings.Split(m, "/")
 	if len(parts) != 3 {
-		return WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
+		return kvstate.WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
 	}
 	id, err1 := strconv.ParseUint(parts[0], 10, 64)
 	rank, err2 := strconv.ParseUint(parts[1], 10, 32)
 	epoch, err3 := strconv.ParseUint(parts[2], 10, 64)
 	if err1 != nil || err2 != nil || err3 != nil {
-		return WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
+		return kvstate.WorkerKey{}, 0, fmt.Errorf("bad lease member %q", m)
 	}
-	return WorkerKey{ID: id, Rank: uint32(rank)}, epoch, nil
+	return kvstate.WorkerKey{ID: id, Rank: uint32(rank)}, epoch, nil
 }
 
 // Hold starts refreshing the worker's lease; release stops. The lease then runs out grace after the
 // release, not after the last periodic refresh: release refreshes it one last time (in the
 // background, so a stream's teardown never waits on Redis).
-func (r *RedisLeases) Hold(key WorkerKey, epoch uint64) func() {
+func (r *Leases) Hold(key kvstate.WorkerKey, epoch uint64) func() {
 	m := leaseMember(key, epoch)
 	r.mu.Lock()
 	r.held[m]++
@@ -150,7 +137,7 @@ func (r *RedisLeases) Hold(key WorkerKey, epoch uint64) func() {
 	}
 }
 
-func (r *RedisLeases) refresh(ctx context.Context, members []string) {
+func (r *Leases) refresh(ctx context.Context, members []string) {
 	if len(members) == 0 {
 		return
 	}
@@ -166,7 +153,7 @@ func (r *RedisLeases) refresh(ctx context.Context, members []string) {
 
 // Sweep refreshes the leases this replica holds, then claims expired ones and appends a removal for
 // each worker it claimed.
-func (r *RedisLeases) Sweep(ctx context.Context) {
+func (r *Leases) Sweep(ctx context.Context) {
 	r.mu.Lock()
 	members := make([]string, 0, len(r.held))
 	for m := range r.held {
@@ -194,7 +181,7 @@ func (r *RedisLeases) Sweep(ctx context.Context) {
 			r.logger.Error("dropping a malformed lease", "err", err)
 			continue
 		}
-		res, err := r.log.Append(ctx, WorkerRemoved{Key: key, Epoch: epoch})
+		res, err := r.log.Append(ctx, kvstate.WorkerRemoved{Key: key, Epoch: epoch})
 		switch {
 		case err != nil:
 			r.logger.Error("removing a worker whose lease expired failed", "worker", key, "err", err)
@@ -205,4 +192,6 @@ func (r *RedisLeases) Sweep(ctx context.Context) {
 }
 
 // Run sweeps every interval until ctx ends.
-func (r *RedisLeases) Run(ctx context.Context, interval time.Duration) { every(ctx, interval, r.Sweep) }
+func (r *Leases) Run(ctx context.Context, interval time.Duration) {
+	kvstate.Every(ctx, interval, r.Sweep)
+}

@@ -1,4 +1,4 @@
-package kvstate_test
+package redislog_test
 
 import (
 	"context"
@@ -12,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
@@ -20,14 +21,14 @@ const redisTestTimeout = 10 * time.Second
 // replica is one router's state and log over a shared Redis.
 type replica struct {
 	state *kvstate.State
-	log   *kvstate.RedisLog
+	log   *redislog.Log
 }
 
-func startReplicas(t *testing.T, rdb redis.UniversalClient, n int, opts ...func(*kvstate.RedisOptions)) []replica {
+func startReplicas(t *testing.T, rdb redis.UniversalClient, n int, opts ...func(*redislog.Options)) []replica {
 	return startReplicasNamed(t, rdb, "r", n, opts...)
 }
 
-func startReplicasNamed(t *testing.T, rdb redis.UniversalClient, name string, n int, opts ...func(*kvstate.RedisOptions)) []replica {
+func startReplicasNamed(t *testing.T, rdb redis.UniversalClient, name string, n int, opts ...func(*redislog.Options)) []replica {
 	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
@@ -35,11 +36,11 @@ func startReplicasNamed(t *testing.T, rdb redis.UniversalClient, name string, n 
 	done := make(chan struct{}, n)
 	for i := range n {
 		st := kvstate.NewState()
-		o := kvstate.RedisOptions{Prefix: prefix, Replica: fmt.Sprintf("%s%d", name, i), ReadBlock: 100 * time.Millisecond}
+		o := redislog.Options{Prefix: prefix, Replica: fmt.Sprintf("%s%d", name, i), ReadBlock: 100 * time.Millisecond}
 		for _, f := range opts {
 			f(&o)
 		}
-		l := kvstate.NewRedisLog(rdb, st, o)
+		l := redislog.New(rdb, st, o)
 		go func() { l.Run(ctx); done <- struct{}{} }()
 		out = append(out, replica{st, l})
 	}
@@ -247,7 +248,7 @@ func TestRedisOutage(t *testing.T) {
 	rdb := srv.FastClient()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
 	defer cancel()
-	rs := startReplicas(t, rdb, 2, func(o *kvstate.RedisOptions) { o.MaxBuffered = 3 })
+	rs := startReplicas(t, rdb, 2, func(o *redislog.Options) { o.MaxBuffered = 3 })
 	a, b := rs[0], rs[1]
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
@@ -335,8 +336,8 @@ func testLeases(t *testing.T, rdb redis.UniversalClient) {
 	a, b := rs[0], rs[1]
 	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
 	const grace = 300 * time.Millisecond
-	leasesA := kvstate.NewRedisLeases(rdb, prefix, a.log, grace, nil)
-	leasesB := kvstate.NewRedisLeases(rdb, prefix, b.log, grace, nil)
+	leasesA := redislog.NewLeases(rdb, prefix, a.log, grace, nil)
+	leasesB := redislog.NewLeases(rdb, prefix, b.log, grace, nil)
 
 	other := kvstate.WorkerKey{ID: 8}
 	for _, k := range []kvstate.WorkerKey{wk, other} {
@@ -387,7 +388,7 @@ func testDigestConverges(t *testing.T, rdb redis.UniversalClient) {
 	rs := startReplicas(t, rdb, 2)
 	a, b := rs[0], rs[1]
 	empty := a.state.Digest()
-	mustAppend := func(l *kvstate.RedisLog, c kvstate.Change) {
+	mustAppend := func(l *redislog.Log, c kvstate.Change) {
 		t.Helper()
 		if _, err := l.Append(ctx, c); err != nil {
 			t.Fatalf("Append(%T) = %v", c, err)
@@ -436,7 +437,7 @@ func TestSnapshotColdStart(t *testing.T) { onEveryRedis(t, testSnapshotColdStart
 func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
 	defer cancel()
-	snapEvery := func(o *kvstate.RedisOptions) { o.SnapshotEvery = 200 }
+	snapEvery := func(o *redislog.Options) { o.SnapshotEvery = 200 }
 	rs := startReplicas(t, rdb, 2, snapEvery)
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 
@@ -511,7 +512,7 @@ func TestSnapshotsUnderBookingLoad(t *testing.T) { onEveryRedis(t, testSnapshots
 func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
 	defer cancel()
-	snapOften := func(o *kvstate.RedisOptions) { o.SnapshotEvery = 50 }
+	snapOften := func(o *redislog.Options) { o.SnapshotEvery = 50 }
 	rs := startReplicas(t, rdb, 2, snapOften)
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {

@@ -1,4 +1,4 @@
-package kvstate
+package redislog
 
 import (
 	"context"
@@ -6,6 +6,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"github.com/kvrouter/kvrouter/kvstate"
 	"math"
 	"strconv"
 	"strings"
@@ -47,13 +48,13 @@ const (
 )
 
 // GenerationKey holds the log's generation.
-func (o RedisOptions) GenerationKey() string { return o.Prefix + ":generation" }
+func (o Options) GenerationKey() string { return o.Prefix + ":generation" }
 
 // SeqKey counts the entries appended in the current generation; each entry carries its number.
-func (o RedisOptions) SeqKey() string { return o.Prefix + ":seq" }
+func (o Options) SeqKey() string { return o.Prefix + ":seq" }
 
 // ReseedLeaseKey says which replica reseeds a lost log.
-func (o RedisOptions) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
+func (o Options) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
 
 // errFenced: an append was refused because the log's generation is not this replica's.
 var errFenced = errors.New("the shared log's generation changed")
@@ -145,19 +146,19 @@ func generationKind(g string) (kind string, created time.Time) {
 }
 
 // Generation returns the log generation this replica follows ("" before it joined one).
-func (l *RedisLog) Generation() string {
+func (l *Log) Generation() string {
 	g, _ := l.gen.Load().(string)
 	return g
 }
 
 // GenerationChanges returns how many times this replica moved to another generation (a reseed or a
 // reload after the log was lost), besides joining one at start.
-func (l *RedisLog) GenerationChanges() uint64 { return l.genChanges.Load() }
+func (l *Log) GenerationChanges() uint64 { return l.genChanges.Load() }
 
 // Incomplete reports whether this replica knows its state may not be the shared one: the log's
 // generation is not its own (lost, or reseeded elsewhere and not reloaded yet), or it follows a
 // fresh generation that a replica with state may still replace.
-func (l *RedisLog) Incomplete() bool {
+func (l *Log) Incomplete() bool {
 	if l.genLost.Load() {
 		return true
 	}
@@ -165,7 +166,7 @@ func (l *RedisLog) Incomplete() bool {
 }
 
 // kickGeneration asks the tailer to check the generation soon (an append was fenced).
-func (l *RedisLog) kickGeneration() {
+func (l *Log) kickGeneration() {
 	l.genLost.Store(true)
 	select {
 	case l.genKick <- struct{}{}:
@@ -178,7 +179,7 @@ func isFenced(err error) bool { return err != nil && strings.HasPrefix(err.Error
 // joinGeneration runs at start: it creates the generation if there is none (after ReseedWindow has
 // let a replica with state reseed a lost log, if the log has neither stream nor snapshot), then
 // loads it.
-func (l *RedisLog) joinGeneration(ctx context.Context) error {
+func (l *Log) joinGeneration(ctx context.Context) error {
 	g, err := l.rdb.Get(ctx, l.opts.GenerationKey()).Result()
 	if errors.Is(err, redis.Nil) {
 		g, err = bootstrapGeneration.Run(ctx, l.rdb, []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey()}, newGenerationID()).Text()
@@ -194,7 +195,7 @@ func (l *RedisLog) joinGeneration(ctx context.Context) error {
 
 // checkGeneration compares the log's generation with this replica's, and reseeds or reloads when
 // they differ. It runs on the tailer goroutine.
-func (l *RedisLog) checkGeneration(ctx context.Context) error {
+func (l *Log) checkGeneration(ctx context.Context) error {
 	vals, err := l.rdb.MGet(ctx, l.opts.GenerationKey(), l.opts.SeqKey()).Result()
 	if err != nil {
 		return err
@@ -241,13 +242,13 @@ func (l *RedisLog) checkGeneration(ctx context.Context) error {
 
 // reseed makes this replica's state the snapshot of a new generation replacing expected ("": none),
 // if it wins the reseed lease. It reports whether it did.
-func (l *RedisLog) reseed(ctx context.Context, expected string) (bool, error) {
+func (l *Log) reseed(ctx context.Context, expected string) (bool, error) {
 	return l.reseedRewound(ctx, expected, 0)
 }
 
 // reseedRewound is reseed; with rewoundBehind > 0 it replaces this replica's own generation, whose
 // log holds fewer entries than that.
-func (l *RedisLog) reseedRewound(ctx context.Context, expected string, rewoundBehind uint64) (bool, error) {
+func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind uint64) (bool, error) {
 	// The lease runs out well within the window, so that a reseeder that dies leaves the others
 	// time to take over.
 	won, err := l.rdb.SetNX(ctx, l.opts.ReseedLeaseKey(), l.opts.Replica, l.opts.ReseedWindow/3).Result()
@@ -261,7 +262,7 @@ func (l *RedisLog) reseedRewound(ctx context.Context, expected string, rewoundBe
 	// published under the new generation, never both and never neither.
 	l.localMu.Lock()
 	defer l.localMu.Unlock()
-	data := l.state.EncodeSnapshot(nil, SnapshotHeader{Position: "0-0", Generation: g})
+	data := l.state.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: "0-0", Generation: g})
 	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.SeqKey()}
 	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds(), rewoundBehind).Int()
 	if err != nil || ok != 1 {
@@ -277,7 +278,7 @@ func (l *RedisLog) reseedRewound(ctx context.Context, expected string, rewoundBe
 
 // loadGeneration makes generation g this replica's: it loads g's snapshot (or starts empty when g
 // has none yet) and replays g's stream from the snapshot's position.
-func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
+func (l *Log) loadGeneration(ctx context.Context, g string) error {
 	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
 	if errors.Is(err, redis.Nil) {
 		data, err = nil, nil
@@ -286,9 +287,9 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 		return err
 	}
 	kind, created := generationKind(g)
-	var h SnapshotHeader
+	var h kvstate.SnapshotHeader
 	if data != nil {
-		if h, err = ReadSnapshotHeader(data); err != nil {
+		if h, err = kvstate.ReadSnapshotHeader(data); err != nil {
 			return err
 		}
 	}
@@ -296,7 +297,7 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 	case data != nil && (h.Generation == g || (h.Generation == "" && kind == genAdopted)):
 	case kind == genFresh || kind == genAdopted:
 		// No snapshot of this generation yet: its stream holds everything since it began.
-		data = NewState().EncodeSnapshot(nil, SnapshotHeader{Position: "0-0", Generation: g})
+		data = kvstate.NewState().EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: "0-0", Generation: g})
 	default:
 		return fmt.Errorf("the snapshot belongs to generation %q, not to the log's %q; retrying", h.Generation, g)
 	}
@@ -331,8 +332,8 @@ func (l *RedisLog) loadGeneration(ctx context.Context, g string) error {
 // Changes this replica applied locally and had not published yet (bookings in the outbox, worker
 // changes in the outage buffer) are in the state. On a reseed they are in the snapshot: they are
 // dropped. On a reload they are not: they are published in g and applied when they come back.
-// Appends still waiting for their entry fail with ErrLogUnavailable (their callers retry).
-func (l *RedisLog) switchGeneration(g, pos string, entry uint64, carry bool) {
+// Appends still waiting for their entry fail with kvstate.ErrLogUnavailable (their callers retry).
+func (l *Log) switchGeneration(g, pos string, entry uint64, carry bool) {
 	old := l.Generation()
 	l.mu.Lock()
 	l.genFate[old] = carry
@@ -340,10 +341,10 @@ func (l *RedisLog) switchGeneration(g, pos string, entry uint64, carry bool) {
 		l.genChanges.Add(1)
 	}
 	if !carry {
-		l.buffer, l.bufferedBy, l.resync = nil, make(map[WorkerKey]int), make(map[WorkerKey]bool)
+		l.buffer, l.bufferedBy, l.resync = nil, make(map[kvstate.WorkerKey]int), make(map[kvstate.WorkerKey]bool)
 	}
 	for seq, w := range l.waiters {
-		w <- appliedEntry{err: fmt.Errorf("%w: the shared log moved to another generation; retry", ErrLogUnavailable)}
+		w <- appliedEntry{err: fmt.Errorf("%w: the shared log moved to another generation; retry", kvstate.ErrLogUnavailable)}
 		delete(l.waiters, seq)
 	}
 	clear(l.unechoed)
@@ -361,7 +362,7 @@ func (l *RedisLog) switchGeneration(g, pos string, entry uint64, carry bool) {
 
 // fateOf says what becomes of a pending change tagged with generation g: published now (ok), or
 // dropped (its generation was replaced by a reseed that holds it).
-func (l *RedisLog) fateOf(g string) (publish bool) {
+func (l *Log) fateOf(g string) (publish bool) {
 	if g == l.Generation() {
 		return true
 	}
@@ -373,7 +374,7 @@ func (l *RedisLog) fateOf(g string) (publish bool) {
 // addEntries appends entries to the stream in one round trip, fenced by this replica's generation,
 // and returns each one's error (nil: appended). Entries whose generation was replaced by a reseed
 // are dropped (reported appended: they are in the snapshot).
-func (l *RedisLog) addEntries(ctx context.Context, entries []outgoing) []error {
+func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 	errs := make([]error, len(entries))
 	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SeqKey()}
 	for attempt := 0; attempt < 2; attempt++ {

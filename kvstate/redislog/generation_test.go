@@ -1,4 +1,4 @@
-package kvstate_test
+package redislog_test
 
 import (
 	"context"
@@ -11,6 +11,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
@@ -32,7 +33,7 @@ func converged(rs ...replica) bool {
 }
 
 // publishBlocks appends n one-block stored events of the test worker, from event id first on.
-func publishBlocks(t *testing.T, ctx context.Context, l *kvstate.RedisLog, first, n int) kvstate.Result {
+func publishBlocks(t *testing.T, ctx context.Context, l *redislog.Log, first, n int) kvstate.Result {
 	t.Helper()
 	var res kvstate.Result
 	for i := first; i < first+n; i++ {
@@ -136,7 +137,7 @@ func TestOldFreshGenerationIsFollowed(t *testing.T) {
 	rdb := srv.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
 	defer cancel()
-	a := startReplicas(t, rdb, 1, func(o *kvstate.RedisOptions) { o.ReseedWindow = time.Second })[0]
+	a := startReplicas(t, rdb, 1, func(o *redislog.Options) { o.ReseedWindow = time.Second })[0]
 	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
 		t.Fatal(err)
 	}
