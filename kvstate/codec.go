@@ -17,6 +17,11 @@ const EntryVersion = 2
 // ErrCorruptEntry: a log entry could not be decoded.
 var ErrCorruptEntry = errors.New("corrupt log entry")
 
+// ErrNewerVersion: a log entry or snapshot is of a newer version than this replica reads (a newer
+// release wrote it). Skipping it would diverge from the replicas that apply it, so a log stops
+// applying there until this replica is upgraded.
+var ErrNewerVersion = errors.New("newer encoding version")
+
 // Change kinds on the wire. Values are part of the log format: never renumber them.
 const (
 	kindWorkerUp        = 1
@@ -164,11 +169,24 @@ func putEvents(b []byte, evs []Event) []byte {
 	return b
 }
 
+// CheckEntryVersion returns an ErrNewerVersion error if data is an entry of a newer version than
+// this replica reads, without decoding it.
+func CheckEntryVersion(data []byte) error {
+	if len(data) > 0 && data[0] > EntryVersion {
+		return fmt.Errorf("%w: log entry version %d, this replica reads versions 1 to %d", ErrNewerVersion, data[0], EntryVersion)
+	}
+	return nil
+}
+
 // DecodeEntry decodes a log entry. It never panics: corrupt or truncated input is an error
 // wrapping ErrCorruptEntry, and no count is trusted beyond the bytes that remain.
 func DecodeEntry(data []byte) ([]Change, error) {
+	if err := CheckEntryVersion(data); err != nil {
+		return nil, err
+	}
 	r := &reader{b: data}
-	if r.version = r.byte(); r.err == nil && (r.version < 1 || r.version > EntryVersion) {
+	r.version = r.byte()
+	if r.err == nil && r.version < 1 {
 		return nil, fmt.Errorf("%w: version %d, this replica reads versions 1 to %d", ErrCorruptEntry, r.version, EntryVersion)
 	}
 	n := r.count(2)

@@ -101,7 +101,6 @@ func TestDecodeEntryRejectsCorruption(t *testing.T) {
 		data []byte
 	}{
 		{"empty", nil},
-		{"newer version", append([]byte{EntryVersion + 1}, good[1:]...)},
 		{"version 0", append([]byte{0}, good[1:]...)},
 		{"truncated", good[:len(good)-3]},
 		{"trailing bytes", append(append([]byte(nil), good...), 0)},
@@ -113,6 +112,23 @@ func TestDecodeEntryRejectsCorruption(t *testing.T) {
 		if _, err := DecodeEntry(tt.data); !errors.Is(err, ErrCorruptEntry) {
 			t.Errorf("%s: DecodeEntry() = %v, want ErrCorruptEntry", tt.name, err)
 		}
+	}
+}
+
+// TestDecodeEntryNewerVersion: an entry of a newer version is not corrupt: it is ErrNewerVersion,
+// so that a log stops there instead of skipping it.
+func TestDecodeEntryNewerVersion(t *testing.T) {
+	data := append([]byte{EntryVersion + 1}, EncodeEntry(nil, everyChange()...)[1:]...)
+	if _, err := DecodeEntry(data); !errors.Is(err, ErrNewerVersion) || errors.Is(err, ErrCorruptEntry) {
+		t.Errorf("DecodeEntry(version %d) = %v, want ErrNewerVersion only", EntryVersion+1, err)
+	}
+	snap := NewState().EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
+	snap[0] = SnapshotVersion + 1
+	if _, err := NewState().Restore(snap); !errors.Is(err, ErrNewerVersion) || errors.Is(err, ErrCorruptEntry) {
+		t.Errorf("Restore(version %d) = %v, want ErrNewerVersion only", SnapshotVersion+1, err)
+	}
+	if _, err := ReadSnapshotHeader(snap); !errors.Is(err, ErrNewerVersion) {
+		t.Errorf("ReadSnapshotHeader(version %d) = %v, want ErrNewerVersion", SnapshotVersion+1, err)
 	}
 }
 

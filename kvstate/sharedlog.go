@@ -18,7 +18,8 @@ type SharedLog interface {
 	// published; routing goes on from local state.
 	Degraded() bool
 	// Incomplete reports that this replica knows its state may not be the shared one (the log was
-	// lost and is not re-established yet, or may still be replaced by a replica with state).
+	// lost and is not re-established yet, or may still be replaced by a replica with state, or it
+	// holds a newer version than this replica reads).
 	Incomplete() bool
 	// LastID is the store's name for the last entry applied here; replicas with the same LastID,
 	// Generation and no Pending changes have applied the same log.
@@ -55,6 +56,9 @@ type SharedLogStats struct {
 	SnapshotBytes     int64
 	SnapshotAt        time.Time // zero before the first snapshot written or loaded here
 	GenerationChanges uint64    // times this replica moved to another generation of the log
+	// NewerVersion: the log holds an entry or snapshot of a newer version than this replica
+	// reads; it stopped applying there (and is Incomplete) until it is upgraded.
+	NewerVersion bool
 }
 
 // Observers receive a shared log's timings as they happen, for metrics.

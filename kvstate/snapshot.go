@@ -2,6 +2,7 @@ package kvstate
 
 import (
 	"encoding/binary"
+	"fmt"
 )
 
 // SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
@@ -165,7 +166,11 @@ func ReadSnapshotHeader(data []byte) (SnapshotHeader, error) {
 
 func (r *reader) snapshotHeader() SnapshotHeader {
 	v := r.byte()
-	if r.err == nil && (v < 1 || v > SnapshotVersion) {
+	if r.err == nil && v > SnapshotVersion {
+		r.err, r.b = fmt.Errorf("%w: snapshot version %d, this replica reads versions 1 to %d", ErrNewerVersion, v, SnapshotVersion), nil
+		return SnapshotHeader{}
+	}
+	if r.err == nil && v < 1 {
 		r.fail("snapshot version %d, this replica reads versions 1 to %d", v, SnapshotVersion)
 		return SnapshotHeader{}
 	}

@@ -92,7 +92,7 @@ func TestSnapshotRejectsCorruption(t *testing.T) {
 	data := richState(t).EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
 	for name, bad := range map[string][]byte{
 		"empty":     nil,
-		"version":   append([]byte{SnapshotVersion + 1}, data[1:]...),
+		"version 0": append([]byte{0}, data[1:]...),
 		"truncated": data[:len(data)/2],
 		"trailing":  append(append([]byte(nil), data...), 1),
 	} {

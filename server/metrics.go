@@ -94,12 +94,14 @@ var (
 		"Time since the last snapshot this replica wrote or loaded.", nil, nil)
 	incompleteDesc = prometheus.NewDesc("kvrouter_shared_log_incomplete",
 		"1 while this replica knows its state may not be the shared one: Redis lost the log and it is not reseeded yet, or the replica follows a fresh log that a replica with state may still reseed.", nil, nil)
+	newerVersionDesc = prometheus.NewDesc("kvrouter_shared_log_newer_version",
+		"1 once the shared log holds an entry or snapshot of a newer version than this replica reads: it stopped applying the log there. Upgrade this replica.", nil, nil)
 	generationChangesDesc = prometheus.NewDesc("kvrouter_shared_log_generation_changes_total",
 		"Times this replica moved to another generation of the shared log: it reseeded a lost log from its state, or reloaded one reseeded elsewhere.", nil, nil)
 )
 
 func (c sharedLogCollector) Describe(ch chan<- *prometheus.Desc) {
-	for _, d := range []*prometheus.Desc{degradedDesc, bufferedDesc, lostDesc, streamLenDesc, snapshotBytesDesc, snapshotAgeDesc, incompleteDesc, generationChangesDesc} {
+	for _, d := range []*prometheus.Desc{degradedDesc, bufferedDesc, lostDesc, streamLenDesc, snapshotBytesDesc, snapshotAgeDesc, incompleteDesc, newerVersionDesc, generationChangesDesc} {
 		ch <- d
 	}
 }
@@ -120,6 +122,11 @@ func (c sharedLogCollector) Collect(ch chan<- prometheus.Metric) {
 		incomplete = 1
 	}
 	ch <- prometheus.MustNewConstMetric(incompleteDesc, prometheus.GaugeValue, incomplete)
+	newer := 0.0
+	if st.NewerVersion {
+		newer = 1
+	}
+	ch <- prometheus.MustNewConstMetric(newerVersionDesc, prometheus.GaugeValue, newer)
 	ch <- prometheus.MustNewConstMetric(generationChangesDesc, prometheus.CounterValue, float64(st.GenerationChanges))
 	if !st.SnapshotAt.IsZero() {
 		ch <- prometheus.MustNewConstMetric(snapshotAgeDesc, prometheus.GaugeValue, time.Since(st.SnapshotAt).Seconds())

@@ -159,7 +159,7 @@ func (l *Log) GenerationChanges() uint64 { return l.genChanges.Load() }
 // generation is not its own (lost, or reseeded elsewhere and not reloaded yet), or it follows a
 // fresh generation that a replica with state may still replace.
 func (l *Log) Incomplete() bool {
-	if l.genLost.Load() {
+	if l.genLost.Load() || l.stalled.Load() {
 		return true
 	}
 	return time.Now().UnixNano() < l.freshUntil.Load()

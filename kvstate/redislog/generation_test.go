@@ -234,3 +234,50 @@ func TestRewoundLogIsReseeded(t *testing.T) {
 		}
 	}
 }
+
+// TestNewerVersionStopsTheLog: an entry written by a newer release (a version this replica does not
+// read) is not skipped: every replica stops applying before it, says so (Incomplete, Stats), and
+// applies nothing after it, so no replica diverges from those that read it; a change appended after
+// it is never acknowledged.
+func TestNewerVersionStopsTheLog(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	rs := startReplicas(t, rdb, 2)
+	a, b := rs[0], rs[1]
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	publishBlocks(t, ctx, a.log, 0, 3)
+	eventually(t, "A and B to converge", func() bool { return converged(a, b) })
+	before, digest := b.log.LastID(), b.state.Digest()
+
+	// A newer release appends an entry: the next number of the generation, a version byte above ours.
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	n, err := rdb.Incr(ctx, prefix+":seq").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	future := append([]byte{kvstate.EntryVersion + 1}, kvstate.EncodeEntry(nil, kvstate.WorkerRemoved{Key: wk})[1:]...)
+	if err := rdb.XAdd(ctx, &redis.XAddArgs{Stream: prefix + ":log", Values: []any{"e", future, "r", "next-release", "s", "0", "g", a.log.Generation(), "n", n}}).Err(); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "both replicas to stop before the newer entry", func() bool {
+		return a.log.Stats().NewerVersion && b.log.Stats().NewerVersion && a.log.Incomplete() && b.log.Incomplete()
+	})
+
+	// A change appended after it is in the stream, but no replica applies it, so none acks it.
+	short, cancelShort := context.WithTimeout(ctx, 1500*time.Millisecond)
+	defer cancelShort()
+	if res, err := a.log.Append(short, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{{ID: 3, Kind: kvstate.EventStored, HasParent: true, Parent: 1002,
+		Blocks: []kvstate.Block{{Hash: 1003, Local: 5003}}}}}); !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Append after the newer entry = %+v, %v; want it never acknowledged (DeadlineExceeded)", res, err)
+	}
+	if got := b.log.LastID(); got != before {
+		t.Errorf("B's last applied entry = %s, want %s (before the newer entry)", got, before)
+	}
+	if b.state.Digest() != digest || a.state.Digest() != digest {
+		t.Error("a replica applied something after the newer entry")
+	}
+}

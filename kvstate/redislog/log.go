@@ -96,6 +96,7 @@ type Log struct {
 	// The log's generation (generation.go).
 	gen         atomic.Value  // string: the generation this replica follows
 	genLost     atomic.Bool   // the log's generation is not ours: appends are fenced, the state may be incomplete
+	stalled     atomic.Bool   // stopped before an entry or snapshot of a newer version (stall)
 	genReported atomic.Bool   // the current loss was logged
 	genKick     chan struct{} // an append was fenced: check the generation
 	freshUntil  atomic.Int64  // unix ns: until then a replica with state may still replace our fresh generation
@@ -158,12 +159,22 @@ func (l *Log) ReachableFor() time.Duration {
 // Observe installs observers; safe to call at any time.
 func (l *Log) Observe(o kvstate.Observers) { l.observers.Store(&o) }
 
+// stall records that this replica met an entry or snapshot (at where) of a newer version than it
+// reads, and says so once at ERROR. It stays stalled (Incomplete, health NOT_SERVING for the shared
+// state) until restarted on a release that reads it.
+func (l *Log) stall(where string, err error) {
+	if !l.stalled.Swap(true) {
+		l.opts.Logger.Error("the shared log holds a newer version than this replica reads; it stopped applying the log: upgrade this replica",
+			"at", where, "err", err)
+	}
+}
+
 // Stats returns the log's current figures.
 func (l *Log) Stats() kvstate.SharedLogStats {
 	st := kvstate.SharedLogStats{
 		Degraded: l.Degraded(), Incomplete: l.Incomplete(), BufferedChanges: l.BufferedChanges(),
 		LostChanges: l.LostChanges.Load(), Length: l.streamLen.Load(), SnapshotBytes: l.SnapshotBytes.Load(),
-		GenerationChanges: l.GenerationChanges(),
+		GenerationChanges: l.GenerationChanges(), NewerVersion: l.stalled.Load(),
 	}
 	if ns := l.SnapshotWritten.Load(); ns != 0 {
 		st.SnapshotAt = time.Unix(0, ns)
@@ -668,6 +679,9 @@ func (l *Log) Run(ctx context.Context) error {
 		if err == nil {
 			break
 		}
+		if errors.Is(err, kvstate.ErrNewerVersion) {
+			l.stall(l.opts.SnapshotKey(), err)
+		}
 		l.opts.Logger.Warn("joining the shared log failed; retrying", "err", err)
 		select {
 		case <-ctx.Done():
@@ -706,6 +720,14 @@ func (l *Log) Run(ctx context.Context) error {
 				check = true
 			}
 			continue
+		}
+		if l.stalled.Load() {
+			// Stopped before an entry of a newer version: read it again now and then (the log
+			// may be rewritten by a reseed), but apply nothing after it.
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
 		}
 		l.maybeSnapshot(ctx)
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
@@ -954,6 +976,13 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 	if g, ok := msg.Values[fieldGeneration].(string); ok && g != l.Generation() {
 		return false
 	}
+	data, _ := msg.Values[fieldEntry].(string)
+	if err := kvstate.CheckEntryVersion([]byte(data)); err != nil {
+		// A newer release wrote it. Skipping it would diverge from the replicas that apply it:
+		// stop here, before it, until this replica is upgraded.
+		l.stall(msg.ID, err)
+		return false
+	}
 	if v, ok := msg.Values[fieldNumber].(string); ok {
 		n, _ := strconv.ParseUint(v, 10, 64)
 		if n <= l.lastEntry.Load() {
@@ -986,7 +1015,6 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 			return true // applied when it was appended
 		}
 	}
-	data, _ := msg.Values[fieldEntry].(string)
 	changes, err := kvstate.DecodeEntry([]byte(data))
 	var out appliedEntry
 	if err != nil {
