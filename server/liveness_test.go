@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -21,17 +22,10 @@ func (c *testClock) advance(d time.Duration) { c.ns.Add(int64(d)) }
 // waitDisconnected waits until the server has recorded that worker id's stream closed.
 func (e *testEnv) waitDisconnected(id uint64) {
 	e.t.Helper()
-	deadline := time.Now().Add(defaultTestTimeout)
-	for {
+	eventually(e.t, fmt.Sprintf("worker %d's stream to be recorded as closed", id), func() bool {
 		w := e.state.Worker(kvstate.WorkerKey{ID: id})
-		if w != nil && !w.Status().Connected {
-			return
-		}
-		if time.Now().After(deadline) {
-			e.t.Fatalf("the server never recorded worker %d's stream as closed", id)
-		}
-		time.Sleep(time.Millisecond)
-	}
+		return w != nil && !w.Status().Connected
+	})
 }
 
 // TestGracePeriodRunsFromTheClose holds a stream for three grace periods, closes it, and checks that

@@ -82,6 +82,20 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	}
 }
 
+// eventually waits until cond holds, polling; it fails the test after defaultTestTimeout. Tests wait
+// for the effect they check, never for an assumed order (a load report is applied after Publish
+// returns to the client, not before).
+func eventually(t *testing.T, what string, cond func() bool) {
+	t.Helper()
+	deadline := time.Now().Add(defaultTestTimeout)
+	for !cond() {
+		if time.Now().After(deadline) {
+			t.Fatalf("timed out waiting for %s", what)
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // wantStatus fails unless err carries code and exactly msg.
 func wantStatus(t *testing.T, err error, code codes.Code, msg string) {
 	t.Helper()
@@ -558,6 +572,11 @@ func TestAdmin(t *testing.T) {
 	p.send(events(stored(0, nil, 0, 3)))
 	wantMsg(t, p.recv(), ack(0))
 	p.send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Load{Load: &kvrouterv1.LoadReport{KvUsedBlocks: 12, WaitingRequests: 2}}})
+	// A load report has no ack: wait for it to be applied.
+	eventually(t, "the load report to be applied", func() bool {
+		st := e.state.Worker(kvstate.WorkerKey{ID: 7}).Status()
+		return st.KVUsedBlocks == 12 && st.WaitingRequests == 2
+	})
 	if _, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: promptTokens(3)}); err != nil {
 		t.Fatalf("Route() = %v", err)
 	}

@@ -1,6 +1,7 @@
 package server
 
 import (
+	"fmt"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -69,13 +70,7 @@ func TestThirdLogBackend(t *testing.T) {
 	}
 	waitHealth := func(service string, want healthpb.HealthCheckResponse_ServingStatus) {
 		t.Helper()
-		deadline := time.Now().Add(defaultTestTimeout)
-		for got := healthOf(service); got != want; got = healthOf(service) {
-			if time.Now().After(deadline) {
-				t.Fatalf("Health.Check(%q) = %v, want %v", service, got, want)
-			}
-			time.Sleep(5 * time.Millisecond)
-		}
+		eventually(t, fmt.Sprintf("Health.Check(%q) to report %v", service, want), func() bool { return healthOf(service) == want })
 	}
 	router := kvrouterv1.RouterService_ServiceDesc.ServiceName
 
