@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
@@ -53,6 +54,8 @@ type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
 	stopping chan struct{}
+	stopOnce sync.Once
+	bg       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
 	logger   *slog.Logger
 }
 
@@ -144,7 +147,7 @@ func New(o Options) *Server {
 		s.health.SetServingStatus(name, serving)
 	}
 	if shared {
-		go s.watchSharedLog(sl)
+		s.bg.Go(func() { s.watchSharedLog(sl) })
 	}
 	return s
 }
@@ -204,7 +207,7 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 	case <-time.After(drain):
 	case <-ctx.Done():
 	}
-	close(s.stopping)
+	s.stopOnce.Do(func() { close(s.stopping) })
 	done := make(chan struct{})
 	go func() {
 		s.grpc.GracefulStop()
@@ -217,6 +220,14 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 		s.grpc.Stop()
 		<-done
 	}
+	s.bg.Wait()
+}
+
+// Stop ends the server at once: streams and calls are cut, and the server's goroutines joined.
+func (s *Server) Stop() {
+	s.stopOnce.Do(func() { close(s.stopping) })
+	s.grpc.Stop()
+	s.bg.Wait()
 }
 
 // interceptorLogger adapts slog to the middleware's logger.

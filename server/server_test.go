@@ -74,7 +74,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	t.Cleanup(func() {
 		cancel()
 		conn.Close()
-		srv.grpc.Stop()
+		srv.Stop()
 	})
 	return &testEnv{
 		t: t, state: state, log: log, srv: srv, registry: registry, conn: conn, ctx: ctx,

@@ -79,8 +79,8 @@ type pendingDump struct {
 }
 
 // hold takes the worker's lease at the stream's registration epoch.
-func (ps *publishStream) hold() {
-	ps.release = ps.svc.liveness.Hold(ps.info.Key, ps.epoch)
+func (ps *publishStream) hold(ctx context.Context) {
+	ps.release = ps.svc.liveness.Hold(ctx, ps.info.Key, ps.epoch)
 }
 
 // recvResult is one message (or the error that ended the stream) from the receiving goroutine.
@@ -169,7 +169,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	ps = &publishStream{svc: s, stream: stream, info: info, epoch: res.Epoch, restores: s.state.Restores(),
 		logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
 	ended = s.state.EpochEnds(info.Key, ps.epoch)
-	ps.hold()
+	ps.hold(ctx)
 	defer func() { ps.release() }()
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
 	if s.conditionalDisagg && info.Role == kvstate.RoleDecode && !info.KVEventsEnabled {

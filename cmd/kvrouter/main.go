@@ -26,6 +26,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/redis/go-redis/v9"
+	"golang.org/x/sync/errgroup"
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
@@ -80,16 +81,23 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 
 	state := kvstate.NewState()
-	runCtx, stopRun := context.WithCancel(context.Background())
-	log, liveness, mode, waitLog, err := openLog(runCtx, cfg, state, logger)
+	b, err := openLog(cfg, state, logger)
 	if err != nil {
-		stopRun()
 		return err
 	}
+	log, liveness, mode := b.log, b.liveness, b.mode
+	// Every long-lived goroutine but the servers' runs in background, under runCtx, which ends after
+	// the servers have stopped; the Redis client closes once they all have returned.
+	runCtx, stopRun := context.WithCancel(context.Background())
+	var background errgroup.Group
 	defer func() {
-		stopRun() // the housekeeper and the log's tailer stop, then the Redis client closes
-		waitLog()
+		stopRun()
+		_ = background.Wait()
+		b.close()
 	}()
+	for _, run := range b.run {
+		background.Go(func() error { return run(runCtx) })
+	}
 	router := policy.NewRouter(state, log, cfg.Router)
 
 	registry := prometheus.NewRegistry()
@@ -114,25 +122,36 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
 		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		go func() {
+		background.Go(func() error {
 			if err := metricsSrv.Serve(mlis); err != nil && !errors.Is(err, http.ErrServerClosed) {
 				logger.Error("metrics server failed", "err", err)
 			}
-		}()
+			return nil
+		})
 		logger.Info("serving metrics", "addr", mlis.Addr().String())
 	}
 
 	housekeeper := &kvstate.Housekeeper{
 		State: state, Log: log, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
 	}
-	go housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
+	background.Go(func() error {
+		housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
+		return nil
+	})
 
 	serveErr := make(chan error, 1)
-	go func() { serveErr <- srv.Serve(lis) }()
+	background.Go(func() error {
+		serveErr <- srv.Serve(lis)
+		return nil
+	})
 	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", mode)
 
 	select {
 	case err := <-serveErr:
+		srv.Stop()
+		if metricsSrv != nil {
+			_ = metricsSrv.Close()
+		}
 		return fmt.Errorf("gRPC server stopped: %w", err)
 	case <-ctx.Done():
 	}
@@ -146,9 +165,19 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	return <-serveErr
 }
 
+// logBackend is the state's log and what comes with it: the liveness of workers, the goroutines
+// that keep it (run until their context ends), and what to close once they have returned.
+type logBackend struct {
+	log      kvstate.Log
+	liveness kvstate.Liveness
+	mode     string
+	run      []func(context.Context) error
+	close    func()
+}
+
 // openLog returns the state's log: in-process by default, or a Redis stream shared with the other
-// replicas, tailed until ctx ends.
-func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (kvstate.Log, kvstate.Liveness, string, func(), error) {
+// replicas.
+func openLog(cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (logBackend, error) {
 	var addrs []string
 	cluster := false
 	switch {
@@ -157,7 +186,7 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 	case cfg.RedisClusterAddrs != "":
 		addrs, cluster = strings.Split(cfg.RedisClusterAddrs, ","), true
 	default:
-		return kvstate.NewMemLog(state), kvstate.LocalLiveness{}, "embedded", func() {}, nil
+		return logBackend{log: kvstate.NewMemLog(state), liveness: kvstate.LocalLiveness{}, mode: "embedded", close: func() {}}, nil
 	}
 	redis.SetLogger(redisLogger{logger})
 	rdb := redis.NewUniversalClient(&redis.UniversalOptions{
@@ -178,18 +207,21 @@ func openLog(ctx context.Context, cfg *loadedConfig, state *kvstate.State, logge
 		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second),
 		ReseedWindow: cfg.RedisReseedWindow,
 	})
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = l.Run(ctx)
-	}()
 	// Workers whose replica died are removed by whichever replica sees their lease run out.
 	leases := redislog.NewLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
 	leases.AfterOutages(l)
-	go leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
-	mode := "redis " + strings.Join(addrs, ",")
 	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica)
-	return l, leases, mode, func() { <-done; rdb.Close() }, nil
+	return logBackend{
+		log: l, liveness: leases, mode: "redis " + strings.Join(addrs, ","),
+		run: []func(context.Context) error{
+			l.Run,
+			func(ctx context.Context) error {
+				leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
+				return nil
+			},
+		},
+		close: func() { rdb.Close() },
+	}, nil
 }
 
 // redisLogger sends go-redis's own log lines to slog.

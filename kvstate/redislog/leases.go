@@ -3,7 +3,6 @@ package redislog
 import (
 	"context"
 	"fmt"
-	"github.com/kvrouter/kvrouter/kvstate"
 	"log/slog"
 	"strconv"
 	"strings"
@@ -11,6 +10,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // Leases keeps worker leases in one sorted set, <prefix>:leases, member "id/rank/epoch", score
@@ -26,8 +27,9 @@ type Leases struct {
 	now    func() time.Time
 	logger *slog.Logger
 
-	mu   sync.Mutex
-	held map[string]int // member -> holders on this replica
+	mu       sync.Mutex
+	held     map[string]int // member -> holders on this replica
+	releases sync.WaitGroup // final refreshes of released leases in flight
 	// reachableFor, if set, says how long Redis has answered without interruption.
 	reachableFor func() time.Duration
 	// shared, if set, is the log whose generation the leases follow; seededFor is the generation
@@ -110,13 +112,13 @@ func parseLeaseMember(m string) (kvstate.WorkerKey, uint64, error) {
 
 // Hold starts refreshing the worker's lease; release stops. The lease then runs out grace after the
 // release, not after the last periodic refresh: release refreshes it one last time (in the
-// background, so a stream's teardown never waits on Redis).
-func (r *Leases) Hold(key kvstate.WorkerKey, epoch uint64) func() {
+// background, so a stream's teardown never waits on Redis; Run waits for it before it returns).
+func (r *Leases) Hold(ctx context.Context, key kvstate.WorkerKey, epoch uint64) func() {
 	m := leaseMember(key, epoch)
 	r.mu.Lock()
 	r.held[m]++
 	r.mu.Unlock()
-	r.refresh(context.Background(), []string{m})
+	r.refresh(ctx, []string{m})
 	var once sync.Once
 	return func() {
 		once.Do(func() {
@@ -127,11 +129,12 @@ func (r *Leases) Hold(key kvstate.WorkerKey, epoch uint64) func() {
 			}
 			r.mu.Unlock()
 			if last {
-				go func() {
-					ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
+				// The stream's context has ended by now; the final refresh must still happen.
+				fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 2*time.Second)
+				r.releases.Go(func() {
 					defer cancel()
-					r.refresh(ctx, []string{m})
-				}()
+					r.refresh(fctx, []string{m})
+				})
 			}
 		})
 	}
@@ -191,7 +194,9 @@ func (r *Leases) Sweep(ctx context.Context) {
 	}
 }
 
-// Run sweeps every interval until ctx ends.
+// Run sweeps every interval until ctx ends, then waits for the final refreshes of leases released
+// meanwhile.
 func (r *Leases) Run(ctx context.Context, interval time.Duration) {
 	kvstate.Every(ctx, interval, r.Sweep)
+	r.releases.Wait()
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"github.com/kvrouter/kvrouter/kvstate"
 	"log/slog"
 	"math/rand/v2"
 	"strconv"
@@ -14,6 +13,8 @@ import (
 	"time"
 
 	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // Options configure a Log.
@@ -671,8 +672,11 @@ func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 // booking changes until ctx ends. Between reads it writes snapshots when its turn comes, reloads the
 // snapshot if the stream was trimmed past what it applied, and follows the log's generation.
 func (l *Log) Run(ctx context.Context) error {
-	go l.publish(ctx)
-	go l.probe(ctx)
+	// The publisher and the probe are Run's: it returns once they have.
+	var helpers sync.WaitGroup
+	defer helpers.Wait()
+	helpers.Go(func() { l.publish(ctx) })
+	helpers.Go(func() { l.probe(ctx) })
 	l.lastSnapshot = time.Now()
 	for ctx.Err() == nil {
 		err := l.joinGeneration(ctx)

@@ -351,15 +351,15 @@ func testLeases(t *testing.T, rdb redis.UniversalClient) {
 		{ID: 0, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: 1, Local: 11}}}}}); err != nil {
 		t.Fatalf("Append(KVEvents) = %v", err)
 	}
-	leasesA.Hold(wk, a.state.Worker(wk).Status().Epoch)
-	leasesA.Hold(other, a.state.Worker(other).Status().Epoch)
+	leasesA.Hold(ctx, wk, a.state.Worker(wk).Status().Epoch)
+	leasesA.Hold(ctx, other, a.state.Worker(other).Status().Epoch)
 	// "other" reconnects to B before A dies: its hello bumps the epoch, and B holds the new lease.
 	inf := info
 	inf.Key = other
 	if _, err := b.log.Append(ctx, kvstate.WorkerUp{Info: inf}); err != nil {
 		t.Fatalf("B.Append(WorkerUp) = %v", err)
 	}
-	leasesB.Hold(other, b.state.Worker(other).Status().Epoch)
+	leasesB.Hold(ctx, other, b.state.Worker(other).Status().Epoch)
 
 	// A dies: it never refreshes again. B keeps sweeping.
 	time.Sleep(grace + 50*time.Millisecond)
