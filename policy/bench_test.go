@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
@@ -35,16 +36,6 @@ const (
 	benchEventBlocks = 128 // blocks per stored event; a prompt's events chain by parent
 	benchInFlight    = 128 // bookings alive at once in the booking variants
 )
-
-// mix is a 64-bit finalizer (MurmurHash3's): a cheap, deterministic stream of token ids.
-func mix(x uint64) uint64 {
-	x ^= x >> 33
-	x *= 0xff51afd7ed558ccd
-	x ^= x >> 33
-	x *= 0xc4ceb9fe1a85ec53
-	x ^= x >> 33
-	return x
-}
 
 // promptGen makes prompts from content ids: root r's block i is r<<32|i and unique blocks count
 // up from 1<<48; a block's 16 tokens follow from its id, so equal ids mean equal cached content.
@@ -73,7 +64,7 @@ func newPromptGen(seed uint64) *promptGen {
 // blockTokens appends the 16 tokens of the block with content id to dst.
 func blockTokens(dst []uint32, id uint64) []uint32 {
 	for i := range uint64(benchBlockSize) {
-		dst = append(dst, uint32(mix(id*benchBlockSize+i+1)%benchVocab))
+		dst = append(dst, uint32(kvtest.Mix(id*benchBlockSize+i+1)%benchVocab))
 	}
 	return dst
 }

@@ -43,6 +43,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 func main() {
@@ -209,19 +210,9 @@ func (g *generator) tokens(id uint64) []uint32 {
 	x := id * uint64(g.c.blockSize)
 	for i := range out {
 		x++
-		out[i] = uint32(mix(x) % vocab)
+		out[i] = uint32(kvtest.Mix(x) % vocab)
 	}
 	return out
-}
-
-// mix is a 64-bit finalizer (MurmurHash3's).
-func mix(x uint64) uint64 {
-	x ^= x >> 33
-	x *= 0xff51afd7ed558ccd
-	x ^= x >> 33
-	x *= 0xc4ceb9fe1a85ec53
-	x ^= x >> 33
-	return x
 }
 
 // prompt returns the content ids of a prompt of n blocks: shared blocks of root, then unique ones.

@@ -34,8 +34,9 @@ const (
 	EngineTag = 0xE4E4_0000_0000_E4E4
 )
 
-// mix is a 64-bit finalizer (MurmurHash3's): a cheap, deterministic stream of token ids.
-func mix(x uint64) uint64 {
+// Mix is a 64-bit finalizer (MurmurHash3's): a cheap, deterministic stream of token ids, which
+// every workload generator of the module (tests, benchmarks, cmd/kvload) draws its tokens from.
+func Mix(x uint64) uint64 {
 	x ^= x >> 33
 	x *= 0xff51afd7ed558ccd
 	x ^= x >> 33
@@ -48,7 +49,7 @@ func mix(x uint64) uint64 {
 // so prompts that share block ids share cached prefixes.
 func BlockTokens(dst []uint32, id uint64) []uint32 {
 	for i := range uint64(BlockSize) {
-		dst = append(dst, uint32(mix(id*BlockSize+i+1)%Vocab))
+		dst = append(dst, uint32(Mix(id*BlockSize+i+1)%Vocab))
 	}
 	return dst
 }
