@@ -98,8 +98,8 @@ func TestRemovalAfterATakeover(t *testing.T) {
 	// The superseded stream closes here after a newer stream (elsewhere) registered the rank.
 	s := NewState()
 	run(t, s, []step{up(w0r0), connect(w0r0), up(w0r0)}) // epoch 1 here, then epoch 2 from elsewhere
-	s.Disconnected(w0r0, 100, 1)
-	d := s.DisconnectedWorkers()[w0r0]
+	presenceOf(s).Disconnected(w0r0, 100, 1)
+	d := presenceOf(s).Disconnections()[w0r0]
 	if res, _ := s.Apply(WorkerRemoved{Key: w0r0, Epoch: d.Epoch}); !res.Skipped || s.Worker(w0r0) == nil {
 		t.Errorf("removal after the superseded stream closed (epoch %d) applied, want it skipped: the newer stream holds the rank", d.Epoch)
 	}
@@ -107,9 +107,9 @@ func TestRemovalAfterATakeover(t *testing.T) {
 	// Both streams here; the newer closes first, the superseded one last.
 	s = NewState()
 	run(t, s, []step{up(w0r0), connect(w0r0), connect(w0r0), up(w0r0)})
-	s.Disconnected(w0r0, 100, 2)
-	s.Disconnected(w0r0, 101, 1)
-	d = s.DisconnectedWorkers()[w0r0]
+	presenceOf(s).Disconnected(w0r0, 100, 2)
+	presenceOf(s).Disconnected(w0r0, 101, 1)
+	d = presenceOf(s).Disconnections()[w0r0]
 	if d.Epoch != 2 || d.Since != 101 {
 		t.Errorf("disconnection = %+v, want since 101 under epoch 2 (the newest stream that closed)", d)
 	}

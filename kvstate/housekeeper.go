@@ -12,6 +12,8 @@ import (
 type Housekeeper struct {
 	State *State
 	Log   Log
+	// Presence is this replica's streams: the workers whose streams closed here are its to remove.
+	Presence *Presence
 	// Grace is how long a worker may stay disconnected before it is removed with its blocks.
 	Grace time.Duration
 	// BookingExpiry is how long a booking lives if nobody frees it (Dynamo: 300 s).
@@ -32,7 +34,7 @@ func (h *Housekeeper) logger() *slog.Logger {
 // Sweep performs one round: it removes expired workers and bookings as of now.
 func (h *Housekeeper) Sweep(ctx context.Context) {
 	now := h.Now()
-	for key, d := range h.State.DisconnectedWorkers() {
+	for key, d := range h.Presence.Disconnections() {
 		if now.Sub(time.Unix(0, d.Since)) < h.Grace {
 			continue
 		}
@@ -41,6 +43,9 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 			h.logger().Warn("removing disconnected worker failed", "worker", key, "err", err)
 			continue
 		}
+		// Removed, or skipped because a newer stream (here or elsewhere) holds the rank: either
+		// way this replica owes nothing more for that close.
+		h.Presence.Forget(key, d)
 		if !res.Skipped {
 			h.logger().Info("removed worker after grace period", "worker", key, "grace", h.Grace)
 		}

@@ -24,7 +24,7 @@ type reconnectingLog struct {
 
 func (l reconnectingLog) Append(ctx context.Context, c Change) (Result, error) {
 	if r, ok := c.(WorkerRemoved); ok {
-		l.state.Connected(r.Key)
+		presenceOf(l.state).Connected(r.Key)
 		if w := l.state.Worker(r.Key); w != nil {
 			if _, err := l.MemLog.Append(ctx, WorkerUp{Info: w.Info}); err != nil {
 				return Result{}, err
@@ -180,7 +180,7 @@ func TestHousekeeperSweep(t *testing.T) {
 			run(t, s, tc.steps)
 			clock := &fakeClock{now: t0.Add(tc.sweepAt)}
 			h := &Housekeeper{
-				State: s, Log: log, Grace: grace, BookingExpiry: expiry,
+				State: s, Log: log, Presence: presenceOf(s), Grace: grace, BookingExpiry: expiry,
 				Now: clock.Now, Logger: slog.New(slog.DiscardHandler),
 			}
 			ctx, cancel := context.WithCancel(context.Background())
@@ -215,5 +215,26 @@ func TestHousekeeperSweep(t *testing.T) {
 				t.Errorf("Index.Len() after Sweep = %d, want %d", m.Index.Len(), wantLen)
 			}
 		})
+	}
+}
+
+// TestHousekeeperRemovesOnce: a worker whose stream closed here and that registered again on another
+// replica (its hello reaches this state through the log) costs one skipped removal, not one per
+// sweep for ever: the appended removal settles what this replica owed for the close.
+func TestHousekeeperRemovesOnce(t *testing.T) {
+	s := NewState()
+	log := NewMemLog(s)
+	run(t, s, []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), up(w0r0)}) // the last hello came from elsewhere
+	h := &Housekeeper{State: s, Log: log, Presence: presenceOf(s), Grace: time.Second, BookingExpiry: time.Hour,
+		Now: func() time.Time { return time.Unix(0, 100).Add(time.Minute) }, Logger: slog.New(slog.DiscardHandler)}
+	before := log.Position()
+	for range 3 {
+		h.Sweep(context.Background())
+	}
+	if got := log.Position() - before; got != 1 {
+		t.Errorf("three sweeps appended %d changes, want 1 (one skipped removal)", got)
+	}
+	if s.Worker(w0r0) == nil {
+		t.Error("the worker that registered elsewhere was removed")
 	}
 }

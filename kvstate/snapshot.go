@@ -120,8 +120,9 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 	return b
 }
 
-// Restore replaces the state with a snapshot and returns its header. Replica-local bookkeeping
-// (open streams) is kept for workers that survive. On error the state is unchanged.
+// Restore replaces the state with a snapshot and returns its header. A stream registered at an
+// epoch the snapshot holds goes on (EpochEnds stays open); the others end. On error the state is
+// unchanged.
 func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 	fresh, h, err := decodeSnapshot(data)
 	if err != nil {
@@ -132,8 +133,6 @@ func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 	for k, old := range s.workers {
 		old.track.mu.Lock()
 		if w := fresh.workers[k]; w != nil {
-			w.track.streams, w.track.closedEpoch = old.track.streams, old.track.closedEpoch
-			w.track.disconnectedAt, w.track.disconnectedEpoch = old.track.disconnectedAt, old.track.disconnectedEpoch
 			if w.track.epoch == old.track.epoch {
 				w.track.epochEnds, old.track.epochEnds = old.track.epochEnds, nil // the same registration goes on
 			}

@@ -45,13 +45,6 @@ type workerTrack struct {
 	awaitingResync bool
 	kvUsedBlocks   uint64
 	waiting        uint64
-	// Local to this replica, not part of the replicated state: open streams, when the last closed, and
-	// the registration epoch then (a hello on another replica since bumps the epoch, so a removal
-	// decided here for the old epoch is skipped everywhere).
-	streams           int
-	closedEpoch       uint64 // newest epoch among streams closed since streams was last 0
-	disconnectedAt    int64
-	disconnectedEpoch uint64
 }
 
 // WorkerStatus is a point-in-time view of a worker's bookkeeping, for operators.
@@ -62,8 +55,6 @@ type WorkerStatus struct {
 	AwaitingResync  bool
 	KVUsedBlocks    uint64
 	WaitingRequests uint64
-	Connected       bool
-	DisconnectedAt  int64
 }
 
 // Status returns the worker's current bookkeeping.
@@ -74,7 +65,6 @@ func (w *Worker) Status() WorkerStatus {
 	return WorkerStatus{
 		Epoch: t.epoch, LastEventID: t.lastEventID, HasLastEvent: t.hasLastEvent, AwaitingResync: t.awaitingResync,
 		KVUsedBlocks: t.kvUsedBlocks, WaitingRequests: t.waiting,
-		Connected: t.streams > 0, DisconnectedAt: t.disconnectedAt,
 	}
 }
 
@@ -199,69 +189,6 @@ func (s *State) Worker(key WorkerKey) *Worker {
 
 // Load returns the load bookkeeping.
 func (s *State) Load() *Load { return s.load }
-
-// Connected records that a stream for the worker opened on this replica. It reports false, and
-// records nothing, when the worker is not registered.
-func (s *State) Connected(key WorkerKey) bool {
-	w := s.Worker(key)
-	if w == nil {
-		return false
-	}
-	w.track.mu.Lock()
-	w.track.streams++
-	w.track.disconnectedAt = 0
-	w.track.mu.Unlock()
-	return true
-}
-
-// Disconnected records that a stream for the worker, registered at epoch (0: the current one), closed
-// at now (unix nanoseconds). It returns the time the worker counts as disconnected since, or 0 while
-// other streams for it remain open. The removal a grace period later names that epoch, so it is
-// skipped if a newer stream holds the rank by then (or already did, as when this stream was
-// superseded).
-func (s *State) Disconnected(key WorkerKey, now int64, epoch uint64) int64 {
-	w := s.Worker(key)
-	if w == nil {
-		return 0
-	}
-	w.track.mu.Lock()
-	defer w.track.mu.Unlock()
-	if w.track.streams > 0 {
-		w.track.streams--
-	}
-	if epoch == 0 {
-		epoch = w.track.epoch
-	}
-	// Epochs only grow: the newest of the streams that closed is the one a removal must name.
-	w.track.closedEpoch = max(w.track.closedEpoch, epoch)
-	if w.track.streams == 0 {
-		w.track.disconnectedAt, w.track.disconnectedEpoch = now, w.track.closedEpoch
-		w.track.closedEpoch = 0
-		return now
-	}
-	return 0
-}
-
-// Disconnection is when a worker's last stream on this replica closed, and its registration epoch.
-type Disconnection struct {
-	Since int64
-	Epoch uint64
-}
-
-// DisconnectedWorkers returns every worker with no open stream on this replica.
-func (s *State) DisconnectedWorkers() map[WorkerKey]Disconnection {
-	s.mu.RLock()
-	defer s.mu.RUnlock()
-	out := make(map[WorkerKey]Disconnection)
-	for k, w := range s.workers {
-		w.track.mu.Lock()
-		if w.track.streams == 0 && w.track.disconnectedAt != 0 {
-			out[k] = Disconnection{Since: w.track.disconnectedAt, Epoch: w.track.disconnectedEpoch}
-		}
-		w.track.mu.Unlock()
-	}
-	return out
-}
 
 // EpochEnds returns a channel that is closed once the worker rank is no longer registered at epoch:
 // a newer stream registered it, or it was removed. It is closed already when that happened before.
@@ -442,8 +369,7 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
 		if local != nil {
 			local.mu.Lock()
-			w.track.streams, w.track.closedEpoch, w.track.epoch = local.streams, local.closedEpoch, local.epoch
-			w.track.disconnectedAt, w.track.disconnectedEpoch = local.disconnectedAt, local.disconnectedEpoch
+			w.track.epoch = local.epoch
 			local.mu.Unlock()
 		}
 	}

@@ -44,12 +44,28 @@ func apply(c Change) step {
 
 func up(key WorkerKey) step { return apply(WorkerUp{Info: info(key)}) }
 
-func connect(key WorkerKey) step {
-	return func(t *testing.T, s *State) { s.Connected(key) }
+// presences holds each test state's Presence: in these tests one State stands for one replica.
+var presences sync.Map // *State -> *Presence
+
+func presenceOf(s *State) *Presence {
+	p, _ := presences.LoadOrStore(s, NewPresence())
+	return p.(*Presence)
 }
 
+// connect opens a stream for the worker on the state's replica.
+func connect(key WorkerKey) step {
+	return func(t *testing.T, s *State) { presenceOf(s).Connected(key) }
+}
+
+// disconnect closes a stream for the worker that registered at its current epoch.
 func disconnect(key WorkerKey, at int64) step {
-	return func(t *testing.T, s *State) { s.Disconnected(key, at, 0) }
+	return func(t *testing.T, s *State) {
+		var epoch uint64
+		if w := s.Worker(key); w != nil {
+			epoch = w.Status().Epoch
+		}
+		presenceOf(s).Disconnected(key, at, epoch)
+	}
 }
 
 func events(key WorkerKey, evs ...Event) step { return apply(KVEvents{Worker: key, Events: evs}) }
@@ -597,7 +613,7 @@ func TestRegistry(t *testing.T) {
 			wantResult: Result{Skipped: true},
 			want: stateView{Models: []modelView{{Name: testModel, BlockSize: 16, IndexLen: 3, Workers: []workerView{
 				{
-					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true, Connected: true},
+					Info: info(w0r0), Slot: 0, Status: WorkerStatus{HasLastEvent: true},
 					Blocks: TierCounts{3}, Overlap: TierCounts{3},
 				},
 			}}}},
@@ -684,8 +700,8 @@ func TestRegistry(t *testing.T) {
 	}
 }
 
-// TestConnectionTracking checks the replica-local stream count behind Status().Connected and
-// DisconnectedWorkers, including across registrations that replace the Worker value.
+// TestConnectionTracking checks Presence, the replica-local stream count, including across
+// registrations that replace the Worker value.
 func TestConnectionTracking(t *testing.T) {
 	type probe struct {
 		Connected    bool
@@ -745,7 +761,7 @@ func TestConnectionTracking(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			s := NewState()
 			run(t, s, tc.steps)
-			got := probe{Connected: s.Worker(w0r0).Status().Connected, Disconnected: s.DisconnectedWorkers()}
+			got := probe{Connected: presenceOf(s).IsConnected(w0r0), Disconnected: presenceOf(s).Disconnections()}
 			if diff := cmp.Diff(tc.want, got); diff != "" {
 				t.Errorf("connection state = %+v, want %+v (-want +got):\n%s", got, tc.want, diff)
 			}
@@ -753,31 +769,36 @@ func TestConnectionTracking(t *testing.T) {
 	}
 }
 
-// TestConnectedReportsRegistration checks that Connected records a stream only for a registered
-// worker and says whether it did.
-func TestConnectedReportsRegistration(t *testing.T) {
-	tests := []struct {
-		name string
-		key  WorkerKey
-		want bool
-	}{
-		{"registered worker", w0r0, true},
-		{"unregistered worker", w1, false},
+// TestPresenceOwesRemovals: a stream that never registered owes no removal, and one that opens
+// and fails to register does not drop the removal an earlier close owes; a removal, once appended,
+// is forgotten unless a stream opened since.
+func TestPresenceOwesRemovals(t *testing.T) {
+	p := NewPresence()
+	p.Connected(w1)
+	if since := p.Disconnected(w1, 100, 0); since != 0 || len(p.Disconnections()) != 0 {
+		t.Errorf("a stream that never registered: Disconnected = %d, Disconnections = %v; want 0 and none", since, p.Disconnections())
 	}
-	for _, tc := range tests {
-		t.Run(tc.name, func(t *testing.T) {
-			s := NewState()
-			run(t, s, []step{up(w0r0)})
-			if got := s.Connected(tc.key); got != tc.want {
-				t.Errorf("State.Connected(%v) = %v, want %v", tc.key, got, tc.want)
-			}
-			if w := s.Worker(tc.key); w != nil && !w.Status().Connected {
-				t.Errorf("Worker(%v).Status().Connected = false after Connected, want true", tc.key)
-			}
-			if w := s.Worker(w1); w != nil {
-				t.Errorf("State.Worker(%v) = %+v after Connected, want nil", w1, w.Info)
-			}
-		})
+
+	p.Connected(w0r0)
+	p.Disconnected(w0r0, 100, 3)
+	p.Connected(w0r0) // a new stream, whose hello fails
+	p.Disconnected(w0r0, 200, 0)
+	want := map[WorkerKey]Disconnection{w0r0: {Since: 200, Epoch: 3}}
+	if diff := cmp.Diff(want, p.Disconnections()); diff != "" {
+		t.Errorf("after a failed registration (-want +got):\n%s", diff)
+	}
+
+	d := p.Disconnections()[w0r0]
+	p.Connected(w0r0) // a stream opened before the removal was appended
+	p.Forget(w0r0, d)
+	if !p.IsConnected(w0r0) {
+		t.Error("Forget dropped a worker whose stream opened again")
+	}
+	p.Disconnected(w0r0, 300, 4)
+	d = p.Disconnections()[w0r0]
+	p.Forget(w0r0, d)
+	if got := p.Disconnections(); len(got) != 0 {
+		t.Errorf("Disconnections after Forget = %v, want none", got)
 	}
 }
 
@@ -1072,7 +1093,7 @@ func TestWorkerEpochs(t *testing.T) {
 func TestRemovalAfterAMoveIsSkipped(t *testing.T) {
 	s := NewState()
 	run(t, s, []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), up(w0r0)}) // the last hello came from elsewhere
-	d := s.DisconnectedWorkers()[w0r0]
+	d := presenceOf(s).Disconnections()[w0r0]
 	if d.Epoch != 1 {
 		t.Fatalf("disconnection epoch = %d, want 1 (the epoch when the stream closed)", d.Epoch)
 	}

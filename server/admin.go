@@ -29,9 +29,10 @@ type ConfigEntry struct {
 // adminService implements AdminService.
 type adminService struct {
 	kvrouterv1.UnimplementedAdminServiceServer
-	state  *kvstate.State
-	log    kvstate.Log
-	config []ConfigEntry
+	state    *kvstate.State
+	presence *kvstate.Presence
+	log      kvstate.Log
+	config   []ConfigEntry
 }
 
 func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
@@ -68,7 +69,7 @@ func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorker
 				MaxNumBatchedTokens: w.Info.MaxNumBatchedTokens,
 				SupportsBypass:      w.Info.SupportsBypass,
 				KvEventsEnabled:     w.Info.KVEventsEnabled,
-				Connected:           st.Connected,
+				Connected:           s.presence.IsConnected(w.Info.Key),
 				CachedBlocks:        tierBlocks(m.Index.BlockCounts(w.Slot)),
 				AwaitingResync:      st.AwaitingResync,
 				Load: &kvrouterv1.WorkerLoad{

@@ -23,8 +23,7 @@ func (c *testClock) advance(d time.Duration) { c.ns.Add(int64(d)) }
 func (e *testEnv) waitDisconnected(id uint64) {
 	e.t.Helper()
 	eventually(e.t, fmt.Sprintf("worker %d's stream to be recorded as closed", id), func() bool {
-		w := e.state.Worker(kvstate.WorkerKey{ID: id})
-		return w != nil && !w.Status().Connected
+		return !e.presence.IsConnected(kvstate.WorkerKey{ID: id})
 	})
 }
 
@@ -38,7 +37,7 @@ func TestGracePeriodRunsFromTheClose(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
 	clock.set(t0)
 	e := newTestEnv(t, func(o *Options) { o.Now = clock.Now })
-	hk := &kvstate.Housekeeper{State: e.state, Log: e.log, Grace: grace, BookingExpiry: time.Hour, Now: clock.Now}
+	hk := &kvstate.Housekeeper{State: e.state, Log: e.log, Presence: e.presence, Grace: grace, BookingExpiry: time.Hour, Now: clock.Now}
 
 	p := e.connect(1)
 	p.send(events(stored(0, nil, 0, 1), stored(1, nil, 1, 1), stored(2, nil, 2, 1)))
@@ -125,7 +124,7 @@ func TestNewerStreamTakesOver(t *testing.T) {
 	if got := e.counter("kvrouter_publish_streams_superseded_total", "", ""); got != 2 {
 		t.Errorf("kvrouter_publish_streams_superseded_total = %v, want 2", got)
 	}
-	if w := e.state.Worker(kvstate.WorkerKey{ID: 1}); w == nil || !w.Status().Connected {
+	if !e.presence.IsConnected(kvstate.WorkerKey{ID: 1}) {
 		t.Error("the worker is not connected after two takeovers, want the live stream counted")
 	}
 	fresh.stream.CloseSend()

@@ -21,7 +21,7 @@ type metrics struct {
 	superseded     prometheus.Counter
 }
 
-func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log, router *policy.Router) *metrics {
+func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvstate.Presence, log kvstate.Log, router *policy.Router) *metrics {
 	m := &metrics{
 		routeDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_route_decisions_total",
@@ -55,7 +55,7 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, log kvstate.Log
 		}),
 	}
 	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs, m.superseded,
-		&stateCollector{state: state, log: log, router: router})
+		&stateCollector{state: state, presence: presence, log: log, router: router})
 	if sl, ok := log.(kvstate.SharedLog); ok {
 		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_shared_log_append_seconds",
@@ -161,9 +161,10 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 
 // stateCollector reports gauges of the state when scraped.
 type stateCollector struct {
-	state  *kvstate.State
-	log    kvstate.Log
-	router *policy.Router
+	state    *kvstate.State
+	presence *kvstate.Presence
+	log      kvstate.Log
+	router   *policy.Router
 }
 
 var (
@@ -200,7 +201,7 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		counts := map[key]int{}
 		silent := 0
 		for _, w := range m.Workers() {
-			counts[key{w.Info.Role.String(), w.Status().Connected}]++
+			counts[key{w.Info.Role.String(), c.presence.IsConnected(w.Info.Key)}]++
 			if w.Info.Role == kvstate.RoleDecode && !w.Info.KVEventsEnabled {
 				silent++
 			}

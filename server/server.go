@@ -37,7 +37,8 @@ type Options struct {
 	Logger   *slog.Logger
 	Registry *prometheus.Registry
 	Now      func() time.Time
-	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
+	Liveness kvstate.Liveness  // nil: kvstate.LocalLiveness (embedded mode)
+	Presence *kvstate.Presence // this replica's streams (the housekeeper's too); nil: a new one
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
 	MaxRecvMsgBytes      int    // largest accepted message (any method)
@@ -128,11 +129,14 @@ func New(o Options) *Server {
 		stopping: make(chan struct{}),
 		logger:   o.Logger,
 	}
-	m := newMetrics(o.Registry, o.State, o.Log, o.Router)
+	if o.Presence == nil {
+		o.Presence = kvstate.NewPresence()
+	}
+	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Router)
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
-	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
+	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
 		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits})
-	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, log: o.Log, config: o.Config})
+	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)

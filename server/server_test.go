@@ -36,6 +36,7 @@ const defaultTestTimeout = 10 * time.Second
 type testEnv struct {
 	t        *testing.T
 	state    *kvstate.State
+	presence *kvstate.Presence
 	log      kvstate.Log
 	srv      *Server
 	registry *prometheus.Registry
@@ -61,6 +62,9 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	for _, m := range mutate {
 		m(&opts)
 	}
+	if opts.Presence == nil {
+		opts.Presence = kvstate.NewPresence()
+	}
 	srv := New(opts)
 	lis := bufconn.Listen(1 << 20)
 	go srv.Serve(lis)
@@ -77,7 +81,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 		srv.Stop()
 	})
 	return &testEnv{
-		t: t, state: state, log: log, srv: srv, registry: registry, conn: conn, ctx: ctx,
+		t: t, state: state, presence: opts.Presence, log: opts.Log, srv: srv, registry: registry, conn: conn, ctx: ctx,
 		router: kvrouterv1.NewRouterServiceClient(conn), workers: kvrouterv1.NewWorkerServiceClient(conn), admin: kvrouterv1.NewAdminServiceClient(conn),
 	}
 }

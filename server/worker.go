@@ -20,6 +20,7 @@ import (
 type workerService struct {
 	kvrouterv1.UnimplementedWorkerServiceServer
 	state    *kvstate.State
+	presence *kvstate.Presence // this replica's streams
 	log      kvstate.Log
 	metrics  *metrics
 	logger   *slog.Logger
@@ -145,24 +146,19 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err != nil {
 		return err
 	}
-	// A known worker counts as connected before its hello applies, so the housekeeper cannot remove
-	// it in between; a new one counts once it exists.
-	connected := s.state.Connected(info.Key)
-	res, err := s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
-	if connected || err == nil {
-		if !connected {
-			s.state.Connected(info.Key)
+	// The worker counts as connected before its hello applies, so the housekeeper cannot remove it
+	// in between.
+	s.presence.Connected(info.Key)
+	// The grace period runs from when the stream closes: the time is read when the deferred call
+	// runs, not when the defer statement does (that would be the stream's start).
+	defer func() {
+		var epoch uint64 // 0 if the registration failed: this stream owes no removal
+		if ps != nil {
+			epoch = ps.epoch
 		}
-		// The grace period runs from when the stream closes: the time is read when the deferred
-		// call runs, not when the defer statement does (that would be the stream's start).
-		defer func() {
-			var epoch uint64 // 0, the current one, if the registration failed
-			if ps != nil {
-				epoch = ps.epoch
-			}
-			s.state.Disconnected(info.Key, s.now().UnixNano(), epoch)
-		}()
-	}
+		s.presence.Disconnected(info.Key, s.now().UnixNano(), epoch)
+	}()
+	res, err := s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
 	if err != nil {
 		return toStatus(err)
 	}

@@ -99,11 +99,12 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 		background.Go(func() error { return run(runCtx) })
 	}
 	router := policy.NewRouter(state, log, cfg.Router)
+	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := server.New(server.Options{
-		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness,
+		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 	})
@@ -132,7 +133,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	}
 
 	housekeeper := &kvstate.Housekeeper{
-		State: state, Log: log, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
+		State: state, Log: log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
 	}
 	background.Go(func() error {
 		housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
