@@ -1,0 +1,338 @@
+package redislog
+
+// Tailing: every replica reads the stream in order and applies each entry; catching up after a
+// trim reloads the snapshot.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+// changeWeight is how much a change counts toward the next snapshot: the replay it would cost a
+// replica starting from the previous one (a KV batch of 512 blocks is 512 block events, not one).
+func changeWeight(c kvstate.Change) uint64 {
+	var n uint64
+	switch c := c.(type) {
+	case kvstate.KVEvents:
+		for _, e := range c.Events {
+			n += uint64(max(len(e.Blocks), len(e.Removed), 1))
+		}
+	case kvstate.KVDump:
+		for _, e := range c.Events {
+			n += uint64(max(len(e.Blocks), 1))
+		}
+	default:
+		n = 1
+	}
+	return n
+}
+
+// catchUpTimeout bounds how long a call waits for this replica's tailer to reach the stream's tip.
+const catchUpTimeout = 5 * time.Second
+
+// waitApplied returns once the tailer applies more entries, at the deadline (zero: none), or with
+// ctx's error.
+func (l *Log) waitApplied(ctx context.Context, deadline time.Time) error {
+	l.appliedMu.Lock()
+	if l.appliedCh == nil {
+		l.appliedCh = make(chan struct{})
+	}
+	ch := l.appliedCh
+	l.appliedMu.Unlock()
+	var timeout <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timeout = t.C
+	}
+	select {
+	case <-ch:
+	case <-timeout:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	return nil
+}
+
+// notifyApplied wakes waitApplied callers.
+func (l *Log) notifyApplied() {
+	l.appliedMu.Lock()
+	if l.appliedCh != nil {
+		close(l.appliedCh)
+		l.appliedCh = nil
+	}
+	l.appliedMu.Unlock()
+}
+
+// Run joins the log's generation (loading its snapshot), then tails the stream and publishes queued
+// booking changes until ctx ends. Between reads it writes snapshots when its turn comes, reloads the
+// snapshot if the stream was trimmed past what it applied, and follows the log's generation.
+func (l *Log) Run(ctx context.Context) error {
+	// The publisher and the probe are Run's: it returns once they have.
+	var helpers sync.WaitGroup
+	defer helpers.Wait()
+	helpers.Go(func() { l.publish(ctx) })
+	helpers.Go(func() { l.probe(ctx) })
+	l.lastSnapshot = time.Now()
+	for ctx.Err() == nil {
+		err := l.joinGeneration(ctx)
+		if err == nil {
+			break
+		}
+		if errors.Is(err, kvstate.ErrNewerVersion) {
+			l.stall(l.opts.SnapshotKey(), err)
+		}
+		l.opts.Logger.Warn("joining the shared log failed; retrying", "err", err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+	lastCheck, full, check := time.Now(), false, false
+	var lastWarn time.Time
+	for ctx.Err() == nil {
+		select {
+		case <-l.genKick:
+			check = true
+		default:
+		}
+		// Before reading on: when the last batch was full this replica may be far behind, and the
+		// entries it needs next may have been trimmed; otherwise check once a second. The
+		// generation is checked as often, and at once when an append was fenced or an entry of
+		// another generation turned up.
+		if check || full || time.Since(lastCheck) >= time.Second {
+			lastCheck, check = time.Now(), false
+			if err := l.checkGeneration(ctx); err != nil && ctx.Err() == nil && time.Since(lastWarn) > 5*time.Second {
+				lastWarn = time.Now() // it is retried every 100 ms while the generation is lost
+				l.opts.Logger.Warn("checking the shared log's generation failed", "err", err)
+			}
+			if err := l.catchUp(ctx); err != nil && ctx.Err() == nil {
+				l.opts.Logger.Warn("checking the log's trim point failed", "err", err)
+			}
+		}
+		if l.genLost.Load() {
+			// Nothing of this stream is ours until the generation is sorted out.
+			select {
+			case <-ctx.Done():
+			case <-l.genKick:
+				check = true
+			case <-time.After(100 * time.Millisecond):
+				check = true
+			}
+			continue
+		}
+		if l.stalled.Load() {
+			// Stopped before an entry of a newer version: read it again now and then (the log
+			// may be rewritten by a reseed), but apply nothing after it.
+			select {
+			case <-ctx.Done():
+			case <-time.After(time.Second):
+			}
+		}
+		l.maybeSnapshot(ctx)
+		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
+			Streams: []string{l.opts.Stream(), l.LastID()},
+			Count:   l.opts.ReadCount,
+			Block:   l.opts.ReadBlock,
+		}).Result()
+		switch {
+		case errors.Is(err, redis.Nil):
+			full = false
+			l.markReady()
+			continue
+		case err != nil:
+			if ctx.Err() != nil {
+				return nil
+			}
+			l.setDegraded(err)
+			select {
+			case <-ctx.Done():
+			case <-time.After(100 * time.Millisecond):
+			}
+			continue
+		}
+		n := 0
+	apply:
+		for _, st := range streams {
+			for _, msg := range st.Messages {
+				if !l.applyMessage(msg) {
+					check = true // an entry of another generation: stop here and find out
+					break apply
+				}
+				n++
+			}
+		}
+		l.notifyApplied()
+		full = n == int(l.opts.ReadCount)
+		if !full && !check {
+			l.markReady()
+		}
+	}
+	return nil
+}
+
+// catchUp reloads the snapshot when the stream no longer holds the entries after what this replica
+// applied (they were trimmed behind a newer snapshot).
+func (l *Log) catchUp(ctx context.Context) error {
+	if n, err := l.rdb.XLen(ctx, l.opts.Stream()).Result(); err == nil {
+		l.streamLen.Store(n)
+	}
+	last := l.LastID()
+	first, err := l.rdb.XRangeN(ctx, l.opts.Stream(), "-", "+", 1).Result()
+	if err != nil {
+		return err
+	}
+	if len(first) == 0 || compareStreamIDs(first[0].ID, last) <= 0 {
+		return nil // the stream still holds everything after last
+	}
+	// Entries between last and first may have been trimmed; the snapshot covers them.
+	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
+	if errors.Is(err, redis.Nil) {
+		return nil // no snapshot: the stream was never trimmed
+	}
+	if err != nil {
+		return err
+	}
+	h, err := kvstate.ReadSnapshotHeader(data)
+	if err != nil {
+		return err
+	}
+	if g := l.Generation(); h.Generation != g && !(h.Generation == "" && strings.HasSuffix(g, "/"+genAdopted)) {
+		l.kickGeneration() // another generation's snapshot: the generation check sorts it out
+		return nil
+	}
+	if compareStreamIDs(h.Position, last) <= 0 {
+		return nil // the snapshot is not ahead of us: nothing was trimmed that we miss
+	}
+	start := time.Now()
+	l.localMu.Lock()
+	h, err = l.state.Restore(data)
+	if err == nil {
+		// The snapshot may cover entries this replica appended and still waits for: they will not
+		// come back through the stream. Their appenders retry (a worker replays, duplicates drop).
+		// And the restore replaced what this replica had applied locally first: its entries that
+		// come back after the snapshot's position must be applied, not skipped, and those before it
+		// never come back.
+		l.mu.Lock()
+		for seq, w := range l.waiters {
+			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", kvstate.ErrLogUnavailable)}
+			delete(l.waiters, seq)
+		}
+		clear(l.unechoed)
+		l.mu.Unlock()
+		l.lastID.Store(h.Position)
+		l.lastEntry.Store(h.Entry)
+	}
+	l.localMu.Unlock()
+	if err != nil {
+		return err
+	}
+	l.notifyApplied()
+	l.SnapshotBytes.Store(int64(len(data)))
+	l.SnapshotWritten.Store(time.Now().UnixNano())
+	l.SnapshotLoads.Add(1)
+	l.opts.Logger.Info("loaded the log snapshot", "position", h.Position, "bytes", len(data), "took", time.Since(start))
+	return nil
+}
+
+// compareStreamIDs orders two Redis stream ids ("ms-seq").
+func compareStreamIDs(a, b string) int {
+	am, as := splitStreamID(a)
+	bm, bs := splitStreamID(b)
+	switch {
+	case am != bm:
+		if am < bm {
+			return -1
+		}
+		return 1
+	case as < bs:
+		return -1
+	case as > bs:
+		return 1
+	}
+	return 0
+}
+
+func splitStreamID(id string) (ms, seq uint64) {
+	m, s, _ := strings.Cut(id, "-")
+	ms, _ = strconv.ParseUint(m, 10, 64)
+	seq, _ = strconv.ParseUint(s, 10, 64)
+	return ms, seq
+}
+
+// applyMessage applies one stream entry and wakes its appender, if it is this replica's. It applies
+// nothing, and reports false, for an entry of another generation than this replica's (entries
+// written before generations existed carry none, and are applied).
+func (l *Log) applyMessage(msg redis.XMessage) bool {
+	if g, ok := msg.Values[fieldGeneration].(string); ok && g != l.Generation() {
+		return false
+	}
+	data, _ := msg.Values[fieldEntry].(string)
+	if err := kvstate.CheckEntryVersion([]byte(data)); err != nil {
+		// A newer release wrote it. Skipping it would diverge from the replicas that apply it:
+		// stop here, before it, until this replica is upgraded.
+		l.stall(msg.ID, err)
+		return false
+	}
+	if v, ok := msg.Values[fieldNumber].(string); ok {
+		n, _ := strconv.ParseUint(v, 10, 64)
+		if n <= l.lastEntry.Load() {
+			// The log lost its last entries (and this replica had applied them) and numbers anew.
+			l.rewound.Store(true)
+			return false
+		}
+		l.lastEntry.Store(n)
+	}
+	weight := uint64(1) // toward the next snapshot: one per change, one per block of KV events
+	defer func() {
+		l.lastID.Store(msg.ID)
+		l.position.Add(1)
+		l.sinceSnapshot += weight
+		if o := l.observers.Load(); o != nil && o.Apply != nil {
+			if ms, _ := splitStreamID(msg.ID); ms > 0 {
+				o.Apply(time.Since(time.UnixMilli(int64(ms))))
+			}
+		}
+	}()
+	own := msg.Values[fieldReplica] == l.opts.Replica
+	var seq uint64
+	if own {
+		seq, _ = strconv.ParseUint(fmt.Sprint(msg.Values[fieldSeq]), 10, 64)
+		l.mu.Lock()
+		appliedLocally := l.unechoed[seq]
+		delete(l.unechoed, seq)
+		l.mu.Unlock()
+		if appliedLocally {
+			return true // applied when it was appended
+		}
+	}
+	changes, err := kvstate.DecodeEntry([]byte(data))
+	var out appliedEntry
+	if err != nil {
+		l.opts.Logger.Error("skipping an undecodable log entry", "id", msg.ID, "err", err)
+		out.err = err
+	}
+	for _, c := range changes {
+		out.res, out.err = l.state.ApplyReplicated(c)
+		weight += changeWeight(c)
+	}
+	if own {
+		l.mu.Lock()
+		w := l.waiters[seq]
+		delete(l.waiters, seq)
+		l.mu.Unlock()
+		if w != nil {
+			w <- out
+		}
+	}
+	return true
+}
