@@ -3,10 +3,12 @@ package policy
 import (
 	"context"
 	"errors"
+	"fmt"
 	"testing"
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 const testTimeout = 10 * time.Second
@@ -36,13 +38,7 @@ func startRoute(t *testing.T, ctx context.Context, r *Router, id string, tokens 
 		dec, err := r.Route(ctx, &Request{ID: id, Model: "m", Tokens: prompt(tokens)})
 		results <- routeResult{id, dec, err}
 	}()
-	deadline := time.Now().Add(testTimeout)
-	for r.QueueDepth() == before {
-		if time.Now().After(deadline) {
-			t.Fatalf("request %s was not queued", id)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	kvtest.Eventually(t, testTimeout, fmt.Sprintf("request %s to be queued", id), func() bool { return r.QueueDepth() != before })
 }
 
 func TestQueueWaitsUntilDeadline(t *testing.T) {

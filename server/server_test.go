@@ -27,6 +27,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
@@ -86,18 +87,10 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	}
 }
 
-// eventually waits until cond holds, polling; it fails the test after defaultTestTimeout. Tests wait
-// for the effect they check, never for an assumed order (a load report is applied after Publish
-// returns to the client, not before).
+// eventually waits until cond holds (kvtest.Eventually, with the tests' timeout).
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(defaultTestTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(time.Millisecond)
-	}
+	kvtest.Eventually(t, defaultTestTimeout, what, cond)
 }
 
 // wantStatus fails unless err carries code and exactly msg.

@@ -12,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
@@ -53,16 +54,10 @@ func startReplicasNamed(t *testing.T, rdb redis.UniversalClient, name string, n 
 	return out
 }
 
-// eventually polls cond until it holds or the test times out.
+// eventually waits until cond holds (kvtest.Eventually, with the Redis tests' timeout).
 func eventually(t *testing.T, what string, cond func() bool) {
 	t.Helper()
-	deadline := time.Now().Add(redisTestTimeout)
-	for !cond() {
-		if time.Now().After(deadline) {
-			t.Fatalf("timed out waiting for %s", what)
-		}
-		time.Sleep(2 * time.Millisecond)
-	}
+	kvtest.Eventually(t, redisTestTimeout, what, cond)
 }
 
 var (
