@@ -158,9 +158,9 @@ func New(o Options) *Server {
 
 // SharedStateService is the health entry of the state shared through a store (Redis): NOT_SERVING
 // while the store is unreachable, an outage's changes wait to be published, or this replica knows
-// its state may be incomplete (the shared log was lost and is not re-established yet, or it follows a fresh
-// log that a replica with state may still reseed). The routing services stay SERVING meanwhile,
-// since routing goes on from local state.
+// its state may be incomplete (the shared log was lost and is not re-established yet, it follows a
+// fresh log that a replica with state may still reseed, or it stopped at a newer version). The
+// routing services stay SERVING meanwhile, since routing goes on from local state.
 const SharedStateService = "kvrouter.v1.SharedState"
 
 func (s *Server) watchSharedLog(l kvstate.SharedLog) {
