@@ -1,50 +1,33 @@
 package policy
 
 import (
-	"fmt"
 	"math"
 )
 
-// CDPolicy is a conditional-disaggregation policy: when a request may skip remote prefill and run
-// whole on the decode worker that already caches most of its prompt (Dynamo §1.2).
-type CDPolicy uint8
-
-// Conditional-disaggregation policies.
-const (
-	// ISLBounding bypasses when the effective ISL is under eff_isl_threshold and its share of the
-	// prompt under eff_isl_ratio_threshold (both strict).
-	ISLBounding CDPolicy = iota
-	// PrefillLoad bypasses when the prefill worker the router would pick is busy.
-	PrefillLoad
-	// ISLOrLoad bypasses when either condition holds.
-	ISLOrLoad
-)
-
-// String returns the policy's configuration name.
-func (p CDPolicy) String() string {
-	switch p {
-	case PrefillLoad:
-		return "prefill_load"
-	case ISLOrLoad:
-		return "isl_or_load"
-	}
-	return "isl_bounding"
+// CDPolicy is a conditional-disaggregation policy: whether a request may skip remote prefill and
+// run whole on the decode worker that already caches most of its prompt (Dynamo §1.2). Policies
+// are values registered by name (RegisterCDPolicy, cdpolicies.go): a new one is a file with its
+// type and its registration.
+type CDPolicy interface {
+	// String returns the policy's configuration name.
+	String() string
+	// NeedsPrefillBusy reports whether the policy reads the prefill-busy signal: the router then
+	// computes it, and the configuration must give a prefill-busy threshold.
+	NeedsPrefillBusy() bool
+	// Bypass decides from the signals of one request (§1.4), before the decode gate.
+	Bypass(s CDSignals) bool
 }
 
-// NeedsPrefillBusy reports whether the policy reads the prefill-busy signal.
-func (p CDPolicy) NeedsPrefillBusy() bool { return p == PrefillLoad || p == ISLOrLoad }
-
-// ParseCDPolicy parses a policy name exactly (case-sensitive), with Dynamo's error text.
-func ParseCDPolicy(s string) (CDPolicy, error) {
-	switch s {
-	case "isl_bounding":
-		return ISLBounding, nil
-	case "prefill_load":
-		return PrefillLoad, nil
-	case "isl_or_load":
-		return ISLOrLoad, nil
-	}
-	return 0, fmt.Errorf("unknown conditional_disagg_policy: %q, expected 'isl_bounding', 'prefill_load', or 'isl_or_load'", s)
+// CDSignals is what a policy decides from.
+type CDSignals struct {
+	// ISLBounded: the effective ISL is under eff_isl_threshold and its share of the prompt under
+	// eff_isl_ratio_threshold (both strict).
+	ISLBounded bool
+	// PrefillBusy is the busy signal of the prefill worker the router would pick; Unknown unless the
+	// policy NeedsPrefillBusy, or when no signal is available (a missing signal counts as calm).
+	PrefillBusy Tristate
+	// EffectiveISL and Ratio are the numbers behind ISLBounded (EffectiveISL).
+	EffectiveISL, Ratio float64
 }
 
 // CDConfig configures conditional disaggregation (Dynamo §1.9). Defaults are those of
@@ -126,21 +109,16 @@ func (in CDInput) EffectiveISL() (eff, ratio float64) {
 }
 
 // SaysBypass reports whether the policy would bypass remote prefill, before the decode gate (§1.4).
-// A disabled configuration never bypasses; a missing prefill-busy signal counts as calm.
+// A disabled configuration never bypasses.
 func (c CDConfig) SaysBypass(in CDInput) bool {
 	if !c.Enabled {
 		return false
 	}
 	eff, ratio := in.EffectiveISL()
-	islOK := eff < float64(c.EffISLThreshold) && ratio < c.EffISLRatioThreshold
-	busy := in.PrefillBusy == Yes
-	switch c.Policy {
-	case PrefillLoad:
-		return busy
-	case ISLOrLoad:
-		return islOK || busy
-	}
-	return islOK
+	return c.Policy.Bypass(CDSignals{
+		ISLBounded:  eff < float64(c.EffISLThreshold) && ratio < c.EffISLRatioThreshold,
+		PrefillBusy: in.PrefillBusy, EffectiveISL: eff, Ratio: ratio,
+	})
 }
 
 // GateDecision is the decode gate's label, logged and counted for every decision (§1.7).

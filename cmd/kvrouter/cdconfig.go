@@ -43,7 +43,7 @@ func parseCDConfig(raw string, cd *policy.CDConfig) error {
 		}
 		p, err := policy.ParseCDPolicy(s)
 		if err != nil {
-			return fmt.Errorf("%s policy must be one of 'isl_bounding', 'prefill_load', 'isl_or_load'", cdFlag)
+			return fmt.Errorf("%s policy must be one of %s", cdFlag, strings.Join(policy.CDPolicyNames(), ", "))
 		}
 		cd.Policy = p
 	}
