@@ -168,7 +168,7 @@ func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (pol
 	if o.Policy != nil {
 		p, err := policy.ParseCDPolicy(o.GetPolicy())
 		if err != nil {
-			return out, invalidArgument(field+"policy", "must be one of 'isl_bounding', 'prefill_load', 'isl_or_load'")
+			return out, invalidArgument(field+"policy", "must be one of "+strings.Join(policy.CDPolicyNames(), ", "))
 		}
 		out.Policy = &p
 	}
