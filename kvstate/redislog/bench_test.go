@@ -313,6 +313,16 @@ func cpuTime() time.Duration {
 	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
 
+// eachMaster runs f on every master behind rdb (the one server, or each master of a cluster).
+func eachMaster(ctx context.Context, rdb redis.UniversalClient, f func(context.Context, *redis.Client) error) {
+	switch c := rdb.(type) {
+	case *redis.ClusterClient:
+		_ = c.ForEachMaster(ctx, f)
+	case *redis.Client:
+		_ = f(ctx, c)
+	}
+}
+
 // redisCPU returns the CPU time the Redis servers behind rdb have used (INFO cpu, every master).
 func redisCPU(ctx context.Context, rdb redis.UniversalClient) time.Duration {
 	var total atomic.Int64
@@ -330,12 +340,7 @@ func redisCPU(ctx context.Context, rdb redis.UniversalClient) time.Duration {
 		}
 		return nil
 	}
-	switch c := rdb.(type) {
-	case *redis.ClusterClient:
-		_ = c.ForEachMaster(ctx, read)
-	case *redis.Client:
-		_ = read(ctx, c)
-	}
+	eachMaster(ctx, rdb, read)
 	return time.Duration(total.Load())
 }
 
@@ -372,23 +377,13 @@ func commandStats(ctx context.Context, rdb redis.UniversalClient) map[string][2]
 		}
 		return nil
 	}
-	switch c := rdb.(type) {
-	case *redis.ClusterClient:
-		_ = c.ForEachMaster(ctx, read)
-	case *redis.Client:
-		_ = read(ctx, c)
-	}
+	eachMaster(ctx, rdb, read)
 	return out
 }
 
 // resetStats zeroes INFO commandstats on every master.
 func resetStats(ctx context.Context, rdb redis.UniversalClient) {
-	switch c := rdb.(type) {
-	case *redis.ClusterClient:
-		_ = c.ForEachMaster(ctx, func(ctx context.Context, c *redis.Client) error { return c.ConfigResetStat(ctx).Err() })
-	case *redis.Client:
-		_ = c.ConfigResetStat(ctx).Err()
-	}
+	eachMaster(ctx, rdb, func(ctx context.Context, c *redis.Client) error { return c.ConfigResetStat(ctx).Err() })
 }
 
 func millis(d time.Duration) float64 { return float64(d) / 1e6 }

@@ -88,13 +88,17 @@ func (l *Log) Run(ctx context.Context) error {
 		if err == nil {
 			break
 		}
+		retry := 100 * time.Millisecond
 		if errors.Is(err, kvstate.ErrNewerVersion) {
+			// Said once at ERROR (stall); only an upgrade helps, so look again now and then.
 			l.stall(l.opts.SnapshotKey(), err)
+			retry = time.Second
+		} else {
+			l.opts.Logger.Warn("joining the shared log failed; retrying", "err", err)
 		}
-		l.opts.Logger.Warn("joining the shared log failed; retrying", "err", err)
 		select {
 		case <-ctx.Done():
-		case <-time.After(100 * time.Millisecond):
+		case <-time.After(retry):
 		}
 	}
 	lastCheck, full, check := time.Now(), false, false
