@@ -86,8 +86,9 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 		return err
 	}
 	log, liveness, mode := b.log, b.liveness, b.mode
-	// Every long-lived goroutine but the servers' runs in background, under runCtx, which ends after
-	// the servers have stopped; the Redis client closes once they all have returned.
+	// Every long-lived goroutine runs in background; those of the log under runCtx, which ends only
+	// after the gRPC server has stopped (so every stream has released its lease before the leases'
+	// Run returns); the Redis client closes once they all have returned.
 	runCtx, stopRun := context.WithCancel(context.Background())
 	var background errgroup.Group
 	defer func() {
