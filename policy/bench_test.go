@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 const (
@@ -122,7 +123,7 @@ type cachedPrompt struct {
 type routeFixture struct {
 	state   *kvstate.State
 	log     *kvstate.MemLog
-	router  *policy.Router
+	router  *dispatch.Dispatcher
 	workers []kvstate.WorkerKey
 	gen     *promptGen
 	queries map[int][][]uint32 // by prompt length in tokens
@@ -149,7 +150,7 @@ func fixture(tb testing.TB, prefill int) *routeFixture {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &routeFixture{
-		state: state, log: log, router: policy.NewRouter(state, log, policy.DefaultConfig()),
+		state: state, log: log, router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
 		gen: newPromptGen(20261202), queries: map[int][][]uint32{}, nextID: map[kvstate.WorkerKey]uint64{},
 	}
 	for i := range benchWorkers {
@@ -276,9 +277,10 @@ var topologies = []struct {
 	prefill int
 }{{"agg64", 0}, {"disagg16p48d", 16}}
 
-// BenchmarkRoute measures Router.Route on a fleet with about 1M cached blocks, query-only (a
-// preview, nothing booked) and booking (each request booked, and freed benchInFlight requests
-// later, so bookings stay alive meanwhile as they would in service). p50-ns and p99-ns are of the
+// BenchmarkRoute measures dispatch.Dispatcher.Route (the kernel's decision, and its booking) on a
+// fleet with about 1M cached blocks, query-only (a preview, nothing booked) and booking (each
+// request booked, and freed benchInFlight requests later, so bookings stay alive meanwhile as they
+// would in service). p50-ns and p99-ns are of the
 // Route call alone; ns/op also includes the Free of the booking variant.
 func BenchmarkRoute(b *testing.B) {
 	for _, topo := range topologies {
@@ -304,9 +306,9 @@ func BenchmarkRouteConditionalDisagg(b *testing.B) {
 	on.ConditionalDisagg.Enabled, on.ConditionalDisagg.Policy = true, policy.ISLOrLoad
 	threshold := 1.0
 	on.ConditionalDisagg.PrefillBusyThreshold = &threshold
-	routers := map[string]*policy.Router{
-		"off": policy.NewRouter(f.state, f.log, policy.DefaultConfig()),
-		"on":  policy.NewRouter(f.state, f.log, on),
+	routers := map[string]*dispatch.Dispatcher{
+		"off": dispatch.New(f.state, f.log, policy.NewKernel(f.state, policy.DefaultConfig())),
+		"on":  dispatch.New(f.state, f.log, policy.NewKernel(f.state, on)),
 	}
 	for _, tokens := range []int{2048, 32768} {
 		for _, book := range []bool{false, true} {
@@ -356,7 +358,7 @@ func BenchmarkRouteUnderIngestion(b *testing.B) {
 }
 
 // benchRoute routes the fixture's query prompts of the given length, timing every call.
-func benchRoute(b *testing.B, f *routeFixture, router *policy.Router, tokens int, book bool) {
+func benchRoute(b *testing.B, f *routeFixture, router *dispatch.Dispatcher, tokens int, book bool) {
 	queries := f.queries[tokens]
 	ids := make([]string, 4*benchInFlight)
 	for i := range ids {
@@ -370,7 +372,7 @@ func benchRoute(b *testing.B, f *routeFixture, router *policy.Router, tokens int
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		req := &policy.Request{Model: benchModel, Tokens: queries[i%len(queries)], QueryOnly: !book}
+		req := &dispatch.Request{Request: policy.Request{Model: benchModel, Tokens: queries[i%len(queries)], QueryOnly: !book}}
 		if book {
 			req.ID = ids[i%len(ids)]
 		}

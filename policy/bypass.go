@@ -75,7 +75,7 @@ type CDDiagnostics struct {
 // conditionalDisagg decides whether the request bypasses remote prefill (Dynamo §1.5), recording the
 // reason and numbers in the decision. It returns the decode worker to bypass to, or nil for remote
 // prefill. Nothing is booked here: both pools are only previewed.
-func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefillPool, decodePool []*kvstate.Worker, affinity *Pin, affinityStale bool) *Choice {
+func (r *Kernel) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefillPool, decodePool []*kvstate.Worker, affinity *Pin, affinityStale bool) *Choice {
 	dec, req := rc.dec, rc.req
 	switch {
 	case !cd.Enabled:
@@ -155,7 +155,7 @@ func (r *Router) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefill
 
 // prefillBusy is the busy signal of the prefill worker an advisory selection would pick (§1.6):
 // Unknown without a threshold or when the selection fails; Yes when every prefill worker is overloaded.
-func (r *Router) prefillBusy(rc *routeCtx, cd CDConfig, w Weights, pool []*kvstate.Worker) Tristate {
+func (r *Kernel) prefillBusy(rc *routeCtx, cd CDConfig, w Weights, pool []*kvstate.Worker) Tristate {
 	if cd.PrefillBusyThreshold == nil {
 		return Unknown
 	}

@@ -333,109 +333,47 @@ func TestEffectiveCD(t *testing.T) {
 	}
 }
 
-// bindSession routes a query for the session pinned to worker id, so the booking binds the session
-// to it, then frees the booking (the binding stays).
-func bindSession(t *testing.T, f *fleet, cfg Config, session string, id uint64) {
-	t.Helper()
-	r := f.router(cfg)
-	if _, err := r.Route(context.Background(), &Request{ID: "bind-" + session, Model: "m", Tokens: coldPrompt(64),
-		SessionID: session, DecodePin: &Pin{Worker: id}}); err != nil {
-		t.Fatalf("Route(bind) = %v", err)
-	}
-	f.append(kvstate.Freed{RequestID: "bind-" + session})
-	if got, ok := f.state.Session(session, r.Now().UnixNano()); !ok || got.ID != id {
-		t.Fatalf("session %s bound to %v (%v), want worker %d", session, got, ok, id)
-	}
-}
-
+// TestSessionAffinity: the kernel's side of session affinity, given the decode worker the session
+// is bound to (server/dispatch looks it up and binds sessions).
 func TestSessionAffinity(t *testing.T) {
-	withAffinity := func() Config {
-		c := cdOn()
-		c.SessionAffinityTTL = 60e9
-		return c
-	}
 	tests := []struct {
-		name       string
-		setup      func(f *fleet, cfg Config)
-		noAffinity bool
-		req        Request
-		want       outcome
+		name string
+		req  Request
+		want outcome
 	}{
 		{
 			// §8 item 4: the explicit pin is resolved first; a session bound to a worker that is gone
 			// must not abort it.
 			name: "explicit pin wins over a stale session",
-			setup: func(f *fleet, cfg Config) {
-				f.register(23, 0, kvstate.RoleDecode, 100, true)
-				bindSession(t, f, cfg, "s", 23)
-				f.append(kvstate.WorkerRemoved{Key: kvstate.WorkerKey{ID: 23}})
-			},
-			req: Request{ID: "r", SessionID: "s", DecodePin: &Pin{Worker: 22}},
+			req:  Request{ID: "r", SessionWorker: &kvstate.WorkerKey{ID: 23}, DecodePin: &Pin{Worker: 22}},
 			want: outcome{Mode: ModeBypass, Reason: ReasonBypass, Decode: 22, Annotations: []string{BypassAnnotation},
 				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview}},
 		},
 		{
 			name: "a stale session without a pin skips C/D",
-			setup: func(f *fleet, cfg Config) {
-				f.register(23, 0, kvstate.RoleDecode, 100, true)
-				bindSession(t, f, cfg, "s", 23)
-				f.append(kvstate.WorkerRemoved{Key: kvstate.WorkerKey{ID: 23}})
-			},
-			req: Request{ID: "r", SessionID: "s"},
+			req:  Request{ID: "r", SessionWorker: &kvstate.WorkerKey{ID: 23}},
 			want: outcome{Mode: ModeDisaggregated, Reason: ReasonDecodeAffinityUnresolved, Prefill: 10, Decode: 22, Annotations: []string{},
 				Booked: []string{"r"}, PreviewHops: []string{HopPrefill, HopDecode}},
 		},
 		{
 			// Hard affinity: the session's (cold) decode worker is where C/D looks, and where the
 			// decode hop goes.
-			name:  "a bound session pins the decode worker",
-			setup: func(f *fleet, cfg Config) { bindSession(t, f, cfg, "s", 21) },
-			req:   Request{ID: "r", SessionID: "s"},
+			name: "a bound session pins the decode worker",
+			req:  Request{ID: "r", SessionWorker: &kvstate.WorkerKey{ID: 21}},
 			want: outcome{Mode: ModeDisaggregated, Reason: ReasonPolicyDeclined, Prefill: 10, Decode: 21, Annotations: []string{},
 				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview, HopPrefill, HopDecode}},
-		},
-		{
-			name:       "affinity off ignores the binding",
-			setup:      func(f *fleet, cfg Config) { bindSession(t, f, cfg, "s", 21) },
-			noAffinity: true,
-			req:        Request{ID: "r", SessionID: "s"},
-			want: outcome{Mode: ModeBypass, Reason: ReasonBypass, Decode: 22, Annotations: []string{BypassAnnotation},
-				Booked: []string{"r"}, PreviewHops: []string{HopDecodePreview}},
 		},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			f, tokens := cdFleet(t)
-			cfg := withAffinity()
-			tt.setup(f, cfg)
-			if tt.noAffinity {
-				cfg.SessionAffinityTTL = 0
-			}
 			req := tt.req
 			req.Tokens = tokens
-			got, _ := route(t, f, cfg, req)
+			got, _ := route(t, f, cdOn(), req)
 			if diff := cmp.Diff(tt.want, got); diff != "" {
 				t.Errorf("Route() mismatch (-want +got):\n%s", diff)
 			}
 		})
-	}
-}
-
-// TestSessionFollowsItsDecodeWorker: a session's first turn binds it to the decode worker that
-// served it; the next turn goes there even when another worker is idler.
-func TestSessionFollowsItsDecodeWorker(t *testing.T) {
-	f, tokens := cdFleet(t)
-	cfg := cdOn()
-	cfg.SessionAffinityTTL = 60e9
-	first, _ := route(t, f, cfg, Request{ID: "turn-1", SessionID: "chat", Tokens: tokens})
-	if first.Decode != 22 {
-		t.Fatalf("first turn went to %d, want 22", first.Decode)
-	}
-	// Load 22 so that, without affinity, 21 would win the load-only decode hop.
-	f.append(kvstate.Booked{Booking: kvstate.Booking{RequestID: "busy", Hops: []kvstate.HopBooking{{Worker: kvstate.WorkerKey{ID: 22}, Blocks: []uint64{1, 2, 3}}}}})
-	second, _ := route(t, f, cfg, Request{ID: "turn-2", SessionID: "chat", Tokens: coldPrompt(4096)})
-	if second.Decode != 22 || second.Mode != ModeDisaggregated {
-		t.Errorf("second turn = %v to %d, want disaggregated to 22", second.Mode, second.Decode)
 	}
 }
 

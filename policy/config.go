@@ -41,6 +41,7 @@ type Config struct {
 	EnforceDisagg             bool          // enforce_disagg: fail instead of routing aggregated (false)
 	ConditionalDisagg         CDConfig      // conditional_disagg, conditional_disagg_config
 	SessionAffinityTTL        time.Duration // session_affinity_ttl: how long a session keeps its decode worker (0 = off)
+	Scorer                    Scorer        // scorer: costs each hop's candidates (dynamo)
 }
 
 // DefaultConfig returns Dynamo's defaults.
@@ -56,6 +57,7 @@ func DefaultConfig() Config {
 		QueuePolicy:        QueuePolicyFCFS,
 		QueueMaxDepth:      1024,
 		ConditionalDisagg:  DefaultCDConfig(),
+		Scorer:             DynamoCost,
 	}
 }
 

@@ -33,7 +33,7 @@ func (b *syncBuffer) String() string {
 
 func withCD(logs *syncBuffer) func(*Options) {
 	return func(o *Options) {
-		o.Router.Config.ConditionalDisagg.Enabled = true
+		withRouting(func(c *policy.Config) { c.ConditionalDisagg.Enabled = true })(o)
 		if logs != nil {
 			o.Logger = slog.New(slog.NewTextHandler(logs, nil))
 		}
@@ -141,7 +141,7 @@ func TestBypassOnTheWire(t *testing.T) {
 // TestCDOverrideNeedsKVEvents: turning conditional disaggregation on per request while the router
 // runs without KV events is refused, naming the field.
 func TestCDOverrideNeedsKVEvents(t *testing.T) {
-	e := newTestEnv(t, func(o *Options) { o.Router.Config.UseKVEvents = false })
+	e := newTestEnv(t, withRouting(func(c *policy.Config) { c.UseKVEvents = false }))
 	p := registerRole(e, 1, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, true)
 	defer p.stream.CloseSend()
 	on := true

@@ -14,6 +14,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // errorDomain is the ErrorInfo domain of every error the router returns.
@@ -31,7 +32,7 @@ var domainErrors = []struct {
 	{policy.ErrNoEligibleWorkers, codes.FailedPrecondition, "NO_ELIGIBLE_WORKERS"},
 	{policy.ErrPinnedWorkerNotFound, codes.NotFound, "PINNED_WORKER_NOT_FOUND"},
 	{policy.ErrPinnedWorkerOverloaded, codes.ResourceExhausted, "PINNED_WORKER_OVERLOADED"},
-	{policy.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
+	{dispatch.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
 	{policy.ErrAllWorkersOverloaded, codes.ResourceExhausted, "ALL_WORKERS_OVERLOADED"},
 	{policy.ErrDisaggRequired, codes.FailedPrecondition, "DISAGG_REQUIRED"},
 	{kvstate.ErrAlreadyBooked, codes.AlreadyExists, "ALREADY_BOOKED"},

@@ -21,7 +21,7 @@ type metrics struct {
 	superseded     prometheus.Counter
 }
 
-func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvstate.Presence, log kvstate.Log, router *policy.Router) *metrics {
+func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvstate.Presence, log kvstate.Log, queue queueDepther) *metrics {
 	m := &metrics{
 		routeDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_route_decisions_total",
@@ -55,7 +55,7 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvsta
 		}),
 	}
 	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs, m.superseded,
-		&stateCollector{state: state, presence: presence, log: log, router: router})
+		&stateCollector{state: state, presence: presence, log: log, queue: queue})
 	if sl, ok := log.(kvstate.SharedLog); ok {
 		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_shared_log_append_seconds",
@@ -159,12 +159,15 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 	}
 }
 
+// queueDepther reports how many Route requests wait for capacity (dispatch.Dispatcher).
+type queueDepther interface{ QueueDepth() int }
+
 // stateCollector reports gauges of the state when scraped.
 type stateCollector struct {
 	state    *kvstate.State
 	presence *kvstate.Presence
 	log      kvstate.Log
-	router   *policy.Router
+	queue    queueDepther
 }
 
 var (
@@ -218,5 +221,5 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	}
 	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(c.state.Load().Bookings()))
 	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(c.log.Position()))
-	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.router.QueueDepth()))
+	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
 }

@@ -3,7 +3,6 @@ package server
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"math"
 	"strings"
@@ -12,16 +11,16 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // maxRequestIDBytes bounds request ids: they are kept in memory for the life of a booking.
 const maxRequestIDBytes = 512
 
-// routerService implements RouterService: validate, call the policy router, map the result.
+// routerService implements RouterService: validate, call the dispatcher, map the result.
 type routerService struct {
 	kvrouterv1.UnimplementedRouterServiceServer
-	router          *policy.Router
-	log             kvstate.Log
+	dispatcher      *dispatch.Dispatcher
 	metrics         *metrics
 	logger          *slog.Logger
 	maxPromptTokens int
@@ -33,7 +32,7 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 		return nil, err
 	}
 	start := time.Now()
-	dec, err := s.router.Route(ctx, preq)
+	dec, err := s.dispatcher.Route(ctx, preq)
 	if err != nil {
 		return nil, toStatus(err)
 	}
@@ -54,8 +53,8 @@ func (s *routerService) MarkPrefillComplete(ctx context.Context, req *kvrouterv1
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if err := s.endBooking(ctx, req.GetRequestId(), kvstate.PrefillDone{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
-		return nil, err
+	if err := s.dispatcher.PrefillComplete(ctx, req.GetRequestId()); err != nil {
+		return nil, toStatus(err)
 	}
 	return &kvrouterv1.MarkPrefillCompleteResponse{}, nil
 }
@@ -64,23 +63,10 @@ func (s *routerService) Free(ctx context.Context, req *kvrouterv1.FreeRequest) (
 	if err := checkRequestID(req.GetRequestId()); err != nil {
 		return nil, err
 	}
-	if err := s.endBooking(ctx, req.GetRequestId(), kvstate.Freed{RequestID: req.GetRequestId(), At: time.Now().UnixNano()}); err != nil {
-		return nil, err
+	if err := s.dispatcher.Free(ctx, req.GetRequestId()); err != nil {
+		return nil, toStatus(err)
 	}
 	return &kvrouterv1.FreeResponse{}, nil
-}
-
-// endBooking appends a PrefillDone or Freed. Both modes answer alike: NOT_FOUND when no replica holds
-// the booking, and nothing is appended then.
-func (s *routerService) endBooking(ctx context.Context, id string, c kvstate.Change) error {
-	_, err := s.log.Append(ctx, c)
-	switch {
-	case errors.Is(err, kvstate.ErrUnknownRequest):
-		err = fmt.Errorf("request_id %q: %w (never booked, already freed, or expired)", id, err)
-	case errors.Is(err, kvstate.ErrLogUnavailable):
-		err = fmt.Errorf("request_id %q: %w", id, err)
-	}
-	return toStatus(err)
 }
 
 func checkRequestID(id string) error {
@@ -93,8 +79,8 @@ func checkRequestID(id string) error {
 	return nil
 }
 
-// routeRequest validates a RouteRequest and converts it to the policy's request.
-func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Request, error) {
+// routeRequest validates a RouteRequest and converts it to the dispatcher's request.
+func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Request, error) {
 	if !req.GetQueryOnly() || req.GetRequestId() != "" {
 		if err := checkRequestID(req.GetRequestId()); err != nil {
 			return nil, err
@@ -109,12 +95,12 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Requ
 	case n > s.maxPromptTokens:
 		return nil, invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
 	}
-	out := &policy.Request{
+	dreq := &dispatch.Request{SessionID: req.GetSessionId(), Request: policy.Request{
 		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
 		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(),
 		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),
-		SessionID: req.GetSessionId(),
-	}
+	}}
+	out := &dreq.Request
 	if h := req.GetHints(); h != nil {
 		if h.PrefillDpRank != nil && h.PrefillWorkerId == nil {
 			return nil, invalidArgument("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
@@ -154,7 +140,7 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*policy.Requ
 			out.CDOverride = cdo
 		}
 	}
-	return out, nil
+	return dreq, nil
 }
 
 // cdOverride validates a per-request conditional-disaggregation override with the rules of
@@ -180,7 +166,7 @@ func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (pol
 			return out, invalidArgument(field+name, "must be >= 0")
 		}
 	}
-	if _, err := s.router.Config.EffectiveCD(out); err != nil {
+	if _, err := s.dispatcher.Config().EffectiveCD(out); err != nil {
 		var fe *policy.FieldError
 		if errors.As(err, &fe) {
 			name := strings.TrimPrefix(fe.Field, "conditional_disagg_")

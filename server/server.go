@@ -25,20 +25,20 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // Options configure a Server.
 type Options struct {
-	State    *kvstate.State
-	Log      kvstate.Log
-	Router   *policy.Router
-	Config   []ConfigEntry // the effective configuration, for GetConfig
-	Logger   *slog.Logger
-	Registry *prometheus.Registry
-	Now      func() time.Time
-	Liveness kvstate.Liveness  // nil: kvstate.LocalLiveness (embedded mode)
-	Presence *kvstate.Presence // this replica's streams (the housekeeper's too); nil: a new one
+	State      *kvstate.State
+	Log        kvstate.Log
+	Dispatcher *dispatch.Dispatcher
+	Config     []ConfigEntry // the effective configuration, for GetConfig
+	Logger     *slog.Logger
+	Registry   *prometheus.Registry
+	Now        func() time.Time
+	Liveness   kvstate.Liveness  // nil: kvstate.LocalLiveness (embedded mode)
+	Presence   *kvstate.Presence // this replica's streams (the housekeeper's too); nil: a new one
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
 	MaxRecvMsgBytes      int    // largest accepted message (any method)
@@ -132,10 +132,10 @@ func New(o Options) *Server {
 	if o.Presence == nil {
 		o.Presence = kvstate.NewPresence()
 	}
-	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Router)
-	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{router: o.Router, log: o.Log, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
+	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Dispatcher)
+	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Router.Config.ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits})
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)

@@ -29,6 +29,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 const defaultTestTimeout = 10 * time.Second
@@ -48,14 +49,23 @@ type testEnv struct {
 	ctx      context.Context
 }
 
+// withRouting changes the routing configuration of a test server.
+func withRouting(change func(*policy.Config)) func(*Options) {
+	return func(o *Options) {
+		cfg := o.Dispatcher.Config()
+		change(&cfg)
+		o.Dispatcher = dispatch.New(o.State, o.Log, policy.NewKernel(o.State, cfg))
+	}
+}
+
 func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	t.Helper()
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	registry := prometheus.NewRegistry()
-	router := policy.NewRouter(state, log, policy.DefaultConfig())
 	opts := Options{
-		State: state, Log: log, Router: router, Registry: registry,
+		State: state, Log: log, Registry: registry,
+		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Config:          []ConfigEntry{{Key: "listen", Value: ":50051", Source: SourceDefault}, {Key: "overlap_score_credit", Value: "0.5", Source: SourceFlag}},
 		MaxPromptTokens: 1000, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,

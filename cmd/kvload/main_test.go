@@ -20,6 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 const defaultTestTimeout = 10 * time.Second
@@ -30,7 +31,7 @@ func startRouter(t *testing.T) (string, *kvstate.State) {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	srv := server.New(server.Options{
-		State: state, Log: log, Router: policy.NewRouter(state, log, policy.DefaultConfig()),
+		State: state, Log: log, Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
 		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry(),
 		MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 100,
 	})

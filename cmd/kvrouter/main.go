@@ -32,6 +32,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 func main() {
@@ -99,13 +100,13 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	for _, run := range b.run {
 		background.Go(func() error { return run(runCtx) })
 	}
-	router := policy.NewRouter(state, log, cfg.Router)
+	dispatcher := dispatch.New(state, log, policy.NewKernel(state, cfg.Router))
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := server.New(server.Options{
-		State: state, Log: log, Router: router, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
+		State: state, Log: log, Dispatcher: dispatcher, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 	})

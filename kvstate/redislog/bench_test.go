@@ -91,11 +91,11 @@ func newVisPrompt(root []kvstate.Block, rootLocal []uint64, rootTokens []uint32,
 	return visPrompt{event: ev, seq: kvstate.SequenceHashes(nil, local), tokens: tokens}
 }
 
-// routeDepth is the overlap B's Route reports for the prompt: a query-only policy.Router.Route on
-// B's state, read from its decision (the model's one aggregated worker is the decode target). It
+// routeDepth is the overlap B's Route reports for the prompt: a query-only decision of
+// policy.Kernel on B's state, read from it (the model's one aggregated worker is the decode target). It
 // is 0 while B does not know the worker yet.
-func routeDepth(r *policy.Router, tokens []uint32) uint64 {
-	dec, err := r.Route(context.Background(), &policy.Request{Model: "m", Tokens: tokens, QueryOnly: true})
+func routeDepth(k *policy.Kernel, tokens []uint32) uint64 {
+	dec, err := k.Decide(&policy.Request{Model: "m", Tokens: tokens, QueryOnly: true})
 	if err != nil {
 		return 0
 	}
@@ -113,7 +113,7 @@ func deviceDepth(st *kvstate.State, model string, key kvstate.WorkerKey, seq []u
 }
 
 // TestCrossReplicaVisibility is the acceptance test: worker W publishes to replica A, and
-// replica B's Route (a query-only policy.Router.Route on B's state) reports W's overlap within 50 ms, p99 over 1,000
+// replica B's Route (a query-only decision of policy.Kernel on B's state) reports W's overlap within 50 ms, p99 over 1,000
 // batches. Each batch is a 16-block prompt chained (by parent) onto a 16-block system prompt W
 // already holds, so B's overlap for the prompt goes from 16 to 32 when the batch is applied. The lag
 // runs from just before A.Append is called until B's Route answers 32. B is polled every
@@ -136,7 +136,7 @@ func TestCrossReplicaVisibility(t *testing.T) {
 		{ID: 0, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: root}}}); err != nil || res.Applied != 1 {
 		t.Fatalf("A.Append(system prompt) = %+v, %v; want 1 event applied", res, err)
 	}
-	router := policy.NewRouter(b.state, b.log, policy.DefaultConfig())
+	router := policy.NewKernel(b.state, policy.DefaultConfig())
 	eventually(t, "B to hold the system prompt", func() bool { return routeDepth(router, rootTokens) == visBlocks })
 
 	type appended struct {

@@ -1,12 +1,10 @@
 package policy
 
 import (
-	"context"
-	"errors"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/zeebo/xxh3"
 
@@ -76,8 +74,10 @@ type Request struct {
 	AllowedWorkers []uint64 // empty = all
 	Override       Override
 	CDOverride     CDOverride
-	SessionID      string // binds the conversation to its decode worker (session affinity)
-	Explain        bool
+	// SessionWorker is the decode worker the request's session is bound to (session affinity), as
+	// the caller found it in the state; nil when there is none. An explicit DecodePin wins over it.
+	SessionWorker *kvstate.WorkerKey
+	Explain       bool
 }
 
 // Choice is the worker chosen for one hop and the numbers behind it.
@@ -95,36 +95,50 @@ type Scored struct {
 
 // Decision is the answer to a routing request.
 type Decision struct {
-	Mode         Mode
-	Reason       Reason
-	CD           *CDDiagnostics // set when conditional disaggregation evaluated the request
-	Prefill      *Choice        // ModeDisaggregated only
-	Decode       Choice
-	Annotations  []string
-	Booked       bool
+	Mode        Mode
+	Reason      Reason
+	CD          *CDDiagnostics // set when conditional disaggregation evaluated the request
+	Prefill     *Choice        // ModeDisaggregated only
+	Decode      Choice
+	Annotations []string
+	// Load is what booking the decision puts on its workers, one entry per hop; nil for a
+	// query-only request. The kernel only describes it: the caller books it (server/dispatch).
+	Load         []kvstate.HopBooking
+	Booked       bool // set by whoever booked Load
 	PromptTokens uint64
 	PromptBlocks uint64 // complete (hashed) blocks
 	BlockSize    uint32
 	Candidates   []Scored // when explaining
 }
 
-// Router routes requests over the state and books them through the log. It is safe for concurrent
-// use; the routing path reads local memory only and allocates little (scratch space is pooled).
-type Router struct {
-	State  *kvstate.State
-	Log    kvstate.Log
-	Config Config
-	Rand   Rand
-	Now    func() time.Time
-
-	scratch   sync.Pool
-	queueOnce sync.Once
-	waiting   *queue
+// View is the read-only state a decision reads: a model's block size, workers and prefix index,
+// and the booked load. *kvstate.State implements it; the kernel never changes what it reads.
+type View interface {
+	Model(name string) *kvstate.Model
+	Load() *kvstate.Load
 }
 
-// NewRouter returns a router with the global random source and the wall clock.
-func NewRouter(state *kvstate.State, log kvstate.Log, cfg Config) *Router {
-	return &Router{State: state, Log: log, Config: cfg, Rand: GlobalRand{}, Now: time.Now}
+// Kernel is the pure decision kernel: from a read-only View it decides where a request runs and
+// what load that puts on the chosen workers. It appends nothing, books nothing and never blocks;
+// server/dispatch books its decisions, queues requests it finds overloaded and keeps sessions. It
+// is safe for concurrent use; deciding reads local memory only and allocates little (scratch space
+// is pooled).
+type Kernel struct {
+	View   View
+	Config Config // Config.Scorer costs each hop's candidates (nil: DynamoCost)
+	// Picker chooses among the costs; nil means TemperaturePicker.
+	Picker Picker
+	// Filters drop candidates after the kernel's own eligibility rules; none by default.
+	Filters []Filter
+	Rand    Rand
+
+	scratch sync.Pool
+}
+
+// NewKernel returns a kernel with the configured scorer, Dynamo's picker and the global random
+// source.
+func NewKernel(view View, cfg Config) *Kernel {
+	return &Kernel{View: view, Config: cfg, Picker: TemperaturePicker{}, Rand: GlobalRand{}}
 }
 
 // scratch is per-call working memory, reused through a pool so routing does not allocate it anew.
@@ -139,6 +153,7 @@ type scratch struct {
 	prefill    []*kvstate.Worker // the model's prefill pool
 	decode     []*kvstate.Worker // the model's decode (or aggregated) pool
 	eligible   []*kvstate.Worker // one hop's workers after hints
+	hop        Hop               // what the hop's filters, scorer and picker see
 }
 
 // routeCtx is one request's routing inputs, shared by its hops.
@@ -149,24 +164,15 @@ type routeCtx struct {
 	dec    *Decision
 }
 
-// Route decides where req runs and, unless it is query-only, books its load. With
-// router_queue_threshold set, a request whose every eligible worker is overloaded waits in the
-// router's queue until capacity frees or ctx ends.
-func (r *Router) Route(ctx context.Context, req *Request) (*Decision, error) {
+// Decide returns where req runs and, unless it is query-only, the load booking it would put on its
+// workers (Decision.Load). It fails with ErrAllWorkersOverloaded when router_queue_threshold leaves
+// no worker for a hop; the caller may queue the request and decide again when capacity changes.
+func (r *Kernel) Decide(req *Request) (*Decision, error) {
 	cd, err := r.Config.EffectiveCD(req.CDOverride)
 	if err != nil {
 		return nil, err
 	}
-	dec, err := r.route(ctx, req, cd)
-	if errors.Is(err, ErrAllWorkersOverloaded) && r.Config.QueueThreshold != nil {
-		return r.queue().wait(ctx, r.queueKey(req), func() (*Decision, error) { return r.route(ctx, req, cd) })
-	}
-	return dec, err
-}
-
-// route makes one routing attempt.
-func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decision, error) {
-	m := r.State.Model(req.Model)
+	m := r.View.Model(req.Model)
 	if m == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, req.Model)
 	}
@@ -185,7 +191,7 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 	} else {
 		m.Index.Overlaps(nil, &sc.overlap)
 	}
-	r.State.Load().ActiveDepths(sc.seq, &sc.active)
+	r.View.Load().ActiveDepths(sc.seq, &sc.active)
 
 	rc.dec = &Decision{
 		PromptTokens: rc.prompt.Tokens, PromptBlocks: uint64(len(sc.seq)), BlockSize: m.BlockSize,
@@ -203,7 +209,7 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 	weights := r.Config.Weights(req.Override)
 	dec := rc.dec
 	// The decode hop goes to the explicit pin, else to the session's decode worker if it is still here.
-	affinity, affinityStale := r.sessionTarget(req, decodePool)
+	affinity, affinityStale := sessionTarget(req, decodePool)
 	decodePin := req.DecodePin
 	if decodePin == nil {
 		decodePin = affinity
@@ -243,33 +249,22 @@ func (r *Router) route(ctx context.Context, req *Request, cd CDConfig) (*Decisio
 		dec.Mode, dec.Prefill, dec.Decode = ModeDisaggregated, &pc, dc
 		hops = []hopLoad{{dec.Prefill, false, weights.TrackPrefillTokens}, {&dec.Decode, false, false}}
 	}
-	if req.QueryOnly {
-		return dec, nil
+	if !req.QueryOnly {
+		dec.Load = hopBookings(rc, hops)
 	}
-	booking := r.booking(rc, hops...)
-	if r.Config.SessionAffinityTTL > 0 && req.SessionID != "" {
-		booking.Session, booking.SessionExpires = req.SessionID, booking.At+r.Config.SessionAffinityTTL.Nanoseconds()
-	}
-	if _, err := r.Log.Append(ctx, kvstate.Booked{Booking: booking}); err != nil {
-		return nil, err
-	}
-	dec.Booked = true
 	return dec, nil
 }
 
-// sessionTarget returns the decode worker the request's session is bound to, as a pin, when session
-// affinity is on and the request pins no decode worker itself. stale reports a binding to a worker
-// that is no longer among the decode workers.
-func (r *Router) sessionTarget(req *Request, decodePool []*kvstate.Worker) (pin *Pin, stale bool) {
-	if r.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
-		return nil, false
-	}
-	key, ok := r.State.Session(req.SessionID, r.Now().UnixNano())
-	if !ok {
+// sessionTarget returns the decode worker the request's session is bound to, as a pin, when the
+// request pins no decode worker itself. stale reports a binding to a worker that is no longer among
+// the decode workers.
+func sessionTarget(req *Request, decodePool []*kvstate.Worker) (pin *Pin, stale bool) {
+	key := req.SessionWorker
+	if key == nil || req.DecodePin != nil {
 		return nil, false
 	}
 	for _, w := range decodePool {
-		if w.Info.Key == key {
+		if w.Info.Key == *key {
 			return &Pin{Worker: key.ID, Rank: &key.Rank}, false
 		}
 	}
@@ -288,8 +283,9 @@ func DecodeHopWeights(w Weights, keepCredit bool) Weights {
 	return w
 }
 
-// choose scores the eligible workers of one hop and picks one.
-func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weights, pin *Pin) (Choice, error) {
+// choose picks one worker for a hop: the kernel's eligibility rules (pool, pin, allow-list,
+// router_queue_threshold), then the filters, the scorer and the picker.
+func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weights, pin *Pin) (Choice, error) {
 	sc, req, p := rc.sc, rc.req, rc.prompt
 	sc.slots = sc.slots[:0]
 	eligible := sc.eligible[:0]
@@ -313,7 +309,7 @@ func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	default:
 		return Choice{}, fmt.Errorf("%w: model %q has no %s workers", ErrNoWorkers, req.Model, hopRole(hop))
 	}
-	sc.loads = r.State.Load().Slots(sc.loads[:0], sc.slots)
+	sc.loads = r.View.Load().Slots(sc.loads[:0], sc.slots)
 
 	requestBlocks := p.Blocks()
 	sc.cands = sc.cands[:0]
@@ -342,13 +338,21 @@ func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 		}
 		return Choice{}, fmt.Errorf("%w: %s hop, %d workers over router_queue_threshold", ErrAllWorkersOverloaded, hop, overloaded)
 	}
+	h := &sc.hop
+	*h = Hop{Name: hop, Request: req, Prompt: p, Weights: w, MinActivePrefill: minActive}
+	for _, f := range r.Filters {
+		n := len(sc.cands)
+		sc.cands = slices.DeleteFunc(sc.cands, func(c Candidate) bool { return !f.Keep(h, &c) })
+		if len(sc.cands) == 0 {
+			return Choice{}, fmt.Errorf("%w: %s hop: filter %s dropped all %d workers", ErrNoEligibleWorkers, hop, f, n)
+		}
+	}
+	r.scorer().Score(h, sc.cands)
 	sc.costs = sc.costs[:0]
 	for i := range sc.cands {
-		c := &sc.cands[i]
-		c.Cost = w.Cost(c, p, minActive)
-		sc.costs = append(sc.costs, c.Cost)
+		sc.costs = append(sc.costs, sc.cands[i].Cost)
 	}
-	best := Pick(sc.costs, w.Temperature, r.Rand)
+	best := r.picker().Pick(h, sc.costs, r.Rand)
 	if req.Explain {
 		for i, c := range sc.cands {
 			rc.dec.Candidates = append(rc.dec.Candidates, Scored{Hop: hop, Candidate: c, Chosen: i == best})
@@ -358,9 +362,23 @@ func (r *Router) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	return Choice{Candidate: chosen, CachedTokens: w.CachedTokens(chosen.Overlap, p.BlockSize)}, nil
 }
 
+func (r *Kernel) scorer() Scorer {
+	if r.Config.Scorer == nil {
+		return DynamoCost
+	}
+	return r.Config.Scorer
+}
+
+func (r *Kernel) picker() Picker {
+	if r.Picker == nil {
+		return TemperaturePicker{}
+	}
+	return r.Picker
+}
+
 // overloaded reports whether the worker's prefill load is over router_queue_threshold times its
 // prefill capacity (§3.5). Without a threshold no worker is overloaded.
-func (r *Router) overloaded(w *kvstate.Worker, load kvstate.SlotLoad) bool {
+func (r *Kernel) overloaded(w *kvstate.Worker, load kvstate.SlotLoad) bool {
 	t := r.Config.QueueThreshold
 	if t == nil {
 		return false
@@ -387,11 +405,11 @@ type hopLoad struct {
 	prefill bool
 }
 
-// booking builds the load a decision puts on its workers (§3.5, DESIGN "Bookings"): a prefill worker
-// carries the uncached prompt tokens; a decode worker carries the request's blocks, plus the uncached
-// prompt tokens when it prefills itself (aggregated or bypass).
-func (r *Router) booking(rc *routeCtx, hops ...hopLoad) kvstate.Booking {
-	b := kvstate.Booking{RequestID: rc.req.ID, At: r.Now().UnixNano(), Hops: make([]kvstate.HopBooking, 0, len(hops))}
+// hopBookings builds the load a decision puts on its workers (§3.5, DESIGN "Bookings"): a prefill
+// worker carries the uncached prompt tokens; a decode worker carries the request's blocks, plus the
+// uncached prompt tokens when it prefills itself (aggregated or bypass).
+func hopBookings(rc *routeCtx, hops []hopLoad) []kvstate.HopBooking {
+	out := make([]kvstate.HopBooking, 0, len(hops))
 	for _, h := range hops {
 		hb := kvstate.HopBooking{Worker: h.choice.Worker.Info.Key}
 		if h.choice.Worker.Info.Role != kvstate.RolePrefill {
@@ -400,9 +418,9 @@ func (r *Router) booking(rc *routeCtx, hops ...hopLoad) kvstate.Booking {
 		if h.prefill {
 			hb.PrefillTokens = uncachedTokens(rc.prompt, h.choice.Overlap)
 		}
-		b.Hops = append(b.Hops, hb)
+		out = append(out, hb)
 	}
-	return b
+	return out
 }
 
 // uncachedTokens is the prompt minus its device-cached prefix: what the worker must compute.
@@ -461,4 +479,24 @@ func containsID(ids []uint64, id uint64) bool {
 		}
 	}
 	return false
+}
+
+// UncachedTokens returns the prompt tokens that no worker of the request's model holds: the prompt
+// minus the longest device-tier cached prefix on any of them (all of it for an unknown model).
+// Requests queued for capacity wait shortest-first by it under router_queue_policy wspt.
+func (r *Kernel) UncachedTokens(req *Request) uint64 {
+	tokens := uint64(len(req.Tokens))
+	m := r.View.Model(req.Model)
+	if m == nil || m.BlockSize == 0 {
+		return tokens
+	}
+	var o kvstate.Overlaps
+	salt := kvstate.SaltHash(req.LoraName, req.CacheNamespace)
+	seq := kvstate.SequenceHashes(nil, kvstate.LocalBlockHashes(nil, req.Tokens, int(m.BlockSize), salt))
+	m.Index.Overlaps(seq, &o)
+	var best uint32
+	for _, w := range m.Workers() {
+		best = max(best, o.Depths(w.Slot)[kvstate.TierDevice])
+	}
+	return tokens - min(tokens, uint64(best)*uint64(m.BlockSize))
 }

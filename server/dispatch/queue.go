@@ -1,4 +1,4 @@
-package policy
+package dispatch
 
 import (
 	"context"
@@ -7,12 +7,12 @@ import (
 	"slices"
 	"sync"
 
-	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
 )
 
 // ErrQueueFull: the router's queue holds router_queue_max_depth requests already. It wraps
 // ErrAllWorkersOverloaded, since that is why requests queue.
-var ErrQueueFull = fmt.Errorf("%w and the router queue is full", ErrAllWorkersOverloaded)
+var ErrQueueFull = fmt.Errorf("%w and the router queue is full", policy.ErrAllWorkersOverloaded)
 
 // queue holds requests whose every eligible worker is overloaded (Dynamo §3.5) until capacity frees.
 // Only its head retries, on each change that may free capacity (a prefill done, a free, an expiry, a
@@ -32,44 +32,19 @@ type waiter struct {
 	turn chan struct{} // signalled when the waiter becomes the head
 }
 
-func (r *Router) queue() *queue {
-	r.queueOnce.Do(func() {
-		r.waiting = &queue{maxDepth: max(1, r.Config.QueueMaxDepth), changed: r.State.CapacityChanged}
-	})
-	return r.waiting
+func newQueue(maxDepth int, changed func() <-chan struct{}) *queue {
+	return &queue{maxDepth: maxDepth, changed: changed}
 }
 
-// QueueDepth returns the number of requests waiting for capacity.
-func (r *Router) QueueDepth() int {
-	q := r.queue()
+func (q *queue) depth() int {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	return len(q.waiters)
 }
 
-// queueKey orders waiting requests: arrival order for FCFS; for WSPT the uncached prompt tokens
-// (the best cached prefix on any of the model's workers deducted), smallest first.
-func (r *Router) queueKey(req *Request) float64 {
-	if r.Config.QueuePolicy != QueuePolicyWSPT {
-		return 0 // ties fall back to arrival order
-	}
-	uncached := float64(len(req.Tokens))
-	if m := r.State.Model(req.Model); m != nil && m.BlockSize > 0 {
-		var o kvstate.Overlaps
-		seq := kvstate.SequenceHashes(nil, kvstate.LocalBlockHashes(nil, req.Tokens, int(m.BlockSize), kvstate.SaltHash(req.LoraName, req.CacheNamespace)))
-		m.Index.Overlaps(seq, &o)
-		var best uint32
-		for _, w := range m.Workers() {
-			best = max(best, o.Depths(w.Slot)[kvstate.TierDevice])
-		}
-		uncached -= float64(best) * float64(m.BlockSize)
-	}
-	return max(1, uncached)
-}
-
 // wait queues a request and retries it with try when it is at the head and capacity may have
 // freed, until try stops answering ErrAllWorkersOverloaded or ctx ends.
-func (q *queue) wait(ctx context.Context, key float64, try func() (*Decision, error)) (*Decision, error) {
+func (q *queue) wait(ctx context.Context, key float64, try func() (*policy.Decision, error)) (*policy.Decision, error) {
 	w, err := q.enter(key)
 	if err != nil {
 		return nil, err
@@ -86,7 +61,7 @@ func (q *queue) wait(ctx context.Context, key float64, try func() (*Decision, er
 		}
 		changed := q.changed() // taken before trying, so a change during the try is not missed
 		dec, err := try()
-		if !errors.Is(err, ErrAllWorkersOverloaded) {
+		if !errors.Is(err, policy.ErrAllWorkersOverloaded) {
 			return dec, err
 		}
 		// Wait for capacity to change; a request that overtook this one (WSPT) takes the next try.

@@ -1,4 +1,4 @@
-package policy
+package dispatch
 
 import (
 	"context"
@@ -9,43 +9,43 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/policy"
 )
-
-const testTimeout = 10 * time.Second
 
 // overloadedFleet has one aggregated worker with a prefill capacity of 100 tokens, already loaded
 // with 101 prefill tokens by request "x": over a queue threshold of 1.0.
-func overloadedFleet(t *testing.T, policy string, maxDepth int) (*fleet, *Router) {
+func overloadedFleet(t *testing.T, queuePolicy string, maxDepth int) (*fleet, *Dispatcher) {
 	f := newFleet(t)
-	f.add(1, 0, kvstate.RoleAggregated, 100)
+	f.add(1, kvstate.RoleAggregated, 100)
 	f.append(kvstate.Booked{Booking: kvstate.Booking{RequestID: "x", Hops: []kvstate.HopBooking{{Worker: kvstate.WorkerKey{ID: 1}, PrefillTokens: 101}}}})
-	cfg := DefaultConfig()
-	cfg.QueueThreshold, cfg.QueuePolicy, cfg.QueueMaxDepth = ptr(1.0), policy, maxDepth
-	return f, f.router(cfg)
+	cfg := policy.DefaultConfig()
+	threshold := 1.0
+	cfg.QueueThreshold, cfg.QueuePolicy, cfg.QueueMaxDepth = &threshold, queuePolicy, maxDepth
+	return f, f.dispatcher(cfg)
 }
 
 type routeResult struct {
 	id  string
-	dec *Decision
+	dec *policy.Decision
 	err error
 }
 
 // startRoute routes in the background and waits until the request is queued.
-func startRoute(t *testing.T, ctx context.Context, r *Router, id string, tokens int, results chan<- routeResult) {
+func startRoute(t *testing.T, ctx context.Context, r *Dispatcher, id string, tokens int, results chan<- routeResult) {
 	t.Helper()
 	before := r.QueueDepth()
 	go func() {
-		dec, err := r.Route(ctx, &Request{ID: id, Model: "m", Tokens: prompt(tokens)})
+		dec, err := r.Route(ctx, request(id, prompt(tokens)))
 		results <- routeResult{id, dec, err}
 	}()
 	kvtest.Eventually(t, testTimeout, fmt.Sprintf("request %s to be queued", id), func() bool { return r.QueueDepth() != before })
 }
 
 func TestQueueWaitsUntilDeadline(t *testing.T) {
-	f, r := overloadedFleet(t, QueuePolicyFCFS, 10)
+	f, r := overloadedFleet(t, policy.QueuePolicyFCFS, 10)
 	ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
 	defer cancel()
-	_, err := r.Route(ctx, &Request{ID: "a", Model: "m", Tokens: prompt(64)})
+	_, err := r.Route(ctx, request("a", prompt(64)))
 	if !errors.Is(err, context.DeadlineExceeded) {
 		t.Fatalf("Route() = %v, want context.DeadlineExceeded", err)
 	}
@@ -55,12 +55,12 @@ func TestQueueWaitsUntilDeadline(t *testing.T) {
 }
 
 func TestQueueFull(t *testing.T) {
-	_, r := overloadedFleet(t, QueuePolicyFCFS, 1)
+	_, r := overloadedFleet(t, policy.QueuePolicyFCFS, 1)
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	results := make(chan routeResult, 1)
 	startRoute(t, ctx, r, "a", 64, results)
-	if _, err := r.Route(ctx, &Request{ID: "b", Model: "m", Tokens: prompt(64)}); !errors.Is(err, ErrQueueFull) {
+	if _, err := r.Route(ctx, request("b", prompt(64))); !errors.Is(err, ErrQueueFull) {
 		t.Errorf("Route() with a full queue = %v, want ErrQueueFull", err)
 	}
 	cancel()
@@ -74,8 +74,8 @@ func TestQueueOrder(t *testing.T) {
 		policy string
 		want   []string
 	}{
-		{QueuePolicyFCFS, []string{"first-long", "second-short"}},
-		{QueuePolicyWSPT, []string{"second-short", "first-long"}},
+		{policy.QueuePolicyFCFS, []string{"first-long", "second-short"}},
+		{policy.QueuePolicyWSPT, []string{"second-short", "first-long"}},
 	}
 	for _, tt := range tests {
 		t.Run(tt.policy, func(t *testing.T) {

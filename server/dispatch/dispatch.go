@@ -1,0 +1,126 @@
+// Package dispatch is the orchestration layer of routing: it asks the pure decision kernel
+// (policy.Kernel) where a request runs, books the decision through the log so that every replica
+// counts its load, binds the request's session to its decode worker, and queues requests the kernel
+// finds overloaded until capacity frees. The gRPC edge (server) calls it; so can an in-process
+// simulator, which then routes exactly as the server does.
+package dispatch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// Request is a routing request: the kernel's request and the session it belongs to.
+type Request struct {
+	policy.Request
+	// SessionID binds the conversation to its decode worker for session_affinity_ttl; empty for none.
+	SessionID string
+}
+
+// Dispatcher decides, books and queues routing requests. It is safe for concurrent use.
+type Dispatcher struct {
+	state  *kvstate.State
+	log    kvstate.Log
+	kernel *policy.Kernel
+	queue  *queue
+	// Now is the clock of bookings and session lookups; tests replace it.
+	Now func() time.Time
+}
+
+// New returns a dispatcher routing with kernel over state and booking through log. The kernel's
+// configuration also drives the queue (router_queue_*) and sessions (session_affinity_ttl).
+func New(state *kvstate.State, log kvstate.Log, kernel *policy.Kernel) *Dispatcher {
+	cfg := kernel.Config
+	return &Dispatcher{
+		state: state, log: log, kernel: kernel, Now: time.Now,
+		queue: newQueue(max(1, cfg.QueueMaxDepth), state.CapacityChanged),
+	}
+}
+
+// Config returns the routing configuration.
+func (d *Dispatcher) Config() policy.Config { return d.kernel.Config }
+
+// Route decides where req runs and, unless it is query-only, books its load. With
+// router_queue_threshold set, a request whose every eligible worker is overloaded waits in the
+// queue until capacity frees or ctx ends.
+func (d *Dispatcher) Route(ctx context.Context, req *Request) (*policy.Decision, error) {
+	dec, err := d.route(ctx, req)
+	if errors.Is(err, policy.ErrAllWorkersOverloaded) && d.kernel.Config.QueueThreshold != nil {
+		return d.queue.wait(ctx, d.queueKey(req), func() (*policy.Decision, error) { return d.route(ctx, req) })
+	}
+	return dec, err
+}
+
+// route makes one attempt: decide, then book.
+func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision, error) {
+	preq := &req.Request
+	if key, ok := d.session(req); ok {
+		bound := key // declared here, so only a request with a session allocates it
+		r := req.Request
+		r.SessionWorker = &bound
+		preq = &r
+	}
+	dec, err := d.kernel.Decide(preq)
+	if err != nil || preq.QueryOnly {
+		return dec, err
+	}
+	b := kvstate.Booking{RequestID: req.ID, At: d.Now().UnixNano(), Hops: dec.Load}
+	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
+		b.Session, b.SessionExpires = req.SessionID, b.At+ttl.Nanoseconds()
+	}
+	if _, err := d.log.Append(ctx, kvstate.Booked{Booking: b}); err != nil {
+		return nil, err
+	}
+	dec.Booked = true
+	return dec, nil
+}
+
+// session returns the decode worker the request's session is bound to, when session affinity is on
+// and the request pins no decode worker itself.
+func (d *Dispatcher) session(req *Request) (kvstate.WorkerKey, bool) {
+	if d.kernel.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
+		return kvstate.WorkerKey{}, false
+	}
+	return d.state.Session(req.SessionID, d.Now().UnixNano())
+}
+
+// queueKey orders waiting requests: arrival order for FCFS; for WSPT the uncached prompt tokens,
+// smallest first.
+func (d *Dispatcher) queueKey(req *Request) float64 {
+	if d.kernel.Config.QueuePolicy != policy.QueuePolicyWSPT {
+		return 0 // ties fall back to arrival order
+	}
+	return float64(max(1, d.kernel.UncachedTokens(&req.Request)))
+}
+
+// QueueDepth returns the number of requests waiting for capacity.
+func (d *Dispatcher) QueueDepth() int { return d.queue.depth() }
+
+// PrefillComplete ends the prefill part of request id's booking: its prefill worker no longer
+// carries the prompt's tokens.
+func (d *Dispatcher) PrefillComplete(ctx context.Context, id string) error {
+	return d.endBooking(ctx, id, kvstate.PrefillDone{RequestID: id, At: d.Now().UnixNano()})
+}
+
+// Free ends request id's booking on every worker.
+func (d *Dispatcher) Free(ctx context.Context, id string) error {
+	return d.endBooking(ctx, id, kvstate.Freed{RequestID: id, At: d.Now().UnixNano()})
+}
+
+// endBooking appends a PrefillDone or Freed. Both modes answer alike: kvstate.ErrUnknownRequest
+// when no replica holds the booking, and nothing is appended then.
+func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change) error {
+	_, err := d.log.Append(ctx, c)
+	switch {
+	case errors.Is(err, kvstate.ErrUnknownRequest):
+		return fmt.Errorf("request_id %q: %w (never booked, already freed, or expired)", id, err)
+	case err != nil:
+		return fmt.Errorf("request_id %q: %w", id, err)
+	}
+	return nil
+}
