@@ -10,6 +10,13 @@ import (
 // the number of the last entry applied.
 const SnapshotVersion = 2
 
+// DefaultSnapshotEvery is how many applied changes a shared log lets pass between two snapshots
+// unless configured otherwise (kvrouter serve's snapshot_every). A cold start replays about this
+// many block events after the snapshot it loads at most, while a snapshot of a 1M-block state holds
+// its writer's tailer for 0.5-2 s of encoding and writing (docs/BENCHMARKS.md): so snapshots are
+// coarse.
+const DefaultSnapshotEvery = 1_000_000
+
 // SnapshotHeader is what a snapshot says of itself: the log position it reflects (a stream id) and
 // the generation of the log it belongs to ("" in version 1 snapshots, written before generations).
 type SnapshotHeader struct {

@@ -17,8 +17,8 @@ type CDOverride struct {
 }
 
 // EffectiveCD returns the conditional-disaggregation configuration for a request with override o,
-// validated: ranges as at startup, a load-aware policy needs a prefill busy threshold (its own, or
-// router_queue_threshold), and the feature needs KV events.
+// checked by the rules of the startup configuration (ResolveCD), whose messages name the router's
+// configuration keys.
 func (c Config) EffectiveCD(o CDOverride) (CDConfig, error) {
 	cd := c.ConditionalDisagg
 	if o.Enabled != nil {
@@ -39,20 +39,11 @@ func (c Config) EffectiveCD(o CDOverride) (CDConfig, error) {
 	if o.DecodeBusyThreshold != nil {
 		cd.DecodeBusyThreshold = o.DecodeBusyThreshold
 	}
-	if err := cd.Validate(); err != nil {
-		return CDConfig{}, err
-	}
-	if cd.PrefillBusyThreshold == nil {
-		cd.PrefillBusyThreshold = c.QueueThreshold
-	}
-	if cd.Enabled && cd.Policy.NeedsPrefillBusy() && cd.PrefillBusyThreshold == nil {
-		return CDConfig{}, fieldErr("conditional_disagg_policy", "%s needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set", cd.Policy)
-	}
-	if cd.Enabled && !c.UseKVEvents {
-		return CDConfig{}, fieldErr("conditional_disagg", "requires use_kv_events: without KV events no decode worker shows cache overlap")
-	}
-	return cd, nil
+	return c.ResolveCD(cd, overrideKey)
 }
+
+// overrideKey names a configuration key in a per-request override's messages: as the key itself.
+func overrideKey(key string) string { return key }
 
 // CDDiagnostics are the numbers behind a bypass decision, reported to the caller and the metrics.
 type CDDiagnostics struct {

@@ -305,11 +305,11 @@ func TestEffectiveCD(t *testing.T) {
 		{name: "prefill_load inherits the queue threshold", cfg: func(c *Config) { c.QueueThreshold = ptr(4.0) },
 			o: CDOverride{Policy: ptr(PrefillLoad)}, thresh: ptr(4.0)},
 		{name: "prefill_load without any threshold", o: CDOverride{Policy: ptr(PrefillLoad)},
-			want: "conditional_disagg_policy prefill_load needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set"},
+			want: "conditional_disagg policy='prefill_load' needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set"},
 		{name: "override ratio out of range", o: CDOverride{EffISLRatioThreshold: ptr(1.5)},
-			want: "conditional_disagg_eff_isl_ratio_threshold must be between 0 and 1 (got 1.5)"},
+			want: "eff_isl_ratio_threshold must be in [0.0, 1.0]"},
 		{name: "KV events off", cfg: func(c *Config) { c.UseKVEvents = false },
-			want: "conditional_disagg requires use_kv_events: without KV events no decode worker shows cache overlap"},
+			want: "conditional_disagg requires use_kv_events"},
 		{name: "override turns it off, KV events off is fine", cfg: func(c *Config) { c.UseKVEvents = false }, o: CDOverride{Enabled: ptr(false)}},
 	}
 	for _, tt := range tests {

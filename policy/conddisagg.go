@@ -1,8 +1,6 @@
 package policy
 
-import (
-	"math"
-)
+import "math"
 
 // CDPolicy is a conditional-disaggregation policy: whether a request may skip remote prefill and
 // run whole on the decode worker that already caches most of its prompt (Dynamo §1.2). Policies
@@ -50,21 +48,6 @@ type CDConfig struct {
 // DefaultCDConfig returns Dynamo's defaults (feature off).
 func DefaultCDConfig() CDConfig {
 	return CDConfig{Policy: ISLBounding, EffISLThreshold: 2048, EffISLRatioThreshold: 0.7}
-}
-
-// Validate checks the ranges of §1.9 (the Rust layer's rules; the command line adds its own
-// messages for how values are written).
-func (c CDConfig) Validate() error {
-	if math.IsNaN(c.EffISLRatioThreshold) || c.EffISLRatioThreshold < 0 || c.EffISLRatioThreshold > 1 {
-		return fieldErr("conditional_disagg_eff_isl_ratio_threshold", "must be between 0 and 1 (got %v)", c.EffISLRatioThreshold)
-	}
-	if t := c.PrefillBusyThreshold; t != nil && (math.IsNaN(*t) || math.IsInf(*t, 0) || *t < 0) {
-		return fieldErr("conditional_disagg_prefill_busy_threshold", "must be greater than or equal to 0 (got %v)", *t)
-	}
-	if t := c.DecodeBusyThreshold; t != nil && (math.IsNaN(*t) || math.IsInf(*t, 0) || *t < 0) {
-		return fieldErr("conditional_disagg_decode_busy_threshold", "must be greater than or equal to 0 (got %v)", *t)
-	}
-	return nil
 }
 
 // Tristate is a signal that may be unavailable.

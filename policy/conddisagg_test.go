@@ -193,17 +193,19 @@ func TestParseCDPolicy(t *testing.T) {
 }
 
 func TestCDConfigValidate(t *testing.T) {
-	nan, over, neg := math.NaN(), 1.0000001, -0.1
+	nan, over, neg, inf := math.NaN(), 1.0000001, -0.1, math.Inf(1)
 	tests := []struct {
 		name   string
 		mutate func(*CDConfig)
 		want   string
 	}{
 		{"defaults", func(*CDConfig) {}, ""},
-		{"ratio NaN", func(c *CDConfig) { c.EffISLRatioThreshold = nan }, "conditional_disagg_eff_isl_ratio_threshold must be between 0 and 1 (got NaN)"},
-		{"ratio 1.0000001", func(c *CDConfig) { c.EffISLRatioThreshold = over }, "conditional_disagg_eff_isl_ratio_threshold must be between 0 and 1 (got 1.0000001)"},
-		{"prefill busy -0.1", func(c *CDConfig) { c.PrefillBusyThreshold = &neg }, "conditional_disagg_prefill_busy_threshold must be greater than or equal to 0 (got -0.1)"},
-		{"decode busy -0.1", func(c *CDConfig) { c.DecodeBusyThreshold = &neg }, "conditional_disagg_decode_busy_threshold must be greater than or equal to 0 (got -0.1)"},
+		{"no policy", func(c *CDConfig) { c.Policy = nil }, "policy must be one of 'isl_bounding', 'prefill_load', 'isl_or_load'"},
+		{"ratio NaN", func(c *CDConfig) { c.EffISLRatioThreshold = nan }, "eff_isl_ratio_threshold must be in [0.0, 1.0]"},
+		{"ratio 1.0000001", func(c *CDConfig) { c.EffISLRatioThreshold = over }, "eff_isl_ratio_threshold must be in [0.0, 1.0]"},
+		{"prefill busy -0.1", func(c *CDConfig) { c.PrefillBusyThreshold = &neg }, "prefill_busy_threshold must be >= 0"},
+		{"decode busy -0.1", func(c *CDConfig) { c.DecodeBusyThreshold = &neg }, "decode_busy_threshold must be >= 0"},
+		{"decode busy +Inf", func(c *CDConfig) { c.DecodeBusyThreshold = &inf }, "decode_busy_threshold must be >= 0"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

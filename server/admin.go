@@ -6,25 +6,8 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/config"
 )
-
-// ConfigSource says where a setting came from.
-type ConfigSource int
-
-// Configuration sources, lowest precedence first.
-const (
-	SourceDefault ConfigSource = iota + 1
-	SourceFile
-	SourceEnv
-	SourceFlag
-)
-
-// ConfigEntry is one effective setting, as GetConfig reports it.
-type ConfigEntry struct {
-	Key    string
-	Value  string
-	Source ConfigSource
-}
 
 // adminService implements AdminService.
 type adminService struct {
@@ -32,7 +15,7 @@ type adminService struct {
 	state    *kvstate.State
 	presence *kvstate.Presence
 	log      kvstate.Log
-	config   []ConfigEntry
+	config   []config.Entry
 }
 
 func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
@@ -86,11 +69,11 @@ func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorker
 	return resp, nil
 }
 
-var sourceToProto = map[ConfigSource]kvrouterv1.ConfigSource{
-	SourceDefault: kvrouterv1.ConfigSource_CONFIG_SOURCE_DEFAULT,
-	SourceFile:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FILE,
-	SourceEnv:     kvrouterv1.ConfigSource_CONFIG_SOURCE_ENV,
-	SourceFlag:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FLAG,
+var sourceToProto = map[config.Source]kvrouterv1.ConfigSource{
+	config.SourceDefault: kvrouterv1.ConfigSource_CONFIG_SOURCE_DEFAULT,
+	config.SourceFile:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FILE,
+	config.SourceEnv:     kvrouterv1.ConfigSource_CONFIG_SOURCE_ENV,
+	config.SourceFlag:    kvrouterv1.ConfigSource_CONFIG_SOURCE_FLAG,
 }
 
 func (s *adminService) GetConfig(context.Context, *kvrouterv1.GetConfigRequest) (*kvrouterv1.GetConfigResponse, error) {

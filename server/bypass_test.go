@@ -87,7 +87,7 @@ func TestCDOverrideValidation(t *testing.T) {
 		{"negative decode busy", &kvrouterv1.ConditionalDisaggOverride{DecodeBusyThreshold: f(-1)},
 			"config_override.conditional_disagg.decode_busy_threshold: must be >= 0"},
 		{"load-aware policy without a threshold", &kvrouterv1.ConditionalDisaggOverride{Policy: str("isl_or_load")},
-			"config_override.conditional_disagg.policy: isl_or_load needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set"},
+			"config_override.conditional_disagg.policy: conditional_disagg policy='isl_or_load' needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -148,5 +148,5 @@ func TestCDOverrideNeedsKVEvents(t *testing.T) {
 	_, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: promptTokens(2),
 		ConfigOverride: &kvrouterv1.RouterConfigOverride{ConditionalDisagg: &kvrouterv1.ConditionalDisaggOverride{Enabled: &on}}})
 	wantStatus(t, err, codes.InvalidArgument,
-		"config_override.conditional_disagg.enabled: requires use_kv_events: without KV events no decode worker shows cache overlap")
+		"config_override.conditional_disagg.enabled: conditional_disagg requires use_kv_events")
 }

@@ -16,13 +16,6 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 )
 
-// Default Publish limits (docs/operations.md, "Sizing", has what each costs).
-const (
-	DefaultMaxPublishMsgBytes = 4 << 20
-	DefaultMaxBatchBlocks     = 16_384
-	DefaultMaxDumpBlocks      = 1 << 20
-)
-
 // publishLimits bound one Publish message, so that receiving it costs a bounded amount of memory
 // whatever it holds. gRPC's own receive limit is server-wide and must stay large enough for a
 // Route carrying a 1M-token prompt; a Publish message is held to these tighter ones.

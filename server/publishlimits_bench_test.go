@@ -8,12 +8,13 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/config"
 )
 
 // largestMessages are Publish messages as large as the default limits let through, one per shape,
 // and the worst case the limits refuse before decoding (a 15.6 MB batch of empty blocks).
 func largestMessages() map[string]*kvrouterv1.PublishRequest {
-	const blocks = DefaultMaxBatchBlocks
+	const blocks = config.DefaultMaxBatchBlocks
 	tokenBlocks := &kvrouterv1.BlocksStored{}
 	hashBlocks := &kvrouterv1.BlocksStored{}
 	for i := range blocks {
@@ -34,7 +35,7 @@ func largestMessages() map[string]*kvrouterv1.PublishRequest {
 		clearedEvents = append(clearedEvents, cleared(uint64(i)))
 	}
 	// One block as long as the byte limit allows (a worker with a huge block_size): the most tokens.
-	longBlock := make([]uint32, 0, DefaultMaxPublishMsgBytes/3)
+	longBlock := make([]uint32, 0, config.DefaultMaxPublishMsgBytes/3)
 	for len(longBlock) < cap(longBlock)-16 {
 		longBlock = append(longBlock, uint32(100_000+len(longBlock)%1_000_000))
 	}
@@ -73,7 +74,7 @@ func largestMessages() map[string]*kvrouterv1.PublishRequest {
 // flight holds at most (docs/BENCHMARKS.md, "Publish message memory").
 func BenchmarkPublishMessageMemory(b *testing.B) {
 	codec := newLimitingCodec()
-	limits := publishLimits{maxBytes: DefaultMaxPublishMsgBytes, maxBlocks: DefaultMaxBatchBlocks, maxDumpBlocks: DefaultMaxDumpBlocks}
+	limits := publishLimits{maxBytes: config.DefaultMaxPublishMsgBytes, maxBlocks: config.DefaultMaxBatchBlocks, maxDumpBlocks: config.DefaultMaxDumpBlocks}
 	refused := map[string]bool{"refused-15MB-empties": true, "15MB-token-ids": true}
 	for name, msg := range largestMessages() {
 		wire, err := proto.Marshal(msg)

@@ -5,7 +5,6 @@ import (
 	"errors"
 	"log/slog"
 	"math"
-	"strings"
 	"time"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
@@ -143,41 +142,41 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Re
 	return dreq, nil
 }
 
-// cdOverride validates a per-request conditional-disaggregation override with the rules of
-// --conditional-disagg-config (§1.9), and against the router's configuration.
+// cdOverride converts a per-request conditional-disaggregation override and checks it with the
+// rules of the startup configuration (policy/cdrules.go), naming the override's fields.
 func (s *routerService) cdOverride(o *kvrouterv1.ConditionalDisaggOverride) (policy.CDOverride, error) {
-	const field = "config_override.conditional_disagg."
 	out := policy.CDOverride{
 		Enabled: o.Enabled, EffISLThreshold: o.EffIslThreshold, EffISLRatioThreshold: o.EffIslRatioThreshold,
 		PrefillBusyThreshold: o.PrefillBusyThreshold, DecodeBusyThreshold: o.DecodeBusyThreshold,
 	}
 	if o.Policy != nil {
-		p, err := policy.ParseCDPolicy(o.GetPolicy())
+		p, err := policy.LookupCDPolicy(o.GetPolicy())
 		if err != nil {
-			return out, invalidArgument(field+"policy", "must be one of "+strings.Join(policy.CDPolicyNames(), ", "))
+			return out, cdOverrideError(err)
 		}
 		out.Policy = &p
 	}
-	if r := o.EffIslRatioThreshold; r != nil && !(*r >= 0 && *r <= 1) {
-		return out, invalidArgument(field+"eff_isl_ratio_threshold", "must be in [0.0, 1.0]")
-	}
-	for name, v := range map[string]*float64{"prefill_busy_threshold": o.PrefillBusyThreshold, "decode_busy_threshold": o.DecodeBusyThreshold} {
-		if v != nil && !(*v >= 0 && !math.IsInf(*v, 0)) {
-			return out, invalidArgument(field+name, "must be >= 0")
-		}
-	}
 	if _, err := s.dispatcher.Config().EffectiveCD(out); err != nil {
-		var fe *policy.FieldError
-		if errors.As(err, &fe) {
-			name := strings.TrimPrefix(fe.Field, "conditional_disagg_")
-			if name == "conditional_disagg" {
-				name = "enabled"
-			}
-			return out, invalidArgument(field+name, fe.Rule)
-		}
-		return out, toStatus(err)
+		return out, cdOverrideError(err)
 	}
 	return out, nil
+}
+
+// cdOverrideError is INVALID_ARGUMENT naming the override's field that broke a conditional-
+// disaggregation rule.
+func cdOverrideError(err error) error {
+	const field = "config_override.conditional_disagg."
+	var (
+		fe *policy.FieldError
+		re *policy.RuleError
+	)
+	switch {
+	case errors.As(err, &fe):
+		return invalidArgument(field+fe.Field, fe.Rule)
+	case errors.As(err, &re):
+		return invalidArgument(field+re.Field, re.Msg)
+	}
+	return toStatus(err)
 }
 
 var reasonToProto = map[policy.Reason]kvrouterv1.DecisionReason{

@@ -25,6 +25,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
@@ -33,7 +34,7 @@ type Options struct {
 	State      *kvstate.State
 	Log        kvstate.Log
 	Dispatcher *dispatch.Dispatcher
-	Config     []ConfigEntry // the effective configuration, for GetConfig
+	Config     []config.Entry // the effective configuration, for GetConfig
 	Logger     *slog.Logger
 	Registry   *prometheus.Registry
 	Now        func() time.Time
@@ -43,8 +44,8 @@ type Options struct {
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
 	MaxRecvMsgBytes      int    // largest accepted message (any method)
 	MaxConcurrentStreams uint32 // per connection
-	// Publish limits; zero means the default (DefaultMaxPublishMsgBytes, at most MaxRecvMsgBytes;
-	// DefaultMaxBatchBlocks; DefaultMaxDumpBlocks).
+	// Publish limits; zero means the default (config.DefaultMaxPublishMsgBytes, at most MaxRecvMsgBytes;
+	// config.DefaultMaxBatchBlocks; config.DefaultMaxDumpBlocks).
 	MaxPublishMsgBytes int // largest Publish message
 	MaxBatchBlocks     int // events, and blocks (stored plus removed), in one Publish message
 	MaxDumpBlocks      int // blocks of one dump, over all its parts
@@ -77,13 +78,13 @@ func New(o Options) *Server {
 	}
 	limits := publishLimits{maxBytes: o.MaxPublishMsgBytes, maxBlocks: o.MaxBatchBlocks, maxDumpBlocks: o.MaxDumpBlocks}
 	if limits.maxBytes <= 0 {
-		limits.maxBytes = min(DefaultMaxPublishMsgBytes, o.MaxRecvMsgBytes)
+		limits.maxBytes = min(config.DefaultMaxPublishMsgBytes, o.MaxRecvMsgBytes)
 	}
 	if limits.maxBlocks <= 0 {
-		limits.maxBlocks = DefaultMaxBatchBlocks
+		limits.maxBlocks = config.DefaultMaxBatchBlocks
 	}
 	if limits.maxDumpBlocks <= 0 {
-		limits.maxDumpBlocks = DefaultMaxDumpBlocks
+		limits.maxDumpBlocks = config.DefaultMaxDumpBlocks
 	}
 	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),

@@ -29,6 +29,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
@@ -67,7 +68,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 		State: state, Log: log, Registry: registry,
 		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
-		Config:          []ConfigEntry{{Key: "listen", Value: ":50051", Source: SourceDefault}, {Key: "overlap_score_credit", Value: "0.5", Source: SourceFlag}},
+		Config:          []config.Entry{{Key: "listen", Value: ":50051", Source: config.SourceDefault}, {Key: "overlap_score_credit", Value: "0.5", Source: config.SourceFlag}},
 		MaxPromptTokens: 1000, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
 	}
 	for _, m := range mutate {

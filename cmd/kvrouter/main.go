@@ -32,6 +32,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
@@ -58,8 +59,8 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 		fmt.Fprint(stderr, usage)
 		return 2
 	}
-	cfg, err := loadConfig(args[1:], getenv, stderr)
-	if errors.Is(err, errUsage) {
+	cfg, err := config.Load("kvrouter serve", args[1:], getenv, stderr)
+	if errors.Is(err, config.ErrUsage) {
 		return 2
 	}
 	if err != nil {
@@ -74,12 +75,13 @@ func run(ctx context.Context, args []string, getenv func(string) string, stderr 
 }
 
 // serve runs the router on the embedded (in-process) state until ctx ends, then shuts down.
-func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
+func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
 		return err
 	}
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	cfg.LogDerived(logger)
 
 	state := kvstate.NewState()
 	b, err := openLog(cfg, state, logger)
@@ -106,7 +108,7 @@ func serve(ctx context.Context, cfg *loadedConfig, stderr io.Writer) error {
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	srv := server.New(server.Options{
-		State: state, Log: log, Dispatcher: dispatcher, Config: cfg.entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
+		State: state, Log: log, Dispatcher: dispatcher, Config: cfg.Entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 	})
@@ -180,7 +182,7 @@ type logBackend struct {
 
 // openLog returns the state's log: in-process by default, or a Redis stream shared with the other
 // replicas.
-func openLog(cfg *loadedConfig, state *kvstate.State, logger *slog.Logger) (logBackend, error) {
+func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (logBackend, error) {
 	var addrs []string
 	cluster := false
 	switch {

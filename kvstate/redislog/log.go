@@ -24,7 +24,7 @@ type Options struct {
 	Replica string
 	// SnapshotEvery is how many applied changes (a KV batch counting one per block event) trigger an
 	// attempt to write a snapshot (one replica at a time writes, under a lease); SnapshotInterval
-	// triggers one after that long regardless. Zero means DefaultSnapshotEvery.
+	// triggers one after that long regardless. Zero means kvstate.DefaultSnapshotEvery.
 	// The stream is trimmed behind the previous snapshot, so the Redis memory the log holds stays
 	// bounded by about two snapshot periods of changes.
 	SnapshotEvery    uint64
@@ -195,12 +195,6 @@ const (
 	fieldNumber     = "n"
 )
 
-// DefaultSnapshotEvery is the default SnapshotEvery, kvrouter serve's too. A cold start replays
-// about this many block events after the snapshot it loads at most, while a snapshot of a 1M-block
-// state holds its writer's tailer for 0.5-2 s of encoding and writing (docs/BENCHMARKS.md): so
-// snapshots are coarse.
-const DefaultSnapshotEvery = 1_000_000
-
 // New returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
 // appends of worker changes wait.
 func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
@@ -214,7 +208,7 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 		opts.Logger = slog.Default()
 	}
 	if opts.SnapshotEvery == 0 {
-		opts.SnapshotEvery = DefaultSnapshotEvery
+		opts.SnapshotEvery = kvstate.DefaultSnapshotEvery
 	}
 	if opts.SnapshotInterval <= 0 {
 		opts.SnapshotInterval = 5 * time.Minute

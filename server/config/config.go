@@ -1,0 +1,185 @@
+// Package config is kvrouter serve's configuration: every setting with its default, its flag, its
+// environment variable and its YAML key, loaded in layers (flags over KVROUTER_* variables over the
+// --config file over the defaults), checked once at start, and reported with where each value came
+// from (AdminService/GetConfig).
+//
+// The shape is llm-d's options.go: New returns the defaults, AddFlags registers the flags, Complete
+// applies the layers, Validate checks every rule. Load does the four for a command line. The rules of
+// the routing settings themselves live in policy (Config.Validate, and policy/cdrules.go for
+// conditional disaggregation); this package says how a broken one is named to the user.
+package config
+
+import (
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// Default Publish limits (docs/operations.md, "Sizing", has what each costs).
+const (
+	DefaultMaxPublishMsgBytes = 4 << 20
+	DefaultMaxBatchBlocks     = 16_384
+	DefaultMaxDumpBlocks      = 1 << 20
+)
+
+// Options is the service's whole configuration. Build it with New (or Load), never as a literal:
+// it also records where each value came from.
+type Options struct {
+	// Serving.
+	Listen               string        // gRPC address
+	MetricsListen        string        // HTTP address of /metrics ("" = off)
+	LogLevel             string        // debug, info, warn, error
+	MaxPromptTokens      int           // longest accepted prompt
+	MaxRecvMsgBytes      int           // largest accepted gRPC message
+	MaxConcurrentStreams int           // per connection
+	MaxPublishMsgBytes   int           // largest Publish message
+	MaxBatchBlocks       int           // events, and blocks, in one Publish message
+	MaxDumpBlocks        int           // blocks of one dump, over its parts
+	WorkerGracePeriod    time.Duration // how long a disconnected worker keeps its blocks
+	BookingExpiry        time.Duration // how long an unfreed booking lives
+	ShutdownDrain        time.Duration // NOT_SERVING before stopping
+	ShutdownTimeout      time.Duration // graceful stop deadline
+
+	// Shared state (Redis mode); both addresses empty means the embedded, in-process log.
+	RedisAddr         string        // one Redis server
+	RedisClusterAddrs string        // comma-separated Redis Cluster seed nodes
+	RedisPrefix       string        // key prefix; its hash tag keeps the layout on one cluster slot
+	ReplicaID         string        // this replica's name in the log (default: hostname-pid)
+	RedisMaxBuffered  int           // worker changes kept locally during a Redis outage
+	SnapshotEvery     int           // applied changes between snapshot attempts
+	SnapshotInterval  time.Duration // longest time between snapshots
+	RedisReseedWindow time.Duration // how long a fresh shared log may be reseeded by a replica with state
+
+	// Routing. Router.ConditionalDisagg is derived by Validate from the two settings below it.
+	Router                  policy.Config
+	ConditionalDisagg       bool   // --conditional-disagg
+	ConditionalDisaggConfig string // --conditional-disagg-config (JSON object, or a YAML mapping in the file)
+
+	// ConfigFile is the YAML file of settings (--config, or KVROUTER_CONFIG); "" reads none.
+	ConfigFile string
+
+	sources   map[string]Source // where each setting's value came from
+	fromFlags []flagValue       // flags as parsed, applied last by Complete
+	cdSet     []string          // the keys conditional_disagg_config set, for provenance
+
+	// prefillBusyInherited: Router.ConditionalDisagg's prefill busy threshold is router_queue_threshold's.
+	prefillBusyInherited bool
+}
+
+// New returns the built-in defaults, each from SourceDefault.
+func New() *Options {
+	o := &Options{
+		Listen:               ":50051",
+		MetricsListen:        ":9090",
+		LogLevel:             "info",
+		MaxPromptTokens:      1 << 20,
+		MaxRecvMsgBytes:      16 << 20,
+		MaxConcurrentStreams: 1000,
+		MaxPublishMsgBytes:   DefaultMaxPublishMsgBytes,
+		MaxBatchBlocks:       DefaultMaxBatchBlocks,
+		MaxDumpBlocks:        DefaultMaxDumpBlocks,
+		WorkerGracePeriod:    30 * time.Second,
+		BookingExpiry:        300 * time.Second,
+		ShutdownDrain:        2 * time.Second,
+		ShutdownTimeout:      15 * time.Second,
+		RedisPrefix:          "kvr:{default}",
+		RedisMaxBuffered:     100_000,
+		SnapshotEvery:        kvstate.DefaultSnapshotEvery,
+		SnapshotInterval:     5 * time.Minute,
+		RedisReseedWindow:    10 * time.Second,
+		Router:               policy.DefaultConfig(),
+		sources:              make(map[string]Source, len(settings)),
+	}
+	for _, s := range settings {
+		o.sources[s.key] = SourceDefault
+	}
+	return o
+}
+
+// Source says where a setting's value came from.
+type Source int
+
+// Configuration sources, lowest precedence first.
+const (
+	SourceDefault Source = iota + 1
+	SourceFile
+	SourceEnv
+	SourceFlag
+)
+
+func (s Source) String() string {
+	switch s {
+	case SourceDefault:
+		return "default"
+	case SourceFile:
+		return "file"
+	case SourceEnv:
+		return "env"
+	case SourceFlag:
+		return "flag"
+	}
+	return "unknown"
+}
+
+// Entry is one effective setting, as GetConfig reports it.
+type Entry struct {
+	Key    string
+	Value  string
+	Source Source
+}
+
+// Source returns where the setting key's value came from (SourceDefault for a key it does not know).
+func (o *Options) Source(key string) Source {
+	if s, ok := o.sources[key]; ok {
+		return s
+	}
+	return SourceDefault
+}
+
+// Entries lists the effective settings, sorted by key: every setting as given, and the derived
+// conditional-disaggregation values (conditional_disagg.<key>), each with its source: the
+// conditional_disagg_config's for a key it set, router_queue_threshold's for an inherited prefill
+// busy threshold, the default otherwise.
+func (o *Options) Entries() []Entry {
+	out := make([]Entry, 0, len(settings)+len(policy.CDConfigKeys))
+	for _, s := range settings {
+		out = append(out, Entry{Key: s.key, Value: s.get(o), Source: o.Source(s.key)})
+	}
+	cd := o.Router.ConditionalDisagg
+	source := func(key string) Source {
+		if slices.Contains(o.cdSet, key) {
+			return o.Source("conditional_disagg_config")
+		}
+		return SourceDefault
+	}
+	prefillSource := source("prefill_busy_threshold")
+	if o.prefillBusyInherited {
+		prefillSource = o.Source("router_queue_threshold")
+	}
+	policyName := ""
+	if cd.Policy != nil {
+		policyName = cd.Policy.String()
+	}
+	out = append(out,
+		Entry{Key: "conditional_disagg.policy", Value: policyName, Source: source("policy")},
+		Entry{Key: "conditional_disagg.eff_isl_threshold", Value: strconv.FormatUint(cd.EffISLThreshold, 10), Source: source("eff_isl_threshold")},
+		Entry{Key: "conditional_disagg.eff_isl_ratio_threshold", Value: formatFloat(cd.EffISLRatioThreshold), Source: source("eff_isl_ratio_threshold")},
+		Entry{Key: "conditional_disagg.prefill_busy_threshold", Value: formatOptional(cd.PrefillBusyThreshold), Source: prefillSource},
+		Entry{Key: "conditional_disagg.decode_busy_threshold", Value: formatOptional(cd.DecodeBusyThreshold), Source: source("decode_busy_threshold")},
+	)
+	slices.SortFunc(out, func(a, b Entry) int { return strings.Compare(a.Key, b.Key) })
+	return out
+}
+
+func formatFloat(v float64) string { return strconv.FormatFloat(v, 'g', -1, 64) }
+
+func formatOptional(v *float64) string {
+	if v == nil {
+		return ""
+	}
+	return formatFloat(*v)
+}

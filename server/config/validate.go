@@ -1,0 +1,133 @@
+package config
+
+import (
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+	"time"
+
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// cdConfigFlag is how messages name conditional_disagg_config, wherever it was given: as Dynamo's
+// messages name theirs (§1.9).
+const cdConfigFlag = "--conditional-disagg-config"
+
+// Validate checks every rule, in Dynamo's order where Dynamo has one (conditional disaggregation
+// first, §1.9), and returns the first broken one, naming the setting as the user gave it. It also
+// fills what the rules derive: Router.ConditionalDisagg from conditional_disagg and
+// conditional_disagg_config (with a prefill busy threshold inherited from router_queue_threshold),
+// and a default max_publish_msg_bytes lowered to a smaller max_recv_msg_bytes.
+func (o *Options) Validate() error {
+	if err := o.resolveConditionalDisagg(); err != nil {
+		return err
+	}
+	if err := o.Router.Validate(); err != nil {
+		var fe *policy.FieldError
+		if errors.As(err, &fe) {
+			return fmt.Errorf("%s: %s", o.describe(fe.Field), fe.Rule)
+		}
+		return err
+	}
+	switch o.LogLevel {
+	case "debug", "info", "warn", "error":
+	default:
+		return fmt.Errorf("%s: must be debug, info, warn or error (got %q)", o.describe("log_level"), o.LogLevel)
+	}
+	if o.Source("max_publish_msg_bytes") == SourceDefault {
+		o.MaxPublishMsgBytes = min(o.MaxPublishMsgBytes, o.MaxRecvMsgBytes) // the default follows a lower receive limit
+	}
+	if o.MaxPublishMsgBytes > o.MaxRecvMsgBytes {
+		return fmt.Errorf("%s: must be at most %s %d (got %d)", o.describe("max_publish_msg_bytes"), o.describe("max_recv_msg_bytes"), o.MaxRecvMsgBytes, o.MaxPublishMsgBytes)
+	}
+	if o.Listen == "" {
+		return fmt.Errorf("%s: must not be empty", o.describe("listen"))
+	}
+	if o.RedisAddr != "" && o.RedisClusterAddrs != "" {
+		return fmt.Errorf("%s and %s: set one, not both", o.describe("redis_addr"), o.describe("redis_cluster_addrs"))
+	}
+	if open, close := strings.Index(o.RedisPrefix, "{"), strings.Index(o.RedisPrefix, "}"); open < 0 || close < open+2 {
+		return fmt.Errorf("%s: must contain a non-empty hash tag such as {default} (got %q)", o.describe("redis_prefix"), o.RedisPrefix)
+	}
+	if o.WorkerGracePeriod == 0 {
+		return fmt.Errorf("%s: must be > 0", o.describe("worker_grace_period"))
+	}
+	if o.RedisReseedWindow < time.Second {
+		return fmt.Errorf("%s: must be at least 1s (got %v)", o.describe("redis_reseed_window"), o.RedisReseedWindow)
+	}
+	if o.BookingExpiry == 0 {
+		return fmt.Errorf("%s: must be > 0", o.describe("booking_expiry"))
+	}
+	return nil
+}
+
+// resolveConditionalDisagg builds Router.ConditionalDisagg from conditional_disagg and
+// conditional_disagg_config with Dynamo's steps (§1.9): the JSON is checked as it is read, then it
+// requires the feature, then the rules that relate it to the rest of the configuration
+// (policy.Config.ResolveCD, the ones per-request overrides meet too) run with settings named as
+// flags.
+func (o *Options) resolveConditionalDisagg() error {
+	cd := policy.DefaultCDConfig()
+	cd.Enabled = o.ConditionalDisagg
+	o.cdSet = nil
+	if o.ConditionalDisaggConfig != "" {
+		set, err := policy.ParseCDConfigJSON(o.ConditionalDisaggConfig, &cd)
+		if err != nil {
+			return cdConfigError(err)
+		}
+		if !cd.Enabled {
+			return fmt.Errorf("%s requires %s", cdConfigFlag, flagOf("conditional_disagg"))
+		}
+		o.cdSet = set
+	}
+	resolved, err := o.Router.ResolveCD(cd, flagOf)
+	if err != nil {
+		return cdConfigError(err)
+	}
+	o.Router.ConditionalDisagg = resolved
+	o.prefillBusyInherited = cd.PrefillBusyThreshold == nil && resolved.PrefillBusyThreshold != nil
+	return nil
+}
+
+// cdConfigError names a broken conditional-disaggregation rule the way Dynamo's command line does:
+// a key of the JSON after the flag that carries it, a rule relating settings as it is.
+func cdConfigError(err error) error {
+	var fe *policy.FieldError
+	if !errors.As(err, &fe) {
+		return err
+	}
+	if fe.Field == "" {
+		return fmt.Errorf("%s %s", cdConfigFlag, fe.Rule)
+	}
+	return fmt.Errorf("%s %s %s", cdConfigFlag, fe.Field, fe.Rule)
+}
+
+// LogDerived logs, at info, the values Validate derived that an operator may not expect: Dynamo's
+// two start-up lines of conditional disaggregation (§1.9).
+func (o *Options) LogDerived(logger *slog.Logger) {
+	cd := o.Router.ConditionalDisagg
+	if !cd.Enabled {
+		return
+	}
+	if cd.Policy.NeedsPrefillBusy() && o.prefillBusyInherited {
+		logger.Info(fmt.Sprintf("conditional_disagg prefill_busy_threshold defaults to --router-queue-threshold=%v", *cd.PrefillBusyThreshold))
+	}
+	if cd.DecodeBusyThreshold != nil {
+		logger.Info("conditional_disagg decode busy guard enabled", "decode_busy_threshold", *cd.DecodeBusyThreshold)
+	}
+}
+
+// describe names a key as the user set it, for error messages: its flag, its environment variable,
+// or its key in the file.
+func (o *Options) describe(key string) string {
+	switch o.Source(key) {
+	case SourceFlag:
+		return flagOf(key)
+	case SourceEnv:
+		return "KVROUTER_" + strings.ToUpper(key)
+	case SourceFile:
+		return key + " (config file)"
+	}
+	return key + " (default)"
+}
