@@ -90,6 +90,7 @@ func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 	seq := l.seq.Add(1)
 	l.mu.Lock()
 	l.unechoed[seq] = true
+	l.queued[seq] = struct{}{}
 	l.mu.Unlock()
 	select {
 	case l.outbox <- outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}:
@@ -98,6 +99,7 @@ func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 		// (other replicas miss this booking's load until it is freed or expires), and it is counted.
 		l.mu.Lock()
 		delete(l.unechoed, seq)
+		delete(l.queued, seq)
 		l.mu.Unlock()
 		if l.LostChanges.Add(1) == 1 {
 			l.opts.Logger.Error("the booking outbox is full: bookings stay local to this replica until Redis returns")
@@ -140,11 +142,15 @@ func (l *Log) publish(ctx context.Context) {
 			errs := l.addEntries(ctx, batch)
 			var failed []outgoing
 			var lastErr error
+			l.mu.Lock()
 			for i, err := range errs {
 				if err != nil {
 					failed, lastErr = append(failed, batch[i]), err
+				} else {
+					delete(l.queued, batch[i].seq)
 				}
 			}
+			l.mu.Unlock()
 			batch = failed
 			if ctx.Err() != nil {
 				return

@@ -342,13 +342,20 @@ func (l *Log) switchGeneration(g, pos string, entry uint64, carry bool) {
 		l.genChanges.Add(1)
 	}
 	if !carry {
+		for _, b := range l.buffer {
+			delete(l.queued, b.seq)
+		}
 		l.buffer, l.bufferedBy, l.resync = nil, make(map[kvstate.WorkerKey]int), make(map[kvstate.WorkerKey]bool)
 	}
 	for seq, w := range l.waiters {
 		w <- appliedEntry{err: fmt.Errorf("%w: the shared log moved to another generation; retry", kvstate.ErrLogUnavailable)}
 		delete(l.waiters, seq)
 	}
-	clear(l.unechoed)
+	if carry {
+		l.stateReplacedLocked()
+	} else {
+		clear(l.unechoed) // in the snapshot; the outbox's entries of the old generation are dropped
+	}
 	l.gen.Store(g)
 	l.mu.Unlock()
 	l.lastID.Store(pos)

@@ -99,8 +99,12 @@ type Log struct {
 	mu      sync.Mutex
 	waiters map[uint64]chan appliedEntry // own entries awaited by Append
 	// unechoed are own entries published in the background and not yet read back from the stream;
-	// true if they were applied locally when appended (the tailer then skips them).
+	// true if they were applied locally when appended (the tailer then skips them), false if the
+	// state they were applied to was replaced since (the tailer applies them).
 	unechoed map[uint64]bool
+	// queued are own changes applied locally and not appended yet: in the outbox, the outage buffer
+	// or the publisher's hands. After the state is replaced they are the ones still to come back.
+	queued map[uint64]struct{}
 
 	outbox chan outgoing // locally applied bookings to publish
 
@@ -230,6 +234,7 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 		rdb: rdb, state: state, opts: opts,
 		waiters:    make(map[uint64]chan appliedEntry),
 		unechoed:   make(map[uint64]bool),
+		queued:     make(map[uint64]struct{}),
 		outbox:     make(chan outgoing, 65536),
 		bufferedBy: make(map[kvstate.WorkerKey]int),
 		resync:     make(map[kvstate.WorkerKey]bool),
@@ -255,6 +260,17 @@ func (l *Log) Pending() int {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return len(l.unechoed)
+}
+
+// stateReplacedLocked forgets what this replica applied locally first, after its state was replaced
+// by a snapshot (a reload, or a restore after falling behind): of its own changes, only those not
+// appended yet are sure to come back through the stream, and they must be applied when they do.
+// They stay pending until then. The caller holds mu.
+func (l *Log) stateReplacedLocked() {
+	clear(l.unechoed)
+	for seq := range l.queued {
+		l.unechoed[seq] = false
+	}
 }
 
 // LastID returns the stream id of the last applied entry ("0" before the first).

@@ -60,6 +60,7 @@ func (l *Log) appendBuffered(c kvstate.Change) (kvstate.Result, error) {
 	}
 	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}, worker: worker, hasWorker: hasWorker})
 	l.unechoed[seq] = true
+	l.queued[seq] = struct{}{}
 	if hasWorker {
 		l.bufferedBy[worker]++
 	}
@@ -169,6 +170,7 @@ func (l *Log) flushBuffer(ctx context.Context) bool {
 		}
 		l.buffer = l.buffer[took:]
 		for _, b := range batch[:took] {
+			delete(l.queued, b.seq)
 			if b.hasWorker {
 				if l.bufferedBy[b.worker]--; l.bufferedBy[b.worker] <= 0 {
 					delete(l.bufferedBy, b.worker)

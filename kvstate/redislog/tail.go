@@ -231,7 +231,7 @@ func (l *Log) catchUp(ctx context.Context) error {
 			w <- appliedEntry{err: fmt.Errorf("%w: this replica fell behind and reloaded the snapshot; retry", kvstate.ErrLogUnavailable)}
 			delete(l.waiters, seq)
 		}
-		clear(l.unechoed)
+		l.stateReplacedLocked()
 		l.mu.Unlock()
 		l.lastID.Store(h.Position)
 		l.lastEntry.Store(h.Entry)
