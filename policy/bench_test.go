@@ -24,8 +24,7 @@ import (
 
 const (
 	benchModel       = "bench"
-	benchBlockSize   = 16
-	benchVocab       = 128256
+	benchBlockSize   = kvtest.BlockSize
 	benchWorkers     = 64
 	benchIndexBlocks = 1_000_000 // the fill stops once the index holds this many blocks
 
@@ -38,23 +37,24 @@ const (
 	benchInFlight    = 128 // bookings alive at once in the booking variants
 )
 
-// promptGen makes prompts from content ids: root r's block i is r<<32|i and unique blocks count
-// up from 1<<48; a block's 16 tokens follow from its id, so equal ids mean equal cached content.
+var benchShape = kvtest.Shape{Roots: benchRoots, SharedMin: 0.25, SharedMax: 0.75}
+
+// promptGen makes the benchmarks' prompts (kvtest.Prompts of benchShape) with their blocks'
+// hashes: a root's blocks are hashed once.
 type promptGen struct {
-	rng       *rand.Rand
+	*kvtest.Prompts
 	salt      uint64
-	nextID    uint64
 	rootLocal [][]uint64
 	rootSeq   [][]uint64
 	tokens    []uint32 // scratch
 }
 
 func newPromptGen(seed uint64) *promptGen {
-	g := &promptGen{rng: rand.New(rand.NewPCG(seed, 7)), salt: kvstate.SaltHash("", ""), nextID: 1 << 48}
-	for r := range uint64(benchRoots) {
+	g := &promptGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, 7))), salt: kvstate.SaltHash("", "")}
+	for r := range benchRoots {
 		local := make([]uint64, benchRootBlocks)
 		for i := range local {
-			local[i] = g.localHash(r<<32 | uint64(i))
+			local[i] = g.localHash(kvtest.RootBlock(r, i))
 		}
 		g.rootLocal = append(g.rootLocal, local)
 		g.rootSeq = append(g.rootSeq, kvstate.SequenceHashes(nil, local))
@@ -62,36 +62,23 @@ func newPromptGen(seed uint64) *promptGen {
 	return g
 }
 
-// blockTokens appends the 16 tokens of the block with content id to dst.
-func blockTokens(dst []uint32, id uint64) []uint32 {
-	for i := range uint64(benchBlockSize) {
-		dst = append(dst, uint32(kvtest.Mix(id*benchBlockSize+i+1)%benchVocab))
-	}
-	return dst
-}
-
 func (g *promptGen) localHash(id uint64) uint64 {
-	g.tokens = blockTokens(g.tokens[:0], id)
+	g.tokens = kvtest.BlockTokens(g.tokens[:0], id)
 	return kvstate.LocalBlockHash(g.tokens, g.salt)
 }
 
-// shape draws a root and the number of blocks shared with it, for a prompt of n blocks.
-func (g *promptGen) shape(n int) (root, shared int) {
-	return g.rng.IntN(benchRoots), n/4 + g.rng.IntN(n/2+1)
-}
-
-// cached draws a prompt to cache: its engine-named blocks.
+// cached draws a prompt of n blocks to cache: its engine-named blocks.
 func (g *promptGen) cached(n int) []kvstate.Block {
-	root, shared := g.shape(n)
+	root, shared := g.Draw(n)
 	out := make([]kvstate.Block, n)
 	seq := uint64(0)
+	first := g.NewIDs(n - shared)
 	for i := range out {
 		var local uint64
 		if i < shared {
 			local, seq = g.rootLocal[root][i], g.rootSeq[root][i]
 		} else {
-			local = g.localHash(g.nextID)
-			g.nextID++
+			local = g.localHash(first + uint64(i-shared))
 			seq = kvstate.ChainHash(seq, local)
 		}
 		out[i] = kvstate.Block{Hash: ^seq, Local: local} // the engine's hash: any per-content name
@@ -101,14 +88,11 @@ func (g *promptGen) cached(n int) []kvstate.Block {
 
 // query draws a prompt's tokens: a root prefix, then blocks nobody has seen.
 func (g *promptGen) query(tokens int) []uint32 {
-	root, shared := g.shape(tokens / benchBlockSize)
-	out := make([]uint32, 0, tokens)
-	for i := range shared {
-		out = blockTokens(out, uint64(root)<<32|uint64(i))
-	}
-	for len(out) < tokens {
-		out = blockTokens(out, g.nextID)
-		g.nextID++
+	n := (tokens + kvtest.BlockSize - 1) / kvtest.BlockSize
+	root, shared := g.Draw(n)
+	out := make([]uint32, 0, n*kvtest.BlockSize)
+	for _, id := range g.IDs(nil, root, shared, n) {
+		out = kvtest.BlockTokens(out, id)
 	}
 	return out[:tokens]
 }
@@ -192,7 +176,7 @@ func (f *routeFixture) nextCached(i int) cachedPrompt {
 	if i%2 == 1 {
 		n = 32768 / benchBlockSize
 	}
-	return cachedPrompt{worker: f.workers[f.gen.rng.IntN(len(f.workers))], blocks: f.gen.cached(n)}
+	return cachedPrompt{worker: f.workers[f.gen.Rand.IntN(len(f.workers))], blocks: f.gen.cached(n)}
 }
 
 // store applies one prompt as a worker reports it: stored events of benchEventBlocks blocks, each

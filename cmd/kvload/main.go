@@ -65,9 +65,6 @@ type config struct {
 	seed                 uint64
 }
 
-// vocab is the token id range (Llama 3's vocabulary), so prompts look like real ones.
-const vocab = 128256
-
 func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	c := &config{}
 	fs := flag.NewFlagSet("kvload", flag.ContinueOnError)
@@ -191,48 +188,21 @@ type plan struct {
 	events []*kvrouterv1.KvEvent
 }
 
-// generator makes the fleet's prompts from content ids: root r's block i is r<<32|i and unique
-// blocks count up from 1<<48. A block's tokens follow from its id, and its engine block_hash is its
-// sequence hash, so equal prefixes are equal blocks on every worker, as with real engines.
+// generator makes the fleet's prompts (kvtest.Prompts: a block's tokens follow from its content
+// id). A block's engine block_hash is its sequence hash, so equal prefixes are equal blocks on every
+// worker, as with real engines.
 type generator struct {
-	c      *config
-	rng    *rand.Rand
-	salt   uint64
-	nextID uint64
+	*kvtest.Prompts
+	c    *config
+	salt uint64
 }
 
 func newGenerator(c *config) *generator {
-	return &generator{c: c, rng: rand.New(rand.NewPCG(c.seed, 0x6b766c6f6164)), salt: kvstate.SaltHash("", ""), nextID: 1 << 48}
+	shape := kvtest.Shape{Roots: c.roots, SharedMin: c.sharedMin, SharedMax: c.sharedMax}
+	return &generator{Prompts: kvtest.NewPrompts(shape, rand.New(rand.NewPCG(c.seed, 0x6b766c6f6164))), c: c, salt: kvstate.SaltHash("", "")}
 }
 
-func (g *generator) tokens(id uint64) []uint32 {
-	out := make([]uint32, g.c.blockSize)
-	x := id * uint64(g.c.blockSize)
-	for i := range out {
-		x++
-		out[i] = uint32(kvtest.Mix(x) % vocab)
-	}
-	return out
-}
-
-// prompt returns the content ids of a prompt of n blocks: shared blocks of root, then unique ones.
-func (g *generator) prompt(root, shared, n int) []uint64 {
-	ids := make([]uint64, n)
-	for i := range ids {
-		if i < shared {
-			ids[i] = uint64(root)<<32 | uint64(i)
-		} else {
-			ids[i] = g.nextID
-			g.nextID++
-		}
-	}
-	return ids
-}
-
-func (g *generator) sharedBlocks(n int) int {
-	lo, hi := int(g.c.sharedMin*float64(n)), int(g.c.sharedMax*float64(n))
-	return lo + g.rng.IntN(hi-lo+1)
-}
+func (g *generator) tokens(id uint64) []uint32 { return kvtest.BlockTokensOf(nil, id, g.c.blockSize) }
 
 // plans generates every worker's hello and stored events: prompts on random workers until the
 // fleet holds --blocks blocks.
@@ -256,9 +226,9 @@ func (g *generator) plans() []*plan {
 		held[i] = map[uint64]bool{}
 	}
 	for published := 0; published < c.blocks; {
-		w := g.rng.IntN(c.workers)
-		root := g.rng.IntN(c.roots)
-		ids := g.prompt(root, g.sharedBlocks(c.promptBlocks), c.promptBlocks)
+		w := g.Rand.IntN(c.workers)
+		root, shared := g.Draw(c.promptBlocks)
+		ids := g.IDs(nil, root, shared, c.promptBlocks)
 		stored := &kvrouterv1.BlocksStored{}
 		var seq uint64
 		for i, id := range ids {
@@ -298,7 +268,7 @@ func (g *generator) routeRequest() *kvrouterv1.RouteRequest {
 	n := (c.routeTokens + c.blockSize - 1) / c.blockSize
 	shared := int(float64(min(n, c.promptBlocks)) * (c.sharedMin + c.sharedMax) / 2)
 	req := &kvrouterv1.RouteRequest{Model: c.model, QueryOnly: c.queryOnly}
-	for _, id := range g.prompt(g.rng.IntN(c.roots), shared, n) {
+	for _, id := range g.IDs(nil, g.Rand.IntN(c.roots), shared, n) {
 		req.TokenIds = append(req.TokenIds, g.tokens(id)...)
 	}
 	req.TokenIds = req.TokenIds[:c.routeTokens]

@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 // worker is a minimal publisher: one Publish stream, events with consecutive ids, acks tracked.
@@ -130,19 +131,14 @@ func testReplicaCrash(t *testing.T, r redisTarget) {
 			t.Fatal("publishing to B after the failover failed")
 		}
 	}
-	deadline := time.Now().Add(defaultTestTimeout)
-	for {
-		ws := listWorkers(t, b.addr)
-		w1s, w2s := ws[1], ws[2]
-		if w2s == nil && w1s != nil {
-			if got := w1s.GetCachedBlocks().GetDevice(); got != w1.next {
-				t.Errorf("worker 1 holds %d blocks on B, want %d (every acked event, before and after the failover)", got, w1.next)
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("worker 2 was not removed from B after its lease ran out: %v\n%s", ws, b.logs)
-		}
-		time.Sleep(50 * time.Millisecond)
+	var ws map[uint64]*kvrouterv1.WorkerStatus
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
+		ws = listWorkers(t, b.addr)
+		return ws[2] == nil && ws[1] != nil
+	}) {
+		t.Fatalf("worker 2 was not removed from B after its lease ran out: %v\n%s", ws, b.logs)
+	}
+	if got := ws[1].GetCachedBlocks().GetDevice(); got != w1.next {
+		t.Errorf("worker 1 holds %d blocks on B, want %d (every acked event, before and after the failover)", got, w1.next)
 	}
 }

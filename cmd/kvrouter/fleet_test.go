@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 // fleetWorker is a worker publisher that behaves as a real one must: it numbers its events, keeps
@@ -433,24 +434,27 @@ func (f *fleet) ackedLost(rs []replicaState) int64 {
 // waitAllAcked waits until every worker's events are all acked (after the fleet paused, its last
 // ones may still be in flight or wait for a dump).
 func (f *fleet) waitAllAcked(timeout time.Duration) error {
-	deadline := time.Now().Add(timeout)
-	for {
-		pending := ""
+	var pending string
+	var refused error
+	kvtest.Poll(timeout, 50*time.Millisecond, func() bool {
+		pending = ""
 		for _, w := range f.workers {
 			produced, acked, _, _, sup := w.status()
 			if sup != nil {
-				return fmt.Errorf("worker %d was refused: %v", w.id, sup)
+				refused = fmt.Errorf("worker %d was refused: %v", w.id, sup)
+				return true
 			}
 			if int64(produced)-1 != acked {
 				pending = fmt.Sprintf("worker %d: produced %d, acked through %d", w.id, produced, acked)
 			}
 		}
-		if pending == "" {
-			return nil
-		}
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not every event acked within %v: %s", timeout, pending)
-		}
-		time.Sleep(50 * time.Millisecond)
+		return pending == ""
+	})
+	switch {
+	case refused != nil:
+		return refused
+	case pending != "":
+		return fmt.Errorf("not every event acked within %v: %s", timeout, pending)
 	}
+	return nil
 }

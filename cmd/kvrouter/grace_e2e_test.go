@@ -6,6 +6,8 @@ import (
 	"io"
 	"testing"
 	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 // closeStream half-closes the worker's stream and waits for the server to end it.
@@ -65,6 +67,12 @@ func testGracePeriodAfterLongStream(t *testing.T, a, b *serverProcess) {
 		}
 	}
 
+	// holds reports whether the replica at addr lists worker 1 with want blocks.
+	holds := func(addr string, want uint64) bool {
+		ws := listWorkers(t, addr)[1]
+		return ws != nil && ws.GetCachedBlocks().GetDevice() == want
+	}
+
 	// The stream lives longer than the grace period, publishing all along.
 	w := &worker{t: t, id: 1, acked: -1}
 	w.connect(ctx, a.addr)
@@ -75,13 +83,8 @@ func testGracePeriodAfterLongStream(t *testing.T, a, b *serverProcess) {
 	}
 	acked := w.next
 	// Wait until B has applied everything A acked, so that what follows measures the grace period only.
-	for deadline := time.Now().Add(defaultTestTimeout); ; time.Sleep(20 * time.Millisecond) {
-		if ws := listWorkers(t, b.addr)[1]; ws != nil && ws.GetCachedBlocks().GetDevice() == acked {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica B never held the %d blocks A acked", acked)
-		}
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { return holds(b.addr, acked) }) {
+		t.Fatalf("replica B never held the %d blocks A acked", acked)
 	}
 	w.closeStream()
 	closed := time.Now()
@@ -103,13 +106,8 @@ func testGracePeriodAfterLongStream(t *testing.T, a, b *serverProcess) {
 		}
 	}
 	acked = w.next
-	for deadline := time.Now().Add(defaultTestTimeout); ; time.Sleep(20 * time.Millisecond) {
-		if ws := listWorkers(t, a.addr)[1]; ws != nil && ws.GetCachedBlocks().GetDevice() == acked {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica A never held the %d blocks B acked", acked)
-		}
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { return holds(a.addr, acked) }) {
+		t.Fatalf("replica A never held the %d blocks B acked", acked)
 	}
 
 	// The worker leaves for good: it stays for the grace period, then is removed everywhere.
@@ -120,10 +118,8 @@ func testGracePeriodAfterLongStream(t *testing.T, a, b *serverProcess) {
 		time.Sleep(100 * time.Millisecond)
 	}
 	for name, r := range replicas {
-		for deadline := closed.Add(grace + defaultTestTimeout); listWorkers(t, r.addr)[1] != nil; time.Sleep(50 * time.Millisecond) {
-			if time.Now().After(deadline) {
-				t.Fatalf("replica %s still lists worker 1 %v after its stream closed (grace %v)", name, time.Since(closed), grace)
-			}
+		if !kvtest.Poll(time.Until(closed.Add(grace+defaultTestTimeout)), 50*time.Millisecond, func() bool { return listWorkers(t, r.addr)[1] == nil }) {
+			t.Fatalf("replica %s still lists worker 1 %v after its stream closed (grace %v)", name, time.Since(closed), grace)
 		}
 	}
 	// Removal is timed from the server's record of the close, a little before the client saw it.

@@ -12,6 +12,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/server"
 )
 
@@ -133,22 +134,22 @@ func testRedisOutageUnderLoad(t *testing.T, r redisTarget) {
 	// Every event sent is acked, and both replicas converge on it.
 	want := sent.Load()
 	admin := map[string]kvrouterv1.AdminServiceClient{"A": kvrouterv1.NewAdminServiceClient(dial(t, a.addr)), "B": kvrouterv1.NewAdminServiceClient(dial(t, b.addr))}
-	deadline := time.Now().Add(2 * defaultTestTimeout)
-	for {
-		sa, errA := admin["A"].GetState(ctx, &kvrouterv1.GetStateRequest{})
-		sb, errB := admin["B"].GetState(ctx, &kvrouterv1.GetStateRequest{})
-		blocks := listWorkers(t, b.addr)[1].GetCachedBlocks().GetDevice()
-		if errA == nil && errB == nil && lastAck.Load() == want-1 && int64(blocks) == want &&
-			sa.GetLogLastId() == sb.GetLogLastId() && sa.GetPendingChanges() == 0 && sb.GetPendingChanges() == 0 {
-			if sa.GetDigest() != sb.GetDigest() {
-				t.Errorf("digests after the outage: A %s, B %s; want equal", sa.GetDigest(), sb.GetDigest())
-			}
-			return
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("no convergence after the outage: sent %d, acked through %d, B holds %d blocks; A %v %v; B %v %v",
-				want, lastAck.Load(), blocks, sa, errA, sb, errB)
-		}
-		time.Sleep(100 * time.Millisecond)
+	var (
+		sa, sb     *kvrouterv1.GetStateResponse
+		errA, errB error
+		blocks     uint64
+	)
+	if !kvtest.Poll(2*defaultTestTimeout, 100*time.Millisecond, func() bool {
+		sa, errA = admin["A"].GetState(ctx, &kvrouterv1.GetStateRequest{})
+		sb, errB = admin["B"].GetState(ctx, &kvrouterv1.GetStateRequest{})
+		blocks = listWorkers(t, b.addr)[1].GetCachedBlocks().GetDevice()
+		return errA == nil && errB == nil && lastAck.Load() == want-1 && int64(blocks) == want &&
+			sa.GetLogLastId() == sb.GetLogLastId() && sa.GetPendingChanges() == 0 && sb.GetPendingChanges() == 0
+	}) {
+		t.Fatalf("no convergence after the outage: sent %d, acked through %d, B holds %d blocks; A %v %v; B %v %v",
+			want, lastAck.Load(), blocks, sa, errA, sb, errB)
+	}
+	if sa.GetDigest() != sb.GetDigest() {
+		t.Errorf("digests after the outage: A %s, B %s; want equal", sa.GetDigest(), sb.GetDigest())
 	}
 }

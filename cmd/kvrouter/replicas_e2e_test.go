@@ -8,6 +8,7 @@ import (
 
 	"github.com/redis/go-redis/v9"
 
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
@@ -51,25 +52,21 @@ func testReplicasShareState(t *testing.T, r redisTarget) {
 	prompt := tokenRange(1, 1024)
 	publishFleet(t, grpcurl, a, prompt) // P1, D1 caching 15 of 16 blocks, D2
 
-	deadline := time.Now().Add(defaultTestTimeout)
 	var got routeAnswer
-	for {
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
 		got = routeVia(t, grpcurl, b, map[string]any{"model": "llama", "tokenIds": prompt, "queryOnly": true, "explain": true})
-		if got.Decode == "11" {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica B never routed to D1 by its cache: last answer %+v", got)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return got.Decode == "11"
+	}) {
+		t.Fatalf("replica B never routed to D1 by its cache: last answer %+v", got)
 	}
 	// Replica B books a request; replica A's ListWorkers shows it on the decode worker.
 	booked := routeVia(t, grpcurl, b, map[string]any{"requestId": "shared-1", "model": "llama", "tokenIds": prompt})
 	if booked.Mode != "ROUTE_MODE_DISAGGREGATED" {
 		t.Fatalf("B's Route = %+v, want disaggregated (conditional disagg is off)", booked)
 	}
-	for {
-		out := grpcurlCall(t, grpcurl, a, "kvrouter.v1.AdminService/ListWorkers", `{"model": "llama"}`)
+	var out string
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		out = grpcurlCall(t, grpcurl, a, "kvrouter.v1.AdminService/ListWorkers", `{"model": "llama"}`)
 		var resp struct {
 			Workers []struct {
 				Worker struct {
@@ -89,12 +86,8 @@ func testReplicasShareState(t *testing.T, r redisTarget) {
 				busy = append(busy, w.Worker.WorkerID)
 			}
 		}
-		if strings.Join(busy, ",") == "1,"+booked.Decode {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replica A never showed B's booking on P1 and D%s:\n%s", booked.Decode, out)
-		}
-		time.Sleep(20 * time.Millisecond)
+		return strings.Join(busy, ",") == "1,"+booked.Decode
+	}) {
+		t.Fatalf("replica A never showed B's booking on P1 and D%s:\n%s", booked.Decode, out)
 	}
 }

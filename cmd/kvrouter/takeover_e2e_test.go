@@ -9,6 +9,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 // TestTwoStreamsOneWorker: while a worker's stream is live on replica A, a second stream for the same
@@ -76,23 +77,25 @@ func testTwoStreamsOneWorker(t *testing.T, a, b *serverProcess) {
 	// Every replica holds the ten events of the first stream and the five of the second: 15 blocks,
 	// none of them the superseded stream's event 10, and the same digest.
 	admins := []kvrouterv1.AdminServiceClient{kvrouterv1.NewAdminServiceClient(dial(t, a.addr)), kvrouterv1.NewAdminServiceClient(dial(t, b.addr))}
-	for deadline := time.Now().Add(defaultTestTimeout); ; time.Sleep(20 * time.Millisecond) {
-		wa, wb := listWorkers(t, a.addr)[1], listWorkers(t, b.addr)[1]
-		sa, errA := admins[0].GetState(ctx, &kvrouterv1.GetStateRequest{})
-		sb, errB := admins[1].GetState(ctx, &kvrouterv1.GetStateRequest{})
-		if wa.GetCachedBlocks().GetDevice() == 15 && wb.GetCachedBlocks().GetDevice() == 15 && errA == nil && errB == nil &&
-			sa.GetLogLastId() == sb.GetLogLastId() && sa.GetPendingChanges() == 0 && sb.GetPendingChanges() == 0 {
-			if sa.GetDigest() != sb.GetDigest() {
-				t.Errorf("digests differ: A %s, B %s", sa.GetDigest(), sb.GetDigest())
-			}
-			if wa.GetLastEventId() != 14 {
-				t.Errorf("last event id = %d, want 14", wa.GetLastEventId())
-			}
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("replicas never agreed on 15 blocks: A %v, B %v; states %v %v", wa, wb, sa, sb)
-		}
+	var (
+		wa, wb     *kvrouterv1.WorkerStatus
+		sa, sb     *kvrouterv1.GetStateResponse
+		errA, errB error
+	)
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		wa, wb = listWorkers(t, a.addr)[1], listWorkers(t, b.addr)[1]
+		sa, errA = admins[0].GetState(ctx, &kvrouterv1.GetStateRequest{})
+		sb, errB = admins[1].GetState(ctx, &kvrouterv1.GetStateRequest{})
+		return wa.GetCachedBlocks().GetDevice() == 15 && wb.GetCachedBlocks().GetDevice() == 15 && errA == nil && errB == nil &&
+			sa.GetLogLastId() == sb.GetLogLastId() && sa.GetPendingChanges() == 0 && sb.GetPendingChanges() == 0
+	}) {
+		t.Fatalf("replicas never agreed on 15 blocks: A %v, B %v; states %v %v", wa, wb, sa, sb)
+	}
+	if sa.GetDigest() != sb.GetDigest() {
+		t.Errorf("digests differ: A %s, B %s", sa.GetDigest(), sb.GetDigest())
+	}
+	if wa.GetLastEventId() != 14 {
+		t.Errorf("last event id = %d, want 14", wa.GetLastEventId())
 	}
 	// The superseded stream's block is in no replica's index.
 	for _, addr := range []string{a.addr, b.addr} {

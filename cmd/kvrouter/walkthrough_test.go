@@ -20,6 +20,8 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 const defaultTestTimeout = 30 * time.Second
@@ -139,24 +141,21 @@ func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 		t.Fatalf("grpc.NewClient() = %v", err)
 	}
 	defer conn.Close()
-	deadline := time.Now().Add(defaultTestTimeout)
-	for {
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
-		cancel()
-		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
-			return p
-		}
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
 		select {
 		case err := <-exited:
 			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
 		default:
 		}
-		if time.Now().After(deadline) {
-			t.Fatalf("kvrouter not SERVING after %v: %v\n%s", defaultTestTimeout, err, logs)
-		}
-		time.Sleep(50 * time.Millisecond)
+		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		var resp *healthpb.HealthCheckResponse
+		resp, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
+		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
+	}) {
+		t.Fatalf("kvrouter not SERVING after %v: %v\n%s", defaultTestTimeout, err, logs)
 	}
+	return p
 }
 
 // walkthroughBlocks returns the sh code blocks between the README's walkthrough markers.

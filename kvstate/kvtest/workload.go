@@ -45,24 +45,14 @@ func Mix(x uint64) uint64 {
 	return x
 }
 
-// BlockTokens appends the tokens of the block with content id to dst. Equal ids give equal tokens,
-// so prompts that share block ids share cached prefixes.
-func BlockTokens(dst []uint32, id uint64) []uint32 {
-	for i := range uint64(BlockSize) {
-		dst = append(dst, uint32(Mix(id*BlockSize+i+1)%Vocab))
-	}
-	return dst
-}
-
-// Workload generates the peers' prompts deterministically. A block is named by a content id
-// (root r's block i is r<<32|i; unique blocks count up from 1<<48), from which its tokens, local
+// Workload generates the peers' prompts (PeerShape) deterministically, with each prompt's pod and
+// its blocks' hashes. A block is named by its content id (Prompts), from which its tokens, local
 // hash and, along the prompt, its sequence hash follow.
 type Workload struct {
-	rng       *rand.Rand
+	prompts   *Prompts
 	salt      uint64
 	rootLocal [][]uint64
 	rootSeq   [][]uint64
-	nextID    uint64
 	tokens    []uint32 // scratch
 }
 
@@ -78,11 +68,11 @@ type Prompt struct {
 // NewWorkload returns the generator seeded with seed; kvtest.Seed gives the prompts of the
 // recorded benchmarks.
 func NewWorkload(seed uint64) *Workload {
-	w := &Workload{rng: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15)), salt: kvstate.SaltHash("", ""), nextID: 1 << 48}
+	w := &Workload{prompts: NewPrompts(PeerShape, rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))), salt: kvstate.SaltHash("", "")}
 	for r := range Roots {
 		local := make([]uint64, PromptBlocks)
 		for i := range local {
-			local[i] = w.localHash(uint64(r)<<32 | uint64(i))
+			local[i] = w.localHash(RootBlock(r, i))
 		}
 		w.rootLocal = append(w.rootLocal, local)
 		w.rootSeq = append(w.rootSeq, kvstate.SequenceHashes(nil, local))
@@ -100,12 +90,11 @@ func (w *Workload) localHash(id uint64) uint64 {
 
 // Next draws the Next prompt: a root, a shared prefix length in [128, 384] and a pod, uniformly.
 func (w *Workload) Next() *Prompt {
-	p := &Prompt{Root: w.rng.IntN(Roots)}
-	p.Shared = SharedMin + w.rng.IntN(SharedMax-SharedMin+1)
-	p.Pod = uint32(w.rng.IntN(Pods))
-	p.FirstID = w.nextID
+	p := &Prompt{}
+	p.Root, p.Shared = w.prompts.Draw(PromptBlocks)
+	p.Pod = uint32(w.prompts.Rand.IntN(Pods))
 	n := PromptBlocks - p.Shared
-	w.nextID += uint64(n)
+	p.FirstID = w.prompts.NewIDs(n)
 	p.Local = make([]uint64, n)
 	p.Seq = make([]uint64, n)
 	parent := w.rootSeq[p.Root][p.Shared-1]
@@ -137,7 +126,7 @@ func (w *Workload) SeqHashes(p *Prompt, dst []uint64) []uint64 {
 // Tokens appends the prompt's 8,192 tokens to dst.
 func (w *Workload) Tokens(p *Prompt, dst []uint32) []uint32 {
 	for i := range p.Shared {
-		dst = BlockTokens(dst, uint64(p.Root)<<32|uint64(i))
+		dst = BlockTokens(dst, RootBlock(p.Root, i))
 	}
 	for i := range p.Local {
 		dst = BlockTokens(dst, p.FirstID+uint64(i))

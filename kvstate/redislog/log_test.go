@@ -549,16 +549,12 @@ func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
 	time.Sleep(200 * time.Millisecond)
 	close(stop)
 	wg.Wait()
-	deadline := time.Now().Add(redisTestTimeout)
-	for !caughtUp(ctx, rdb, stream, append(rs, c)...) {
-		if time.Now().After(deadline) {
-			last, _ := rdb.XRevRangeN(ctx, stream, "+", "-", 1).Result()
-			for i, r := range append(rs, c) {
-				t.Logf("replica %d: pending %d, last id %s, degraded %v", i, r.log.Pending(), r.log.LastID(), r.log.Degraded())
-			}
-			t.Fatalf("timed out waiting for all three to catch up; stream ends at %v", last)
+	if !kvtest.Poll(redisTestTimeout, 5*time.Millisecond, func() bool { return caughtUp(ctx, rdb, stream, append(rs, c)...) }) {
+		last, _ := rdb.XRevRangeN(ctx, stream, "+", "-", 1).Result()
+		for i, r := range append(rs, c) {
+			t.Logf("replica %d: pending %d, last id %s, degraded %v", i, r.log.Pending(), r.log.LastID(), r.log.Degraded())
 		}
-		time.Sleep(5 * time.Millisecond)
+		t.Fatalf("timed out waiting for all three to catch up; stream ends at %v", last)
 	}
 	if c.log.SnapshotLoads.Load() != 1 {
 		t.Fatalf("C loaded %d snapshots, want 1", c.log.SnapshotLoads.Load())
