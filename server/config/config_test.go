@@ -6,6 +6,7 @@ import (
 	"flag"
 	"io"
 	"log/slog"
+	"maps"
 	"os"
 	"path/filepath"
 	"slices"
@@ -19,6 +20,22 @@ import (
 
 func envFunc(env map[string]string) func(string) string {
 	return func(k string) string { return env[k] }
+}
+
+// load runs Load with args and the environment env, plus KVROUTER_CONFIG naming a YAML file of
+// content file when it is not empty; it returns what Load printed too.
+func load(t *testing.T, args []string, env map[string]string, file string) (*Options, string, error) {
+	t.Helper()
+	env = maps.Clone(env)
+	if file != "" {
+		if env == nil {
+			env = map[string]string{}
+		}
+		env["KVROUTER_CONFIG"] = writeFile(t, file)
+	}
+	var stderr bytes.Buffer
+	o, err := Load("kvrouter serve", args, envFunc(env), &stderr)
+	return o, stderr.String(), err
 }
 
 func writeFile(t *testing.T, content string) string {
@@ -99,19 +116,11 @@ func TestBadConfig(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			env := map[string]string{}
-			for k, v := range tt.env {
-				env[k] = v
-			}
-			if tt.file != "" {
-				env["KVROUTER_CONFIG"] = writeFile(t, tt.file)
-			}
-			var stderr bytes.Buffer
-			_, err := Load("kvrouter serve", tt.args, envFunc(env), &stderr)
+			_, stderr, err := load(t, tt.args, tt.env, tt.file)
 			if err == nil {
 				t.Fatalf("Load() = nil, want %q", tt.want)
 			}
-			if got := err.Error() + stderr.String(); !strings.Contains(got, tt.want) {
+			if got := err.Error() + stderr; !strings.Contains(got, tt.want) {
 				t.Errorf("Load() = %q, want it to contain %q", got, tt.want)
 			}
 		})
@@ -194,15 +203,7 @@ func TestConditionalDisaggConfig(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			env := map[string]string{}
-			for k, v := range tt.env {
-				env[k] = v
-			}
-			if tt.file != "" {
-				env["KVROUTER_CONFIG"] = writeFile(t, tt.file)
-			}
-			var stderr bytes.Buffer
-			cfg, err := Load("kvrouter serve", tt.args, envFunc(env), &stderr)
+			cfg, _, err := load(t, tt.args, tt.env, tt.file)
 			if tt.err != "" {
 				if err == nil || err.Error() != tt.err {
 					t.Fatalf("Load() = %v, want %q", err, tt.err)
