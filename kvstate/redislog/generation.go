@@ -306,6 +306,10 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 	l.localMu.Lock()
 	h, err = l.state.Restore(data)
 	if err == nil {
+		// Counted before the new position is visible: whoever sees this replica caught up sees the load.
+		l.SnapshotBytes.Store(int64(len(data)))
+		l.SnapshotWritten.Store(time.Now().UnixNano())
+		l.SnapshotLoads.Add(1)
 		l.switchGeneration(g, h.Position, h.Entry, true)
 	}
 	l.localMu.Unlock()
@@ -318,9 +322,6 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 			l.freshUntil.Store(time.Now().Add(created.Add(l.opts.ReseedWindow).Sub(t)).UnixNano())
 		}
 	}
-	l.SnapshotBytes.Store(int64(len(data)))
-	l.SnapshotWritten.Store(time.Now().UnixNano())
-	l.SnapshotLoads.Add(1)
 	l.opts.Logger.Info("loaded the shared log's snapshot", "generation", g, "position", h.Position, "bytes", len(data), "took", time.Since(start))
 	return nil
 }

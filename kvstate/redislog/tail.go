@@ -233,6 +233,10 @@ func (l *Log) catchUp(ctx context.Context) error {
 		}
 		l.stateReplacedLocked()
 		l.mu.Unlock()
+		// Counted before the new position is visible: whoever sees this replica caught up sees the load.
+		l.SnapshotBytes.Store(int64(len(data)))
+		l.SnapshotWritten.Store(time.Now().UnixNano())
+		l.SnapshotLoads.Add(1)
 		l.lastID.Store(h.Position)
 		l.lastEntry.Store(h.Entry)
 	}
@@ -241,9 +245,6 @@ func (l *Log) catchUp(ctx context.Context) error {
 		return err
 	}
 	l.notifyApplied()
-	l.SnapshotBytes.Store(int64(len(data)))
-	l.SnapshotWritten.Store(time.Now().UnixNano())
-	l.SnapshotLoads.Add(1)
 	l.opts.Logger.Info("loaded the log snapshot", "position", h.Position, "bytes", len(data), "took", time.Since(start))
 	return nil
 }
