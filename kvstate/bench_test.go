@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
@@ -163,8 +164,8 @@ func peerLookup(t *testing.T) {
 				if hashing {
 					tokens = w.Tokens(p, tokens[:0])
 					start := time.Now()
-					local = kvstate.LocalBlockHashes(local[:0], tokens, kvtest.BlockSize, w.Salt())
-					seq = kvstate.SequenceHashes(seq[:0], local)
+					local = blockhash.Locals(local[:0], tokens, kvtest.BlockSize, w.Salt())
+					seq = blockhash.Sequence(seq[:0], local)
 					ix.Overlaps(seq, &o)
 					durs[i] = time.Since(start)
 				} else {
@@ -190,8 +191,8 @@ func peerLookup(t *testing.T) {
 	for i := range hd {
 		tokens = w.Tokens(fill[rng.IntN(len(fill))], tokens[:0])
 		start := time.Now()
-		local = kvstate.LocalBlockHashes(local[:0], tokens, kvtest.BlockSize, w.Salt())
-		seq = kvstate.SequenceHashes(seq[:0], local)
+		local = blockhash.Locals(local[:0], tokens, kvtest.BlockSize, w.Salt())
+		seq = blockhash.Sequence(seq[:0], local)
 		hd[i] = time.Since(start)
 	}
 	p50 := kvtest.Percentile(hd, 0.50)
@@ -214,8 +215,8 @@ func BenchmarkHash(b *testing.B) {
 			b.SetBytes(int64(4 * n))
 			b.ReportAllocs()
 			for b.Loop() {
-				local = kvstate.LocalBlockHashes(local[:0], tokens, kvtest.BlockSize, w.Salt())
-				seq = kvstate.SequenceHashes(seq[:0], local)
+				local = blockhash.Locals(local[:0], tokens, kvtest.BlockSize, w.Salt())
+				seq = blockhash.Sequence(seq[:0], local)
 			}
 			b.ReportMetric(float64(b.Elapsed().Nanoseconds())/float64(b.N*n), "ns/token")
 		})
@@ -313,13 +314,13 @@ func TestBatchedProbesMatchModel(t *testing.T) {
 		for i := range local {
 			local[i] = uint64(1 + rng.IntN(3))
 		}
-		return kvstate.SequenceHashes(nil, local)
+		return blockhash.Sequence(nil, local)
 	}
 	local := func(seq []uint64) []uint64 { // recovers local hashes from the tree's 3 choices
 		out := make([]uint64, len(seq))
 		for i := range seq {
 			for l := uint64(1); l <= 3; l++ {
-				if i == 0 && l == seq[0] || i > 0 && kvstate.ChainHash(seq[i-1], l) == seq[i] {
+				if i == 0 && l == seq[0] || i > 0 && blockhash.Chain(seq[i-1], l) == seq[i] {
 					out[i] = l
 				}
 			}

@@ -3,6 +3,8 @@ package kvstate
 import (
 	"errors"
 	"sync"
+
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // Errors of applying KV events. They drop the one event they concern and leave the index unchanged;
@@ -84,7 +86,7 @@ const probeBatch = 8
 // Index is the prefix index of one model: which worker holds which prompt prefix, in which tier.
 //
 // The tree is stored flat: a node's identity is the chained sequence hash of the local hashes on its
-// path (ChainHash), so a node is found by one map probe and a prompt's overlap is a walk over its
+// path (blockhash.Chain), so a node is found by one map probe and a prompt's overlap is a walk over its
 // sequence hashes with no pointer chasing. Semantics follow Dynamo's radix tree (§4.3): a store chains
 // onto its parent or starts at the root, a removal takes the worker off one node, and a worker's
 // overlap ends at the first block it does not hold.
@@ -142,7 +144,7 @@ func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, bl
 			if start+j == 0 && !hasParent {
 				key = b.Local
 			} else {
-				key = ChainHash(key, b.Local)
+				key = blockhash.Chain(key, b.Local)
 			}
 			keys[j] = key
 		}

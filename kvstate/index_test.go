@@ -6,9 +6,11 @@ import (
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
-// Made-up local hashes of blocks ("a", "b", ...). They stand in for LocalBlockHash values; the index
+// Made-up local hashes of blocks ("a", "b", ...). They stand in for blockhash.Local values; the index
 // only cares that they differ.
 const (
 	la uint64 = 0xa
@@ -34,7 +36,7 @@ func blocks(locals ...uint64) []Block {
 }
 
 // seq returns the sequence hashes of a prompt whose blocks have the given local hashes.
-func seq(locals ...uint64) []uint64 { return SequenceHashes(nil, locals) }
+func seq(locals ...uint64) []uint64 { return blockhash.Sequence(nil, locals) }
 
 // indexOp is one step of building an index for a test case.
 type indexOp func(t *testing.T, ix *Index)

@@ -105,7 +105,7 @@ const (
 // Block is one stored block: the engine's identifier and the router's local hash of its tokens.
 type Block struct {
 	Hash  uint64 // engine block_hash (external sequence hash)
-	Local uint64 // local hash of the tokens, salted (see SaltHash)
+	Local uint64 // local hash of the tokens, salted (see blockhash.Salt)
 }
 
 // Event is one KV-cache event of a worker rank.

@@ -17,6 +17,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server/dispatch"
@@ -50,21 +51,21 @@ type promptGen struct {
 }
 
 func newPromptGen(seed uint64) *promptGen {
-	g := &promptGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, 7))), salt: kvstate.SaltHash("", "")}
+	g := &promptGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, 7))), salt: blockhash.Salt("", "")}
 	for r := range benchRoots {
 		local := make([]uint64, benchRootBlocks)
 		for i := range local {
 			local[i] = g.localHash(kvtest.RootBlock(r, i))
 		}
 		g.rootLocal = append(g.rootLocal, local)
-		g.rootSeq = append(g.rootSeq, kvstate.SequenceHashes(nil, local))
+		g.rootSeq = append(g.rootSeq, blockhash.Sequence(nil, local))
 	}
 	return g
 }
 
 func (g *promptGen) localHash(id uint64) uint64 {
 	g.tokens = kvtest.BlockTokens(g.tokens[:0], id)
-	return kvstate.LocalBlockHash(g.tokens, g.salt)
+	return blockhash.Local(g.tokens, g.salt)
 }
 
 // cached draws a prompt of n blocks to cache: its engine-named blocks.
@@ -79,7 +80,7 @@ func (g *promptGen) cached(n int) []kvstate.Block {
 			local, seq = g.rootLocal[root][i], g.rootSeq[root][i]
 		} else {
 			local = g.localHash(first + uint64(i-shared))
-			seq = kvstate.ChainHash(seq, local)
+			seq = blockhash.Chain(seq, local)
 		}
 		out[i] = kvstate.Block{Hash: ^seq, Local: local} // the engine's hash: any per-content name
 	}

@@ -9,6 +9,7 @@ import (
 	"github.com/zeebo/xxh3"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // BypassAnnotation marks a request the decode worker must prefill itself. Only the router sets it.
@@ -183,9 +184,9 @@ func (r *Kernel) Decide(req *Request) (*Decision, error) {
 	defer r.scratch.Put(sc)
 
 	rc := &routeCtx{req: req, sc: sc, prompt: Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}}
-	salt := kvstate.SaltHash(req.LoraName, req.CacheNamespace)
-	sc.local = kvstate.LocalBlockHashes(sc.local[:0], req.Tokens, int(m.BlockSize), salt)
-	sc.seq = kvstate.SequenceHashes(sc.seq[:0], sc.local)
+	salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
+	sc.local = blockhash.Locals(sc.local[:0], req.Tokens, int(m.BlockSize), salt)
+	sc.seq = blockhash.Sequence(sc.seq[:0], sc.local)
 	if r.Config.UseKVEvents {
 		m.Index.Overlaps(sc.seq, &sc.overlap)
 	} else {
@@ -440,7 +441,7 @@ func requestBlockKeys(rc *routeCtx, reuse bool) []uint64 {
 	}
 	base := xxh3.HashString(rc.req.ID)
 	for i := uint64(len(keys)); i < n; i++ {
-		keys = append(keys, kvstate.ChainHash(base, i))
+		keys = append(keys, blockhash.Chain(base, i))
 	}
 	return keys
 }
@@ -491,8 +492,8 @@ func (r *Kernel) UncachedTokens(req *Request) uint64 {
 		return tokens
 	}
 	var o kvstate.Overlaps
-	salt := kvstate.SaltHash(req.LoraName, req.CacheNamespace)
-	seq := kvstate.SequenceHashes(nil, kvstate.LocalBlockHashes(nil, req.Tokens, int(m.BlockSize), salt))
+	salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
+	seq := blockhash.Sequence(nil, blockhash.Locals(nil, req.Tokens, int(m.BlockSize), salt))
 	m.Index.Overlaps(seq, &o)
 	var best uint32
 	for _, w := range m.Workers() {

@@ -8,6 +8,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 const testBlockSize = 16
@@ -46,7 +47,7 @@ func (f *fleet) add(id uint64, rank uint32, role kvstate.Role, maxBatched uint64
 // cache stores the first n blocks of tokens on the worker, in the device tier.
 func (f *fleet) cache(id uint64, tokens []uint32, n int) {
 	f.t.Helper()
-	local := kvstate.LocalBlockHashes(nil, tokens, testBlockSize, kvstate.SaltHash("", ""))[:n]
+	local := blockhash.Locals(nil, tokens, testBlockSize, blockhash.Salt("", ""))[:n]
 	blocks := make([]kvstate.Block, n)
 	for i, h := range local {
 		blocks[i] = kvstate.Block{Hash: id<<32 | uint64(i), Local: h}

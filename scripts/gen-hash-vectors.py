@@ -9,7 +9,7 @@ Debian's python3-xxhash binding.
 How to run (from the repository root)
 -------------------------------------
     apt-get update && apt-get install -y python3-xxhash xxhash
-    /usr/bin/python3 scripts/gen-hash-vectors.py > kvstate/testdata/hash_vectors.json
+    /usr/bin/python3 scripts/gen-hash-vectors.py > kvstate/blockhash/testdata/hash_vectors.json
 
 Use /usr/bin/python3 (the Debian interpreter that python3-xxhash is built
 for), not another python3 that may come first on PATH. The `xxhash` package

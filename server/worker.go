@@ -14,6 +14,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // workerService implements WorkerService: one Publish stream per worker rank.
@@ -478,7 +479,7 @@ func (ps *publishStream) convertEvents(field string, in []*kvrouterv1.KvEvent, c
 				e.Parent, e.HasParent = st.GetParentHash(), true
 			}
 			if key := st.GetLoraName() + "\x00" + st.GetCacheNamespace(); key != saltFor || i == 0 {
-				salt, saltFor = kvstate.SaltHash(st.GetLoraName(), st.GetCacheNamespace()), key
+				salt, saltFor = blockhash.Salt(st.GetLoraName(), st.GetCacheNamespace()), key
 			}
 			e.Blocks = make([]kvstate.Block, len(st.GetBlocks()))
 			for j, b := range st.GetBlocks() {
@@ -494,7 +495,7 @@ func (ps *publishStream) convertEvents(field string, in []*kvrouterv1.KvEvent, c
 					}
 					return nil, invalidArgumentf(bf()+".token_ids", "must hold exactly block_size %d tokens (got %d)", ps.info.BlockSize, len(b.GetTokenIds()))
 				default:
-					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: kvstate.LocalBlockHash(b.GetTokenIds(), salt)}
+					e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: blockhash.Local(b.GetTokenIds(), salt)}
 				}
 			}
 		case *kvrouterv1.KvEvent_Removed:

@@ -42,7 +42,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
-	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
@@ -199,7 +199,7 @@ type generator struct {
 
 func newGenerator(c *config) *generator {
 	shape := kvtest.Shape{Roots: c.roots, SharedMin: c.sharedMin, SharedMax: c.sharedMax}
-	return &generator{Prompts: kvtest.NewPrompts(shape, rand.New(rand.NewPCG(c.seed, 0x6b766c6f6164))), c: c, salt: kvstate.SaltHash("", "")}
+	return &generator{Prompts: kvtest.NewPrompts(shape, rand.New(rand.NewPCG(c.seed, 0x6b766c6f6164))), c: c, salt: blockhash.Salt("", "")}
 }
 
 func (g *generator) tokens(id uint64) []uint32 { return kvtest.BlockTokensOf(nil, id, g.c.blockSize) }
@@ -233,11 +233,11 @@ func (g *generator) plans() []*plan {
 		var seq uint64
 		for i, id := range ids {
 			tokens := g.tokens(id)
-			local := kvstate.LocalBlockHash(tokens, g.salt)
+			local := blockhash.Local(tokens, g.salt)
 			if i == 0 {
 				seq = local
 			} else {
-				seq = kvstate.ChainHash(seq, local)
+				seq = blockhash.Chain(seq, local)
 			}
 			if held[w][seq] {
 				// Held already: the worker reports only what follows, chained onto this block.

@@ -1,4 +1,4 @@
-package kvstate
+package blockhash
 
 import (
 	"encoding/hex"
@@ -28,7 +28,7 @@ type hashVectors struct {
 		Tokens         []uint32 `json:"tokens"`
 		Salt           string   `json:"salt"`
 		LocalHashes    []string `json:"local_hashes"`
-		SequenceHashes []string `json:"sequence_hashes"`
+		Sequence       []string `json:"sequence_hashes"`
 	} `json:"cases"`
 }
 
@@ -73,7 +73,7 @@ func TestXXH3MatchesReference(t *testing.T) {
 			t.Fatalf("%s: bad hex: %v", c.Name, err)
 		}
 		if got, want := xxh3.HashSeed(in, parseU64(t, c.Seed)), parseU64(t, c.XXH3); got != want {
-			t.Errorf("%s: xxh3.HashSeed = %d, want %d", c.Name, got, want)
+			t.Errorf("%s: xxh3.Seed = %d, want %d", c.Name, got, want)
 		}
 	}
 }
@@ -81,21 +81,21 @@ func TestXXH3MatchesReference(t *testing.T) {
 func TestBlockHashesMatchGoldenVectors(t *testing.T) {
 	for _, c := range loadHashVectors(t).Cases {
 		t.Run(c.Name, func(t *testing.T) {
-			salt := SaltHash(c.LoraName, c.CacheNamespace)
+			salt := Salt(c.LoraName, c.CacheNamespace)
 			if want := parseU64(t, c.Salt); salt != want {
-				t.Errorf("SaltHash(%q, %q) = %d, want %d", c.LoraName, c.CacheNamespace, salt, want)
+				t.Errorf("Salt(%q, %q) = %d, want %d", c.LoraName, c.CacheNamespace, salt, want)
 			}
-			local := LocalBlockHashes(nil, c.Tokens, c.BlockSize, salt)
+			local := Locals(nil, c.Tokens, c.BlockSize, salt)
 			if diff := cmp.Diff(parseU64s(t, c.LocalHashes), local, cmp.Comparer(func(a, b []uint64) bool {
 				return len(a) == len(b) && (len(a) == 0 || cmp.Equal(a, b))
 			})); diff != "" {
-				t.Errorf("LocalBlockHashes mismatch (-want +got):\n%s", diff)
+				t.Errorf("Locals mismatch (-want +got):\n%s", diff)
 			}
-			seq := SequenceHashes(nil, local)
-			if len(seq) != len(c.SequenceHashes) {
-				t.Fatalf("SequenceHashes returned %d hashes, want %d", len(seq), len(c.SequenceHashes))
+			seq := Sequence(nil, local)
+			if len(seq) != len(c.Sequence) {
+				t.Fatalf("Sequence returned %d hashes, want %d", len(seq), len(c.Sequence))
 			}
-			for i, want := range parseU64s(t, c.SequenceHashes) {
+			for i, want := range parseU64s(t, c.Sequence) {
 				if seq[i] != want {
 					t.Errorf("sequence hash %d = %d, want %d", i, seq[i], want)
 				}
@@ -110,22 +110,22 @@ func TestHashingStructure(t *testing.T) {
 	for i := range tokens {
 		tokens[i] = uint32(i * 7)
 	}
-	if got := len(LocalBlockHashes(nil, tokens, 64, SaltHash("", ""))); got != 28 {
+	if got := len(Locals(nil, tokens, 64, Salt("", ""))); got != 28 {
 		t.Errorf("1800 tokens at block size 64 hashed %d blocks, want 28", got)
 	}
-	if got := len(LocalBlockHashes(nil, tokens, 0, SaltHash("", ""))); got != 0 {
+	if got := len(Locals(nil, tokens, 0, Salt("", ""))); got != 0 {
 		t.Errorf("block size 0 hashed %d blocks, want 0", got)
 	}
-	if SaltHash("", "") != HashSeed {
-		t.Errorf("SaltHash with no LoRA and no namespace = %d, want %d", SaltHash("", ""), HashSeed)
+	if Salt("", "") != Seed {
+		t.Errorf("Salt with no LoRA and no namespace = %d, want %d", Salt("", ""), Seed)
 	}
-	if SaltHash("a", "") == SaltHash("b", "") {
+	if Salt("a", "") == Salt("b", "") {
 		t.Error("LoRA a and b share a salt")
 	}
 	other := append([]uint32(nil), tokens...)
 	other[64*3] = 1 // differs from block 3 on
-	a := SequenceHashes(nil, LocalBlockHashes(nil, tokens, 64, HashSeed))
-	b := SequenceHashes(nil, LocalBlockHashes(nil, other, 64, HashSeed))
+	a := Sequence(nil, Locals(nil, tokens, 64, Seed))
+	b := Sequence(nil, Locals(nil, other, 64, Seed))
 	if diff := cmp.Diff(a[:3], b[:3]); diff != "" {
 		t.Errorf("shared first 3 blocks hash differently (-a +b):\n%s", diff)
 	}
@@ -141,8 +141,8 @@ func TestHashingAllocatesNothing(t *testing.T) {
 	local := make([]uint64, 0, 128)
 	seq := make([]uint64, 0, 128)
 	allocs := testing.AllocsPerRun(100, func() {
-		local = LocalBlockHashes(local[:0], tokens, 16, HashSeed)
-		seq = SequenceHashes(seq[:0], local)
+		local = Locals(local[:0], tokens, 16, Seed)
+		seq = Sequence(seq[:0], local)
 	})
 	if allocs != 0 {
 		t.Errorf("hashing a 2048-token prompt allocated %v times, want 0", allocs)

@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 const (
@@ -68,14 +69,14 @@ type Prompt struct {
 // NewWorkload returns the generator seeded with seed; kvtest.Seed gives the prompts of the
 // recorded benchmarks.
 func NewWorkload(seed uint64) *Workload {
-	w := &Workload{prompts: NewPrompts(PeerShape, rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))), salt: kvstate.SaltHash("", "")}
+	w := &Workload{prompts: NewPrompts(PeerShape, rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))), salt: blockhash.Salt("", "")}
 	for r := range Roots {
 		local := make([]uint64, PromptBlocks)
 		for i := range local {
 			local[i] = w.localHash(RootBlock(r, i))
 		}
 		w.rootLocal = append(w.rootLocal, local)
-		w.rootSeq = append(w.rootSeq, kvstate.SequenceHashes(nil, local))
+		w.rootSeq = append(w.rootSeq, blockhash.Sequence(nil, local))
 	}
 	return w
 }
@@ -85,7 +86,7 @@ func (w *Workload) Salt() uint64 { return w.salt }
 
 func (w *Workload) localHash(id uint64) uint64 {
 	w.tokens = BlockTokens(w.tokens[:0], id)
-	return kvstate.LocalBlockHash(w.tokens, w.salt)
+	return blockhash.Local(w.tokens, w.salt)
 }
 
 // Next draws the Next prompt: a root, a shared prefix length in [128, 384] and a pod, uniformly.
@@ -100,7 +101,7 @@ func (w *Workload) Next() *Prompt {
 	parent := w.rootSeq[p.Root][p.Shared-1]
 	for i := range n {
 		p.Local[i] = w.localHash(p.FirstID + uint64(i))
-		parent = kvstate.ChainHash(parent, p.Local[i])
+		parent = blockhash.Chain(parent, p.Local[i])
 		p.Seq[i] = parent
 	}
 	return p

@@ -33,6 +33,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
@@ -61,7 +62,7 @@ func visTokens(h uint64) (tokens []uint32, local uint64) {
 	for k := range tokens {
 		tokens[k] = uint32(h) ^ uint32(h>>32)*2654435761 + uint32(k)
 	}
-	return tokens, kvstate.LocalBlockHash(tokens, kvstate.SaltHash("", ""))
+	return tokens, blockhash.Local(tokens, blockhash.Salt("", ""))
 }
 
 // visRoot returns the system prompt of a worker: base tags its engine hashes.
@@ -88,7 +89,7 @@ func newVisPrompt(root []kvstate.Block, rootLocal []uint64, rootTokens []uint32,
 		local = append(local, l)
 		tokens = append(tokens, toks...)
 	}
-	return visPrompt{event: ev, seq: kvstate.SequenceHashes(nil, local), tokens: tokens}
+	return visPrompt{event: ev, seq: blockhash.Sequence(nil, local), tokens: tokens}
 }
 
 // routeDepth is the overlap B's Route reports for the prompt: a query-only decision of

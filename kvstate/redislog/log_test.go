@@ -12,6 +12,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
@@ -72,7 +73,7 @@ func overlap(st *kvstate.State, locals ...uint64) uint64 {
 		return 0
 	}
 	var o kvstate.Overlaps
-	m.Index.Overlaps(kvstate.SequenceHashes(nil, locals), &o)
+	m.Index.Overlaps(blockhash.Sequence(nil, locals), &o)
 	return o.Blocks(w.Slot)[kvstate.TierDevice]
 }
 

@@ -9,6 +9,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
@@ -49,7 +50,7 @@ func (f *fleet) add(id uint64, role kvstate.Role, maxBatched uint64) {
 // cache stores the first n blocks of tokens on worker id, in the device tier.
 func (f *fleet) cache(id uint64, tokens []uint32, n int) {
 	f.t.Helper()
-	local := kvstate.LocalBlockHashes(nil, tokens, testBlockSize, kvstate.SaltHash("", ""))[:n]
+	local := blockhash.Locals(nil, tokens, testBlockSize, blockhash.Salt("", ""))[:n]
 	blocks := make([]kvstate.Block, n)
 	for i, h := range local {
 		blocks[i] = kvstate.Block{Hash: id<<32 | uint64(i), Local: h}
