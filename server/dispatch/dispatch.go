@@ -76,6 +76,13 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 	if _, err := d.log.Append(ctx, kvstate.Booked{Booking: b}); err != nil {
 		return nil, err
 	}
+	if err := ctx.Err(); err != nil {
+		// The caller left while this was booked and will never learn the answer: undo the booking
+		// rather than leave its load until it expires. (A caller that frees after cancelling, as
+		// clients/go does, may have been answered NOT_FOUND just before the booking applied.)
+		_ = d.endBooking(context.WithoutCancel(ctx), req.ID, kvstate.Freed{RequestID: req.ID, At: d.Now().UnixNano()})
+		return nil, err
+	}
 	dec.Booked = true
 	return dec, nil
 }

@@ -210,3 +210,36 @@ func TestEndBooking(t *testing.T) {
 		t.Errorf("%d bookings left, want 0", got)
 	}
 }
+
+// cancelOnBook is a log whose Append of a booking ends the caller's context once the booking is
+// applied: the caller leaves at the worst moment.
+type cancelOnBook struct {
+	kvstate.Log
+	cancel context.CancelFunc
+}
+
+func (l cancelOnBook) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, error) {
+	res, err := l.Log.Append(ctx, c)
+	if _, ok := c.(kvstate.Booked); ok {
+		l.cancel()
+	}
+	return res, err
+}
+
+// TestCallerGoneUndoesBooking: a Route whose caller left while it was booked frees what it booked.
+func TestCallerGoneUndoesBooking(t *testing.T) {
+	f := newFleet(t)
+	f.add(1, kvstate.RoleAggregated, 8192)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	routeCtx, leave := context.WithCancel(ctx)
+	k := policy.NewKernel(f.state, policy.DefaultConfig())
+	d := New(f.state, cancelOnBook{Log: f.log, cancel: leave}, k)
+	_, err := d.Route(routeCtx, &Request{Request: policy.Request{ID: "r", Model: "m", Tokens: prompt(64)}})
+	if !errors.Is(err, context.Canceled) {
+		t.Errorf("Route() = %v, want context.Canceled", err)
+	}
+	if n := f.state.Load().Bookings(); n != 0 {
+		t.Errorf("%d bookings after the caller left, want 0", n)
+	}
+}
