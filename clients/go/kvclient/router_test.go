@@ -1,0 +1,235 @@
+package kvclient_test
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/dispatch"
+)
+
+const testTimeout = 30 * time.Second
+
+// testServer is kvrouter's gRPC server on a loopback TCP port, in this process, with two aggregated
+// workers of model "m" (block size 4) registered.
+type testServer struct {
+	conn  *grpc.ClientConn
+	admin kvrouterv1.AdminServiceClient
+	raw   kvrouterv1.RouterServiceClient
+}
+
+func startServer(t *testing.T, maxPromptTokens int) *testServer {
+	t.Helper()
+	state := kvstate.NewState()
+	log := kvstate.NewMemLog(state)
+	for id := range uint64(2) {
+		info := kvstate.WorkerInfo{Key: kvstate.WorkerKey{ID: id + 1}, Model: "m", Role: kvstate.RoleAggregated, BlockSize: 4,
+			TotalKVBlocks: 1024, MaxNumBatchedTokens: 8192, KVEventsEnabled: true}
+		if _, err := log.Append(context.Background(), kvstate.WorkerUp{Info: info}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	srv := server.New(server.Options{
+		State: state, Log: log, Registry: prometheus.NewRegistry(),
+		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)),
+		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
+	})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go srv.Serve(lis)
+	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		conn.Close()
+		srv.Stop()
+	})
+	return &testServer{conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
+}
+
+// activeRequests returns the booked requests the server counts over all workers.
+func (s *testServer) activeRequests(t *testing.T) uint64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	resp, err := s.admin.ListWorkers(ctx, &kvrouterv1.ListWorkersRequest{Model: "m"})
+	if err != nil {
+		t.Fatalf("ListWorkers() = %v", err)
+	}
+	var n uint64
+	for _, w := range resp.GetWorkers() {
+		n += w.GetLoad().GetActiveRequests()
+	}
+	return n
+}
+
+func prompt(n int) []uint32 {
+	out := make([]uint32, n)
+	for i := range out {
+		out[i] = uint32(i + 1)
+	}
+	return out
+}
+
+func TestBookingEndsOnce(t *testing.T) {
+	s := startServer(t, 1000)
+	r := kvclient.NewRouter(s.conn, kvclient.RouterOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	req := &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(16)}
+	b, err := r.Route(ctx, req)
+	if err != nil {
+		t.Fatalf("Route() = %v", err)
+	}
+	if b.RequestID == "" || req.GetRequestId() != b.RequestID {
+		t.Errorf("request id %q (request %q), want a generated one written into the request", b.RequestID, req.GetRequestId())
+	}
+	if n := s.activeRequests(t); n != 1 {
+		t.Fatalf("active requests after Route = %d, want 1", n)
+	}
+	for range 3 {
+		if err := b.PrefillComplete(ctx); err != nil {
+			t.Errorf("PrefillComplete() = %v, want nil every time", err)
+		}
+	}
+	for range 3 {
+		if err := b.Free(ctx); err != nil {
+			t.Errorf("Free() = %v, want nil every time", err)
+		}
+	}
+	if n := s.activeRequests(t); n != 0 {
+		t.Errorf("active requests after Free = %d, want 0", n)
+	}
+	// The server holds nothing more for the request: a raw Free is NOT_FOUND.
+	if _, err := s.raw.Free(ctx, &kvrouterv1.FreeRequest{RequestId: b.RequestID}); status.Code(err) != codes.NotFound {
+		t.Errorf("raw Free after Booking.Free = %v, want NOT_FOUND", err)
+	}
+	// Query-only requests book nothing; their Free has nothing to do.
+	q, err := r.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(16), QueryOnly: true})
+	if err != nil {
+		t.Fatalf("Route(query only) = %v", err)
+	}
+	if err := q.Free(ctx); err != nil {
+		t.Errorf("Free of a query-only answer = %v, want nil", err)
+	}
+}
+
+func TestDoFrees(t *testing.T) {
+	s := startServer(t, 1000)
+	r := kvclient.NewRouter(s.conn, kvclient.RouterOptions{})
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	errWork := errors.New("the work failed")
+	if err := r.Do(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(8)}, func(context.Context, *kvclient.Booking) error {
+		return errWork
+	}); !errors.Is(err, errWork) {
+		t.Errorf("Do() = %v, want the work's error", err)
+	}
+	func() {
+		defer func() { _ = recover() }()
+		_ = r.Do(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(8)}, func(context.Context, *kvclient.Booking) error {
+			panic("the work panicked")
+		})
+	}()
+	// The caller's context ends while the work runs: the booking is freed all the same.
+	workCtx, stop := context.WithCancel(ctx)
+	_ = r.Do(workCtx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(8)}, func(context.Context, *kvclient.Booking) error {
+		stop()
+		return nil
+	})
+	if n := s.activeRequests(t); n != 0 {
+		t.Errorf("active requests after three Do calls = %d, want 0", n)
+	}
+}
+
+// TestCheckedBeforeSending: what the server would refuse fails before it is sent, with the status
+// and message the server gives for it.
+func TestCheckedBeforeSending(t *testing.T) {
+	s := startServer(t, 64)
+	r := kvclient.NewRouter(s.conn, kvclient.RouterOptions{MaxPromptTokens: 64})
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	long := string(make([]byte, 513))
+	for _, tt := range []struct {
+		name string
+		req  *kvrouterv1.RouteRequest
+	}{
+		{"no model", &kvrouterv1.RouteRequest{RequestId: "r", TokenIds: prompt(4)}},
+		{"no tokens", &kvrouterv1.RouteRequest{RequestId: "r", Model: "m"}},
+		{"too many tokens", &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: prompt(65)}},
+		{"long request id", &kvrouterv1.RouteRequest{RequestId: long, Model: "m", TokenIds: prompt(4)}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, serverErr := s.raw.Route(ctx, tt.req)
+			_, clientErr := r.Route(ctx, tt.req)
+			if status.Code(serverErr) != codes.InvalidArgument || status.Code(clientErr) != codes.InvalidArgument ||
+				status.Convert(clientErr).Message() != status.Convert(serverErr).Message() {
+				t.Errorf("client says %v; server says %v; want the same INVALID_ARGUMENT", clientErr, serverErr)
+			}
+		})
+	}
+}
+
+// TestCancelledRoutesLeaveNoBooking routes 10,000 requests, 8 at a time, and cancels half of them
+// at a random moment of their call: no booking is left behind.
+func TestCancelledRoutesLeaveNoBooking(t *testing.T) {
+	s := startServer(t, 1000)
+	r := kvclient.NewRouter(s.conn, kvclient.RouterOptions{})
+	const requests, workers = 10_000, 8
+	var next, cancelled, routed atomic.Int64
+	var wg sync.WaitGroup
+	for w := range workers {
+		rng := rand.New(rand.NewPCG(uint64(w), 1))
+		wg.Go(func() {
+			for next.Add(1) <= requests {
+				ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+				if rng.IntN(2) == 0 {
+					time.AfterFunc(time.Duration(rng.IntN(300))*time.Microsecond, cancel)
+				}
+				b, err := r.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompt(64)})
+				switch {
+				case err == nil:
+					routed.Add(1)
+					if err := b.Free(context.WithoutCancel(ctx)); err != nil {
+						t.Errorf("Free() = %v", err)
+					}
+				case status.Code(err) == codes.Canceled:
+					cancelled.Add(1)
+				default:
+					t.Errorf("Route() = %v", err)
+				}
+				cancel()
+			}
+		})
+	}
+	wg.Wait()
+	t.Logf("%d routed and freed, %d cancelled in flight", routed.Load(), cancelled.Load())
+	if cancelled.Load() == 0 {
+		t.Error("no Route was cancelled in flight: the test did not test cancellation")
+	}
+	if n := s.activeRequests(t); n != 0 {
+		t.Errorf("%d bookings left after every request was freed or cancelled, want 0", n)
+	}
+}
