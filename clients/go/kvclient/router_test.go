@@ -49,8 +49,8 @@ func startServer(t *testing.T, maxPromptTokens int) *testServer {
 	}
 	srv := server.New(server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
-		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)),
+		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
 	})
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
