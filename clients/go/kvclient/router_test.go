@@ -31,6 +31,7 @@ const testTimeout = 30 * time.Second
 // testServer is kvrouter's gRPC server on a loopback TCP port, in this process, with two aggregated
 // workers of model "m" (block size 4) registered.
 type testServer struct {
+	srv   *server.Server
 	conn  *grpc.ClientConn
 	admin kvrouterv1.AdminServiceClient
 	raw   kvrouterv1.RouterServiceClient
@@ -47,6 +48,13 @@ func startServer(t *testing.T, maxPromptTokens int) *testServer {
 			t.Fatal(err)
 		}
 	}
+	return startReplica(t, state, log, maxPromptTokens)
+}
+
+// startReplica serves state and log on a loopback port: replicas started on one state and log share
+// it, as replicas sharing a Redis log do.
+func startReplica(t *testing.T, state *kvstate.State, log kvstate.Log, maxPromptTokens int) *testServer {
+	t.Helper()
 	srv := server.New(server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
 		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
@@ -66,7 +74,7 @@ func startServer(t *testing.T, maxPromptTokens int) *testServer {
 		conn.Close()
 		srv.Stop()
 	})
-	return &testServer{conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
+	return &testServer{srv: srv, conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
 }
 
 // activeRequests returns the booked requests the server counts over all workers.

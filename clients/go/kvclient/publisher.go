@@ -1,0 +1,523 @@
+package kvclient
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"sync"
+	"time"
+
+	"github.com/cenkalti/backoff/v5"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
+)
+
+// PublisherOptions configure a Publisher. Hello and Conns are required.
+type PublisherOptions struct {
+	// Hello registers the worker rank. Its fresh_start applies to the first registration only: a
+	// reconnect resumes after the router's last event.
+	Hello *kvrouterv1.WorkerHello
+	// Conns are the router replicas (or one dns:/// target), tried in turn after a stream fails.
+	Conns []grpc.ClientConnInterface
+	// Dump returns the worker's whole cache as stored events, when the router asks for a resync.
+	// Publishing is paused while it runs, so the dump reflects every event published before it. Nil:
+	// a resync request stops the publisher with an error.
+	Dump func(ctx context.Context) ([]*kvrouterv1.KvEvent, error)
+	// MaxBatchEvents bounds the events of one message (default 256); FlushInterval is the longest an
+	// event waits for its batch to fill (default 2 ms).
+	MaxBatchEvents int
+	FlushInterval  time.Duration
+	// MaxUnacked bounds the events kept until the router acks them (default 65,536): Publish blocks
+	// past it. They are what a reconnect replays.
+	MaxUnacked int
+	// MaxDumpBlocks bounds the blocks of one dump part (default 16,384, the router's max_batch_blocks).
+	MaxDumpBlocks int
+	// HashTokens sends each stored block's tokens_hash (8 bytes, the router's hashing) instead of its
+	// token ids.
+	HashTokens bool
+	Logger     *slog.Logger
+}
+
+// ErrPublisherClosed is returned by Publish after Close.
+var ErrPublisherClosed = errors.New("kvclient: publisher closed")
+
+// Publisher streams one worker rank's KV events to the router. It numbers events, batches them,
+// keeps every event until the router acks it, and after a failed stream reconnects (to the next of
+// Conns, with exponential backoff and jitter) and resumes after the router's last event, so that
+// every event is applied once. It answers resync requests with a dump and sends load reports. A
+// newer stream for the same worker rank (WORKER_SUPERSEDED) or a refused event stops it: Err says
+// why. It is safe for concurrent use.
+type Publisher struct {
+	opts   PublisherOptions
+	cancel context.CancelFunc
+	done   chan struct{}
+
+	mu      sync.Mutex
+	changed chan struct{} // closed and replaced on every change the waiters care about
+	nextID  uint64
+	pending []*kvrouterv1.KvEvent // unacked, ids ascending
+	sent    int                   // pending[:sent] went out on the current stream
+	acked   int64                 // last acked id, -1 before the first
+	load    *kvrouterv1.LoadReport
+	dumping bool // Publish waits while the cache is dumped
+	closing bool
+	err     error // why the publisher stopped
+}
+
+// NewPublisher starts publishing for opts.Hello's worker rank.
+func NewPublisher(opts PublisherOptions) (*Publisher, error) {
+	if opts.Hello == nil || len(opts.Conns) == 0 {
+		return nil, errors.New("kvclient: PublisherOptions needs Hello and at least one of Conns")
+	}
+	if opts.MaxBatchEvents <= 0 {
+		opts.MaxBatchEvents = 256
+	}
+	if opts.FlushInterval <= 0 {
+		opts.FlushInterval = 2 * time.Millisecond
+	}
+	if opts.MaxUnacked <= 0 {
+		opts.MaxUnacked = 1 << 16
+	}
+	if opts.MaxDumpBlocks <= 0 {
+		opts.MaxDumpBlocks = 16_384
+	}
+	if opts.Logger == nil {
+		opts.Logger = slog.New(slog.DiscardHandler)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	p := &Publisher{opts: opts, cancel: cancel, done: make(chan struct{}), changed: make(chan struct{}), acked: -1}
+	go p.run(ctx)
+	return p, nil
+}
+
+// Publish queues events for the router, numbering them in order (their event_id is set here). It
+// blocks while MaxUnacked events wait for their ack or a dump runs, until ctx ends. A stored block
+// whose token count is not the hello's block_size is refused here, as the router would refuse it.
+func (p *Publisher) Publish(ctx context.Context, events ...*kvrouterv1.KvEvent) error {
+	for i, ev := range events {
+		if err := p.prepare(i, ev); err != nil {
+			return err
+		}
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for {
+		switch {
+		case p.err != nil:
+			return p.err
+		case p.closing:
+			return ErrPublisherClosed
+		case !p.dumping && len(p.pending)+len(events) <= max(p.opts.MaxUnacked, len(events)):
+			for _, ev := range events {
+				ev.EventId = p.nextID
+				p.nextID++
+				p.pending = append(p.pending, ev)
+			}
+			p.notifyLocked()
+			return nil
+		}
+		if err := p.waitLocked(ctx); err != nil {
+			return err
+		}
+	}
+}
+
+// prepare checks event i of a Publish call and fills tokens_hash when asked to.
+func (p *Publisher) prepare(i int, ev *kvrouterv1.KvEvent) error {
+	ev.DpRank = p.opts.Hello.GetDpRank()
+	st := ev.GetStored()
+	if st == nil {
+		return nil
+	}
+	salt := blockhash.Salt(st.GetLoraName(), st.GetCacheNamespace())
+	for j, b := range st.GetBlocks() {
+		if b.TokensHash != nil {
+			continue
+		}
+		if n, want := len(b.GetTokenIds()), int(p.opts.Hello.GetBlockSize()); n != want {
+			return status.Errorf(codes.InvalidArgument, "events[%d].stored.blocks[%d].token_ids: must hold exactly block_size %d tokens (got %d)", i, j, want, n)
+		}
+		if p.opts.HashTokens {
+			h := blockhash.Local(b.GetTokenIds(), salt)
+			b.TokensHash, b.TokenIds = &h, nil
+		}
+	}
+	return nil
+}
+
+// ReportLoad sends the worker's load: the latest report is sent once, and again after a reconnect.
+func (p *Publisher) ReportLoad(r *kvrouterv1.LoadReport) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	r = proto.Clone(r).(*kvrouterv1.LoadReport)
+	r.DpRank = p.opts.Hello.GetDpRank()
+	p.load = r
+	p.notifyLocked()
+}
+
+// LastAcked returns the last event id the router acked, if any.
+func (p *Publisher) LastAcked() (uint64, bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return uint64(max(p.acked, 0)), p.acked >= 0
+}
+
+// Err returns why the publisher stopped, or nil while it runs.
+func (p *Publisher) Err() error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.err
+}
+
+// Close sends what is queued, waits until the router acked all of it (or ctx ends), and ends the
+// stream. It returns the publisher's error, if it stopped on one.
+func (p *Publisher) Close(ctx context.Context) error {
+	p.mu.Lock()
+	p.closing = true
+	p.notifyLocked()
+	var err error
+	for len(p.pending) > 0 && p.err == nil && err == nil {
+		err = p.waitLocked(ctx)
+	}
+	if err == nil {
+		err = p.err
+	}
+	p.mu.Unlock()
+	p.cancel()
+	<-p.done
+	return err
+}
+
+func (p *Publisher) notifyLocked() {
+	close(p.changed)
+	p.changed = make(chan struct{})
+}
+
+// waitLocked waits, with mu released, for the next change or for ctx to end.
+func (p *Publisher) waitLocked(ctx context.Context) error {
+	ch := p.changed
+	p.mu.Unlock()
+	defer p.mu.Lock()
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+func (p *Publisher) fail(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.err == nil {
+		p.err = err
+	}
+	p.notifyLocked()
+}
+
+// run keeps a stream open, moving to the next connection with backoff after a failure, until the
+// publisher closes or stops on an error no reconnect can mend.
+func (p *Publisher) run(ctx context.Context) {
+	defer close(p.done)
+	retry := backoff.NewExponentialBackOff()
+	retry.InitialInterval, retry.MaxInterval = 50*time.Millisecond, 5*time.Second
+	first := true
+	for i := 0; ; i = (i + 1) % len(p.opts.Conns) {
+		registered, err := p.stream(ctx, p.opts.Conns[i], first)
+		first = first && !registered
+		if registered {
+			retry.Reset()
+		}
+		if ctx.Err() != nil || p.closed() {
+			return
+		}
+		if err := fatal(err); err != nil {
+			p.fail(err)
+			return
+		}
+		p.opts.Logger.Warn("kvrouter publish stream failed; reconnecting", "err", err)
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(retry.NextBackOff()):
+		}
+	}
+}
+
+// closed reports whether the publisher closed and the router acked everything.
+func (p *Publisher) closed() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.closing && len(p.pending) == 0
+}
+
+// fatal returns the error that stops the publisher, or nil when a reconnect may mend err.
+func fatal(err error) error {
+	st, _ := status.FromError(err)
+	switch st.Code() {
+	case codes.FailedPrecondition:
+		for _, d := range st.Details() {
+			if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetReason() == "WORKER_SUPERSEDED" {
+				return fmt.Errorf("kvclient: another stream registered this worker rank (two processes with one worker_id?): %w", err)
+			}
+		}
+		return fmt.Errorf("kvclient: the router refused the registration: %w", err)
+	case codes.InvalidArgument, codes.ResourceExhausted, codes.Unimplemented, codes.PermissionDenied, codes.Unauthenticated:
+		return fmt.Errorf("kvclient: the router refused what this worker sent: %w", err)
+	}
+	return nil
+}
+
+// stream runs one Publish stream: register, resume, then send events and answer the router until
+// the stream fails or the publisher closes. It reports whether the router registered the worker.
+func (p *Publisher) stream(ctx context.Context, cc grpc.ClientConnInterface, first bool) (registered bool, err error) {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	s, err := kvrouterv1.NewWorkerServiceClient(cc).Publish(sctx)
+	if err != nil {
+		return false, err
+	}
+	hello := proto.Clone(p.opts.Hello).(*kvrouterv1.WorkerHello)
+	hello.FreshStart = first && p.opts.Hello.GetFreshStart()
+	if err := s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: hello}}); err != nil {
+		return false, recvErr(s, err)
+	}
+	m, err := s.Recv()
+	if err != nil {
+		return false, err
+	}
+	reg := m.GetRegistered()
+	if reg == nil {
+		return false, fmt.Errorf("kvclient: the router answered the hello with %v, not Registered", m)
+	}
+	needDump := p.resume(reg, first, hello.FreshStart)
+
+	resync := make(chan struct{}, 1)
+	failed := make(chan error, 1)
+	go func() {
+		for {
+			m, err := s.Recv()
+			if err != nil {
+				failed <- err
+				return
+			}
+			switch msg := m.GetMessage().(type) {
+			case *kvrouterv1.PublishResponse_Ack:
+				p.ack(msg.Ack.GetEventId())
+			case *kvrouterv1.PublishResponse_Resync:
+				p.opts.Logger.Info("the router asked for a dump", "reason", msg.Resync.GetReason())
+				select {
+				case resync <- struct{}{}:
+				default:
+				}
+			}
+		}
+	}()
+
+	// After a failed Send the stream's status comes from Recv, which the goroutine above owns.
+	sendErr := func(err error) error {
+		if !errors.Is(err, io.EOF) {
+			return err
+		}
+		select {
+		case err := <-failed:
+			return err
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	for {
+		if needDump {
+			if err := p.dump(ctx, s); err != nil {
+				return true, sendErr(err)
+			}
+			needDump = false
+		}
+		batch, load, closed, changed := p.next()
+		switch {
+		case batch != nil:
+			err = s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: batch}}})
+		case load != nil:
+			err = s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Load{Load: load}})
+		case closed:
+			_ = s.CloseSend()
+			return true, nil
+		}
+		if err != nil {
+			return true, sendErr(err)
+		}
+		if batch != nil || load != nil {
+			continue
+		}
+		select {
+		case <-changed:
+			p.waitForBatch(ctx)
+		case <-resync:
+			needDump = true
+		case err := <-failed:
+			return true, err
+		case <-ctx.Done():
+			return true, ctx.Err()
+		}
+	}
+}
+
+// recvErr returns the stream's own status after a failed Send (Send reports only io.EOF).
+func recvErr(s grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse], err error) error {
+	if errors.Is(err, io.EOF) {
+		for {
+			if _, rerr := s.Recv(); rerr != nil {
+				return rerr
+			}
+		}
+	}
+	return err
+}
+
+// resume drops what the router already holds after a registration and rewinds the stream to the
+// first unacked event. A first registration without fresh_start continues the rank's numbering
+// after the router's last event. It reports whether the router lost events this publisher had seen
+// acked, so that only a dump can restore them.
+func (p *Publisher) resume(reg *kvrouterv1.Registered, first, freshStart bool) (needDump bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.sent = 0
+	p.load = cloneLoad(p.load) // sent again on the new stream
+	if reg.LastEventId == nil {
+		return p.acked >= 0 && !freshStart
+	}
+	last := int64(reg.GetLastEventId())
+	if first && !freshStart {
+		// A worker that resumes a rank: its events (none sent yet) follow the router's last one.
+		p.nextID = uint64(last) + 1
+		for i, ev := range p.pending {
+			ev.EventId = p.nextID + uint64(i)
+		}
+		p.nextID += uint64(len(p.pending))
+		p.acked = last
+		p.notifyLocked()
+		return false
+	}
+	if last < p.acked {
+		return true
+	}
+	p.dropThroughLocked(last)
+	return false
+}
+
+func cloneLoad(r *kvrouterv1.LoadReport) *kvrouterv1.LoadReport {
+	if r == nil {
+		return nil
+	}
+	return proto.Clone(r).(*kvrouterv1.LoadReport)
+}
+
+func (p *Publisher) ack(id uint64) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.dropThroughLocked(int64(id))
+}
+
+// dropThroughLocked forgets the events through id: the router holds them.
+func (p *Publisher) dropThroughLocked(id int64) {
+	n := 0
+	for n < len(p.pending) && int64(p.pending[n].GetEventId()) <= id {
+		n++
+	}
+	p.pending = p.pending[n:]
+	p.sent = max(p.sent-n, 0)
+	p.acked = max(p.acked, id)
+	p.notifyLocked()
+}
+
+// next returns what to send now: a batch of unsent events, else the load report; closed when the
+// publisher closed and everything is acked; otherwise the channel that announces the next change.
+func (p *Publisher) next() (batch []*kvrouterv1.KvEvent, load *kvrouterv1.LoadReport, closed bool, changed <-chan struct{}) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if unsent := p.pending[p.sent:]; len(unsent) > 0 {
+		batch = unsent[:min(len(unsent), p.opts.MaxBatchEvents)]
+		p.sent += len(batch)
+		return batch, nil, false, nil
+	}
+	if p.load != nil {
+		load, p.load = p.load, nil
+		return nil, load, false, nil
+	}
+	return nil, nil, p.closing && len(p.pending) == 0, p.changed
+}
+
+// waitForBatch lets a batch fill for up to FlushInterval once an event arrived, unless it is full.
+func (p *Publisher) waitForBatch(ctx context.Context) {
+	deadline := time.Now().Add(p.opts.FlushInterval)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for len(p.pending)-p.sent < p.opts.MaxBatchEvents && !p.closing && p.err == nil {
+		wctx, cancel := context.WithDeadline(ctx, deadline)
+		err := p.waitLocked(wctx)
+		cancel()
+		if err != nil {
+			return
+		}
+	}
+}
+
+// dump sends the worker's whole cache, in parts, with publishing paused; the events it reflects are
+// forgotten, and the next event follows it.
+func (p *Publisher) dump(ctx context.Context, s grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]) error {
+	if p.opts.Dump == nil {
+		return status.Error(codes.Unimplemented, "kvclient: the router asked for a dump of the worker's cache and PublisherOptions.Dump is nil")
+	}
+	p.mu.Lock()
+	p.dumping = true
+	if p.nextID == 0 {
+		p.nextID = 1 // through_event_id 0 then stands for "nothing before"
+	}
+	through := p.nextID - 1
+	p.mu.Unlock()
+	defer func() {
+		p.mu.Lock()
+		p.dumping = false
+		p.notifyLocked()
+		p.mu.Unlock()
+	}()
+	events, err := p.opts.Dump(ctx)
+	if err != nil {
+		return status.Errorf(codes.Unimplemented, "kvclient: PublisherOptions.Dump: %v", err)
+	}
+	for i, ev := range events {
+		if err := p.prepare(i, ev); err != nil {
+			return err
+		}
+	}
+	for start := 0; ; {
+		end, blocks := start, 0
+		for end < len(events) && (end == start || blocks+dumpBlocks(events[end]) <= p.opts.MaxDumpBlocks) {
+			blocks += dumpBlocks(events[end])
+			end++
+		}
+		part := &kvrouterv1.KvDump{ThroughEventId: through, Events: events[start:end], MoreFollows: end < len(events)}
+		if err := s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Dump{Dump: part}}); err != nil {
+			return err
+		}
+		if start = end; start >= len(events) {
+			break
+		}
+	}
+	p.mu.Lock()
+	p.dropThroughLocked(int64(through)) // in the dump; the router acks it when it applied it
+	p.mu.Unlock()
+	return nil
+}
+
+func dumpBlocks(ev *kvrouterv1.KvEvent) int {
+	return len(ev.GetStored().GetBlocks()) + len(ev.GetRemoved().GetBlockHashes())
+}

@@ -1,0 +1,233 @@
+package kvclient_test
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+)
+
+const testBlockSize = 4
+
+func hello(id uint64) *kvrouterv1.WorkerHello {
+	return &kvrouterv1.WorkerHello{WorkerId: id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+		BlockSize: testBlockSize, TotalKvBlocks: 1 << 20, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
+}
+
+// storedEvent stores block i of one long prompt (tokens 4i+1 .. 4i+4), chained onto block i-1.
+func storedEvent(i int) *kvrouterv1.KvEvent {
+	st := &kvrouterv1.BlocksStored{Blocks: []*kvrouterv1.StoredBlock{{BlockHash: uint64(1000 + i), TokenIds: promptTokens(i)}}}
+	if i > 0 {
+		parent := uint64(1000 + i - 1)
+		st.ParentHash = &parent
+	}
+	return &kvrouterv1.KvEvent{StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: st}}
+}
+
+func promptTokens(block int) []uint32 {
+	out := make([]uint32, testBlockSize)
+	for j := range out {
+		out[j] = uint32(block*testBlockSize + j + 1)
+	}
+	return out
+}
+
+// cachedBlocks returns the device blocks the server lists for worker id (0 when it lists none).
+func (s *testServer) cachedBlocks(t *testing.T, id uint64) uint64 {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	resp, err := s.admin.ListWorkers(ctx, &kvrouterv1.ListWorkersRequest{Model: "m"})
+	if err != nil {
+		t.Fatalf("ListWorkers() = %v", err)
+	}
+	for _, w := range resp.GetWorkers() {
+		if w.GetWorker().GetWorkerId() == id {
+			return w.GetCachedBlocks().GetDevice()
+		}
+	}
+	return 0
+}
+
+// lockedWriter serialises writes to w.
+type lockedWriter struct {
+	mu *sync.Mutex
+	w  io.Writer
+}
+
+func (l lockedWriter) Write(b []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.w.Write(b)
+}
+
+func newPublisher(t *testing.T, opts kvclient.PublisherOptions) *kvclient.Publisher {
+	t.Helper()
+	p, err := kvclient.NewPublisher(opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = p.Close(context.Background()) })
+	return p
+}
+
+func TestPublishAndClose(t *testing.T) {
+	for _, hashTokens := range []bool{false, true} {
+		t.Run(map[bool]string{false: "token_ids", true: "tokens_hash"}[hashTokens], func(t *testing.T) {
+			s := startServer(t, 1<<20)
+			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+			defer cancel()
+			p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(7), Conns: []grpc.ClientConnInterface{s.conn}, HashTokens: hashTokens, MaxBatchEvents: 16})
+			const n = 100
+			for i := range n {
+				if err := p.Publish(ctx, storedEvent(i)); err != nil {
+					t.Fatalf("Publish(%d) = %v", i, err)
+				}
+			}
+			p.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: n})
+			if err := p.Close(ctx); err != nil {
+				t.Fatalf("Close() = %v", err)
+			}
+			if last, ok := p.LastAcked(); !ok || last != n-1 {
+				t.Errorf("LastAcked() = %d, %v; want %d", last, ok, n-1)
+			}
+			if got := s.cachedBlocks(t, 7); got != n {
+				t.Errorf("the router holds %d blocks of worker 7, want %d", got, n)
+			}
+			// The router matches the prompt against the published blocks, hashed either way.
+			tokens := make([]uint32, 0, n*testBlockSize)
+			for i := range n {
+				tokens = append(tokens, promptTokens(i)...)
+			}
+			resp, err := s.raw.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: tokens, QueryOnly: true})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := resp.GetDecode().GetWorkerId(); got != 7 || resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice() != n {
+				t.Errorf("Route() = worker %d with %v, want worker 7 overlapping all %d blocks", got, resp.GetDiagnostics().GetDecode().GetOverlapBlocks(), n)
+			}
+		})
+	}
+}
+
+// TestResumeOnAnotherReplica stops the replica a publisher streams to in the middle of its events;
+// the publisher goes on through the other replica, and every event is applied exactly once.
+func TestResumeOnAnotherReplica(t *testing.T) {
+	state := kvstate.NewState()
+	log := kvstate.NewMemLog(state)
+	a, b := startReplica(t, state, log, 1<<20), startReplica(t, state, log, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	var logs strings.Builder
+	var logsMu sync.Mutex
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(3), Conns: []grpc.ClientConnInterface{a.conn, b.conn}, MaxBatchEvents: 8,
+		Logger: slog.New(slog.NewTextHandler(lockedWriter{&logsMu, &logs}, nil))})
+	const n = 2000
+	for i := range n {
+		if i == n/2 {
+			a.srv.Stop() // every stream on A ends at once, some events sent and not acked
+		}
+		if err := p.Publish(ctx, storedEvent(i)); err != nil {
+			t.Fatalf("Publish(%d) = %v", i, err)
+		}
+	}
+	if err := p.Close(ctx); err != nil {
+		t.Fatalf("Close() = %v", err)
+	}
+	if got := b.cachedBlocks(t, 3); got != n {
+		t.Errorf("replica B holds %d blocks, want %d", got, n)
+	}
+	logsMu.Lock()
+	defer logsMu.Unlock()
+	if !strings.Contains(logs.String(), "reconnecting") {
+		t.Errorf("the publisher never reconnected; its log:\n%s", logs.String())
+	}
+	if w := state.Worker(kvstate.WorkerKey{ID: 3}); w == nil || w.Status().LastEventID != n-1 {
+		t.Errorf("worker 3's last applied event = %+v, want %d", w, n-1)
+	}
+}
+
+// TestDumpAfterTheRouterLostEvents: the publisher reconnects to a router that no longer holds the
+// worker (its state was lost); it sends its cache through Dump, and goes on after it.
+func TestDumpAfterTheRouterLostEvents(t *testing.T) {
+	a, b := startServer(t, 1<<20), startServer(t, 1<<20) // two separate states: B never saw A's events
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	published := 0
+	dumps := 0
+	dump := func(context.Context) ([]*kvrouterv1.KvEvent, error) {
+		dumps++
+		out := make([]*kvrouterv1.KvEvent, published)
+		for i := range out {
+			out[i] = storedEvent(i)
+		}
+		return out, nil
+	}
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(5), Conns: []grpc.ClientConnInterface{a.conn, b.conn}, Dump: dump, MaxDumpBlocks: 7})
+	for ; published < 30; published++ {
+		if err := p.Publish(ctx, storedEvent(published)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	kvtest.Eventually(t, testTimeout, "A to ack 30 events", func() bool { last, ok := p.LastAcked(); return ok && last == 29 })
+	a.srv.Stop()
+	kvtest.Eventually(t, testTimeout, "B to hold the dump", func() bool { return b.cachedBlocks(t, 5) == 30 })
+	for ; published < 40; published++ {
+		if err := p.Publish(ctx, storedEvent(published)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Close(ctx); err != nil {
+		t.Fatalf("Close() = %v", err)
+	}
+	if got := b.cachedBlocks(t, 5); got != 40 || dumps != 1 {
+		t.Errorf("B holds %d blocks after %d dumps, want 40 after 1", got, dumps)
+	}
+}
+
+func TestSupersededStops(t *testing.T) {
+	s := startServer(t, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	older := newPublisher(t, kvclient.PublisherOptions{Hello: hello(9), Conns: []grpc.ClientConnInterface{s.conn}})
+	if err := older.Publish(ctx, storedEvent(0)); err != nil {
+		t.Fatal(err)
+	}
+	kvtest.Eventually(t, testTimeout, "the first ack", func() bool { _, ok := older.LastAcked(); return ok })
+	newer := newPublisher(t, kvclient.PublisherOptions{Hello: hello(9), Conns: []grpc.ClientConnInterface{s.conn}})
+	if err := newer.Publish(ctx, storedEvent(0)); err != nil {
+		t.Fatal(err)
+	}
+	kvtest.Eventually(t, testTimeout, "the older publisher to stop", func() bool { return older.Err() != nil })
+	if err := older.Err(); status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), "another stream registered this worker rank") {
+		t.Errorf("older.Err() = %v, want FAILED_PRECONDITION naming the takeover", err)
+	}
+	if err := older.Publish(ctx, storedEvent(1)); err == nil {
+		t.Error("Publish on a superseded publisher = nil, want its error")
+	}
+	if err := newer.Close(ctx); err != nil {
+		t.Errorf("newer.Close() = %v", err)
+	}
+}
+
+func TestPublishChecksBlockSize(t *testing.T) {
+	s := startServer(t, 1<<20)
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(2), Conns: []grpc.ClientConnInterface{s.conn}})
+	ev := storedEvent(0)
+	ev.GetStored().Blocks[0].TokenIds = []uint32{1, 2, 3}
+	err := p.Publish(context.Background(), ev)
+	if want := "events[0].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 3)"; status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != want {
+		t.Errorf("Publish() = %v, want INVALID_ARGUMENT %q", err, want)
+	}
+}
