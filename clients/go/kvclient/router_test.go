@@ -37,7 +37,7 @@ type testServer struct {
 	raw   kvrouterv1.RouterServiceClient
 }
 
-func startServer(t *testing.T, maxPromptTokens int) *testServer {
+func startServer(t testing.TB, maxPromptTokens int) *testServer {
 	t.Helper()
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
@@ -53,7 +53,7 @@ func startServer(t *testing.T, maxPromptTokens int) *testServer {
 
 // startReplica serves state and log on a loopback port: replicas started on one state and log share
 // it, as replicas sharing a Redis log do.
-func startReplica(t *testing.T, state *kvstate.State, log kvstate.Log, maxPromptTokens int) *testServer {
+func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPromptTokens int) *testServer {
 	t.Helper()
 	srv := server.New(server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
