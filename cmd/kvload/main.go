@@ -41,6 +41,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/encoding/protojson"
 
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
@@ -131,26 +132,31 @@ func load(ctx context.Context, c *config, stderr io.Writer) error {
 		return err
 	}
 	defer conn.Close()
-	client := kvrouterv1.NewWorkerServiceClient(conn)
-
-	// The streams live on streamCtx (until the hold ends); seeding has its own deadline.
-	streamCtx, cancelStreams := context.WithCancel(ctx)
-	defer cancelStreams()
+	// Seeding has its own deadline; the streams live on until the hold ends.
 	seedCtx, cancelSeed := context.WithTimeout(ctx, c.timeout)
 	defer cancelSeed()
 
 	g := newGenerator(c)
 	plans := g.plans()
 	start := time.Now()
-	workers := make([]*worker, len(plans))
+	workers := make([]*kvclient.Publisher, len(plans))
 	errs := make([]error, len(plans))
 	var wg sync.WaitGroup
 	for i, p := range plans {
 		wg.Go(func() {
-			workers[i], errs[i] = seedWorker(seedCtx, streamCtx, client, c, p)
+			workers[i], errs[i] = seedWorker(seedCtx, conn, c, p)
 		})
 	}
 	wg.Wait()
+	defer func() {
+		closeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 10*time.Second)
+		defer cancel()
+		for _, w := range workers {
+			if w != nil {
+				w.Close(closeCtx) //nolint:errcheck // everything was acked; this ends the stream
+			}
+		}
+	}()
 	if err := errors.Join(errs...); err != nil {
 		return err
 	}
@@ -175,9 +181,6 @@ func load(ctx context.Context, c *config, stderr io.Writer) error {
 		case <-time.After(c.hold):
 		case <-ctx.Done():
 		}
-	}
-	for _, w := range workers {
-		w.close()
 	}
 	return nil
 }
@@ -300,83 +303,24 @@ func writeRequest(path string, req *kvrouterv1.RouteRequest) error {
 }
 
 // worker is one seeded worker's open stream.
-type worker struct {
-	id     uint64
-	stream grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
-	cancel context.CancelFunc
-}
-
-// seedWorker opens the worker's stream on streamCtx, registers it and publishes its events in
-// batches, and returns once the router has acked the last one (or seedCtx ends).
-func seedWorker(seedCtx, streamCtx context.Context, client kvrouterv1.WorkerServiceClient, c *config, p *plan) (*worker, error) {
-	ctx, cancel := context.WithCancel(streamCtx)
-	stream, err := client.Publish(ctx)
+// seedWorker publishes the plan's events through a kvclient.Publisher and returns it once the
+// router acked the last one (or seedCtx ends). The publisher answers a resync with the plan's
+// events, which are the worker's whole cache; the caller closes it.
+func seedWorker(seedCtx context.Context, conn grpc.ClientConnInterface, c *config, p *plan) (*kvclient.Publisher, error) {
+	pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{
+		Hello: p.hello, Conns: []grpc.ClientConnInterface{conn}, MaxBatchEvents: c.batch,
+		Dump: func(context.Context) ([]*kvrouterv1.KvEvent, error) { return p.events, nil },
+	})
 	if err != nil {
-		cancel()
 		return nil, err
 	}
-	w := &worker{id: p.hello.GetWorkerId(), stream: stream, cancel: cancel}
-	// Past the seeding deadline the stream is cut; once seeded it lives on (stop disarms this).
-	stop := context.AfterFunc(seedCtx, cancel)
-	defer stop()
-	fail := func(what string, err error) (*worker, error) {
-		cancel()
-		if seedCtx.Err() != nil {
-			err = fmt.Errorf("%w (%v)", seedCtx.Err(), err)
-		}
-		return nil, fmt.Errorf("worker %d: %s: %w", w.id, what, err)
+	err = pub.Publish(seedCtx, p.events...)
+	if err == nil {
+		err = pub.Flush(seedCtx)
 	}
-	// A send fails with io.EOF when the server ended the stream; the status comes from Recv.
-	send := func(m *kvrouterv1.PublishRequest) error {
-		err := stream.Send(m)
-		if errors.Is(err, io.EOF) {
-			_, err = stream.Recv()
-		}
-		return err
-	}
-	if err := send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: p.hello}}); err != nil {
-		return fail("hello", err)
-	}
-	first, err := stream.Recv()
 	if err != nil {
-		return fail("registration", err)
+		pub.Close(seedCtx) //nolint:errcheck // the error above says more
+		return nil, fmt.Errorf("worker %d: %w", p.hello.GetWorkerId(), err)
 	}
-	if first.GetRegistered() == nil {
-		return fail("registration", fmt.Errorf("got %v, want registered", first))
-	}
-	for start := 0; start < len(p.events); start += c.batch {
-		batch := &kvrouterv1.EventBatch{Events: p.events[start:min(start+c.batch, len(p.events))]}
-		if err := send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: batch}}); err != nil {
-			return fail("events", err)
-		}
-	}
-	if len(p.events) == 0 {
-		return w, nil
-	}
-	last := uint64(len(p.events) - 1)
-	for {
-		m, err := stream.Recv()
-		if err != nil {
-			return fail("waiting for acks", err)
-		}
-		if r := m.GetResync(); r != nil {
-			return fail("events", fmt.Errorf("router asked for a resync: %s", r.GetReason()))
-		}
-		if a := m.GetAck(); a != nil && a.GetEventId() >= last {
-			return w, nil
-		}
-	}
-}
-
-// close ends the stream and waits for the router to close its side.
-func (w *worker) close() {
-	defer w.cancel()
-	if err := w.stream.CloseSend(); err != nil {
-		return
-	}
-	for {
-		if _, err := w.stream.Recv(); err != nil {
-			return
-		}
-	}
+	return pub, nil
 }

@@ -177,20 +177,39 @@ func (p *Publisher) Err() error {
 	return p.err
 }
 
+// Flush waits until the router acked every event published so far, or ctx ends, or the publisher
+// stops on an error (which it returns).
+func (p *Publisher) Flush(ctx context.Context) error {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.flushLocked(ctx)
+}
+
+func (p *Publisher) flushLocked(ctx context.Context) error {
+	for len(p.pending) > 0 && p.err == nil {
+		if err := p.waitLocked(ctx); err != nil {
+			return err
+		}
+	}
+	return p.err
+}
+
 // Close sends what is queued, waits until the router acked all of it (or ctx ends), and ends the
 // stream. It returns the publisher's error, if it stopped on one.
 func (p *Publisher) Close(ctx context.Context) error {
 	p.mu.Lock()
 	p.closing = true
 	p.notifyLocked()
-	var err error
-	for len(p.pending) > 0 && p.err == nil && err == nil {
-		err = p.waitLocked(ctx)
-	}
-	if err == nil {
-		err = p.err
-	}
+	err := p.flushLocked(ctx)
 	p.mu.Unlock()
+	if err == nil {
+		// Everything is acked: the stream half-closes by itself, and the run loop ends.
+		select {
+		case <-p.done:
+		case <-ctx.Done():
+			err = ctx.Err()
+		}
+	}
 	p.cancel()
 	<-p.done
 	return err
