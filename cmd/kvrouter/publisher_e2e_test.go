@@ -41,6 +41,10 @@ func TestPublisherSurvivesReplicaKill(t *testing.T) {
 		p := newPublisher(dial(t, a.addr), dial(t, b.addr))
 		for i := range events {
 			if i == events/2 {
+				// Publish only queues: wait until A acked a good part, so that A dies mid-stream.
+				if !kvtest.Poll(defaultTestTimeout, time.Millisecond, func() bool { last, ok := p.LastAcked(); return ok && last >= events/4 }) {
+					t.Fatalf("A acked nothing in %v: %v\n%s", defaultTestTimeout, p.Err(), a.logs)
+				}
 				if crash {
 					a.kill() // events in flight, some appended and not acked
 				} else {
