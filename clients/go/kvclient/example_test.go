@@ -1,0 +1,90 @@
+package kvclient_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"log"
+	"log/slog"
+	"net"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/dispatch"
+)
+
+// exampleRouter starts a kvrouter on a loopback port, as `kvrouter serve` would, and returns its
+// address and what stops it. (In production the address is the router's service.)
+func exampleRouter() (addr string, stop func()) {
+	state := kvstate.NewState()
+	mem := kvstate.NewMemLog(state)
+	srv := server.New(server.Options{
+		State: state, Log: mem, Registry: prometheus.NewRegistry(),
+		Dispatcher:      dispatch.New(state, mem, policy.NewKernel(state, policy.DefaultConfig())),
+		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
+		MaxPromptTokens: 1 << 20, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 100,
+	})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		log.Fatal(err)
+	}
+	go srv.Serve(lis)
+	return lis.Addr().String(), srv.Stop
+}
+
+// A worker publishes the blocks it cached; a frontend then routes a prompt that starts with them,
+// and the router picks that worker. Do frees the booking when the request is done.
+func Example() {
+	addr, stop := exampleRouter()
+	defer stop()
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		log.Fatal(err)
+	}
+	defer conn.Close()
+	ctx := context.Background()
+
+	// The worker: worker 1 of model "demo", blocks of 4 tokens, caching tokens 1..8.
+	pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{
+		Hello: &kvrouterv1.WorkerHello{WorkerId: 1, Model: "demo", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+			BlockSize: 4, TotalKvBlocks: 1024, KvEventsEnabled: true, FreshStart: true},
+		Conns:      []grpc.ClientConnInterface{conn},
+		HashTokens: true, // send 8 bytes a block instead of its tokens
+	})
+	if err != nil {
+		log.Fatal(err)
+	}
+	stored := &kvrouterv1.BlocksStored{Blocks: []*kvrouterv1.StoredBlock{
+		{BlockHash: 101, TokenIds: []uint32{1, 2, 3, 4}},
+		{BlockHash: 102, TokenIds: []uint32{5, 6, 7, 8}},
+	}}
+	if err := pub.Publish(ctx, &kvrouterv1.KvEvent{StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE,
+		Data: &kvrouterv1.KvEvent_Stored{Stored: stored}}); err != nil {
+		log.Fatal(err)
+	}
+	if err := pub.Flush(ctx); err != nil { // wait for the router's ack
+		log.Fatal(err)
+	}
+
+	// The frontend.
+	router := kvclient.NewRouter(conn, kvclient.RouterOptions{})
+	err = router.Do(ctx, &kvrouterv1.RouteRequest{Model: "demo", TokenIds: []uint32{1, 2, 3, 4, 5, 6, 7, 8, 9}},
+		func(ctx context.Context, b *kvclient.Booking) error {
+			fmt.Printf("worker %d, %d cached blocks\n", b.GetDecode().GetWorkerId(), b.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice())
+			return nil // ... send the request to the worker, stream the answer ...
+		})
+	if err != nil {
+		log.Fatal(err)
+	}
+	if err := pub.Close(ctx); err != nil {
+		log.Fatal(err)
+	}
+	// Output: worker 1, 2 cached blocks
+}
