@@ -31,7 +31,8 @@ type PublisherOptions struct {
 	// Publishing is paused while it runs, so the dump reflects every event published before it. Nil:
 	// a resync request stops the publisher with an error.
 	Dump func(ctx context.Context) ([]*kvrouterv1.KvEvent, error)
-	// MaxBatchEvents bounds the events of one message (default 256); FlushInterval is the longest an
+	// MaxBatchEvents bounds the events of one message (default 256; halved, down to one, each time the
+	// router refuses a message as too large); FlushInterval is the longest an
 	// event waits for its batch to fill (default 2 ms).
 	MaxBatchEvents int
 	FlushInterval  time.Duration
@@ -70,6 +71,7 @@ type Publisher struct {
 	dumping bool // Publish waits while the cache is dumped
 	closing bool
 	err     error // why the publisher stopped
+	batch   int   // events per message now: MaxBatchEvents, less after RESOURCE_EXHAUSTED
 }
 
 // NewPublisher starts publishing for opts.Hello's worker rank.
@@ -93,7 +95,7 @@ func NewPublisher(opts PublisherOptions) (*Publisher, error) {
 		opts.Logger = slog.New(slog.DiscardHandler)
 	}
 	ctx, cancel := context.WithCancel(context.Background())
-	p := &Publisher{opts: opts, cancel: cancel, done: make(chan struct{}), changed: make(chan struct{}), acked: -1}
+	p := &Publisher{opts: opts, cancel: cancel, done: make(chan struct{}), changed: make(chan struct{}), acked: -1, batch: opts.MaxBatchEvents}
 	go p.run(ctx)
 	return p, nil
 }
@@ -258,6 +260,9 @@ func (p *Publisher) run(ctx context.Context) {
 		if ctx.Err() != nil || p.closed() {
 			return
 		}
+		if p.smallerBatches(err) {
+			continue // at once: the router is fine, the message was too large
+		}
 		if err := fatal(err); err != nil {
 			p.fail(err)
 			return
@@ -269,6 +274,22 @@ func (p *Publisher) run(ctx context.Context) {
 		case <-time.After(retry.NextBackOff()):
 		}
 	}
+}
+
+// smallerBatches halves the events per message after the router refused one as too large
+// (RESOURCE_EXHAUSTED: over max_publish_msg_bytes or max_batch_blocks), and reports whether it could.
+func (p *Publisher) smallerBatches(err error) bool {
+	if status.Code(err) != codes.ResourceExhausted {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.batch <= 1 {
+		return false // one event alone is too large: no retry will pass
+	}
+	p.batch /= 2
+	p.opts.Logger.Warn("the router refused a message as too large; sending fewer events per message", "events_per_message", p.batch, "err", err)
+	return true
 }
 
 // closed reports whether the publisher closed and the router acked everything.
@@ -463,7 +484,7 @@ func (p *Publisher) next() (batch []*kvrouterv1.KvEvent, load *kvrouterv1.LoadRe
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if unsent := p.pending[p.sent:]; len(unsent) > 0 {
-		batch = unsent[:min(len(unsent), p.opts.MaxBatchEvents)]
+		batch = unsent[:min(len(unsent), p.batch)]
 		p.sent += len(batch)
 		return batch, nil, false, nil
 	}
@@ -479,7 +500,7 @@ func (p *Publisher) waitForBatch(ctx context.Context) {
 	deadline := time.Now().Add(p.opts.FlushInterval)
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	for len(p.pending)-p.sent < p.opts.MaxBatchEvents && !p.closing && p.err == nil {
+	for len(p.pending)-p.sent < p.batch && !p.closing && p.err == nil {
 		wctx, cancel := context.WithDeadline(ctx, deadline)
 		err := p.waitLocked(wctx)
 		cancel()

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"time"
 	"testing"
 
 	"google.golang.org/grpc"
@@ -16,6 +17,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/server"
 )
 
 const testBlockSize = 4
@@ -229,5 +231,39 @@ func TestPublishChecksBlockSize(t *testing.T) {
 	err := p.Publish(context.Background(), ev)
 	if want := "events[0].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 3)"; status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != want {
 		t.Errorf("Publish() = %v, want INVALID_ARGUMENT %q", err, want)
+	}
+}
+
+// TestTooLargeMessagesAreSplit: a router that takes at most 16 blocks a message refuses the
+// publisher's 64-event messages (RESOURCE_EXHAUSTED); the publisher sends fewer events per message
+// and every event arrives once. One event larger than the limit stops it.
+func TestTooLargeMessagesAreSplit(t *testing.T) {
+	state := kvstate.NewState()
+	s := startReplica(t, state, kvstate.NewMemLog(state), 1<<20, func(o *server.Options) { o.MaxBatchBlocks = 16 })
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(4), Conns: []grpc.ClientConnInterface{s.conn}, MaxBatchEvents: 64, FlushInterval: 50 * time.Millisecond})
+	const n = 200
+	for i := range n {
+		if err := p.Publish(ctx, storedEvent(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Flush(ctx); err != nil {
+		t.Fatalf("Flush() = %v", err)
+	}
+	if got := s.cachedBlocks(t, 4); got != n {
+		t.Errorf("the router holds %d blocks, want %d", got, n)
+	}
+	big := &kvrouterv1.BlocksStored{}
+	for i := range 17 {
+		big.Blocks = append(big.Blocks, &kvrouterv1.StoredBlock{BlockHash: uint64(9000 + i), TokenIds: promptTokens(500 + i)})
+	}
+	if err := p.Publish(ctx, &kvrouterv1.KvEvent{StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: big}}); err != nil {
+		t.Fatal(err)
+	}
+	kvtest.Eventually(t, testTimeout, "the publisher to stop on the 17-block event", func() bool { return p.Err() != nil })
+	if err := p.Err(); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("Err() = %v, want RESOURCE_EXHAUSTED", err)
 	}
 }

@@ -53,14 +53,18 @@ func startServer(t testing.TB, maxPromptTokens int) *testServer {
 
 // startReplica serves state and log on a loopback port: replicas started on one state and log share
 // it, as replicas sharing a Redis log do.
-func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPromptTokens int) *testServer {
+func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) *testServer {
 	t.Helper()
-	srv := server.New(server.Options{
+	opts := server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
 		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
-	})
+	}
+	for _, m := range mutate {
+		m(&opts)
+	}
+	srv := server.New(opts)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
