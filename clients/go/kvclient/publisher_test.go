@@ -6,8 +6,8 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
-	"time"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
