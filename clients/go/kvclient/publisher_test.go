@@ -6,11 +6,13 @@ import (
 	"log/slog"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
@@ -265,5 +267,64 @@ func TestTooLargeMessagesAreSplit(t *testing.T) {
 	kvtest.Eventually(t, testTimeout, "the publisher to stop on the 17-block event", func() bool { return p.Err() != nil })
 	if err := p.Err(); status.Code(err) != codes.ResourceExhausted {
 		t.Errorf("Err() = %v, want RESOURCE_EXHAUSTED", err)
+	}
+}
+
+// dropOneEvent is a client stream that loses the first event of the third event batch it sends,
+// as a faulty path between worker and router would.
+type dropOneEvent struct {
+	grpc.ClientStream
+	batches *atomic.Int32
+}
+
+func (s dropOneEvent) SendMsg(m any) error {
+	if req, ok := m.(*kvrouterv1.PublishRequest); ok && req.GetEvents() != nil && s.batches.Add(1) == 3 {
+		m = &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: req.GetEvents().GetEvents()[1:]}}}
+	}
+	return s.ClientStream.SendMsg(m)
+}
+
+// TestResyncRequestIsAnsweredWithADump: an event lost on the way makes the router see a gap and ask
+// for a resync; the publisher answers with Dump's events, and the router ends up holding every block.
+func TestResyncRequestIsAnsweredWithADump(t *testing.T) {
+	s := startServer(t, 1<<20)
+	var batches atomic.Int32
+	conn, err := grpc.NewClient(s.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			cs, err := streamer(ctx, desc, cc, method, opts...)
+			return dropOneEvent{cs, &batches}, err
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	const n = 100
+	var dumps, published atomic.Int32
+	dump := func(context.Context) ([]*kvrouterv1.KvEvent, error) { // the worker's cache as it is now
+		dumps.Add(1)
+		out := make([]*kvrouterv1.KvEvent, published.Load())
+		for i := range out {
+			out[i] = storedEvent(i)
+		}
+		return out, nil
+	}
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(6), Conns: []grpc.ClientConnInterface{conn}, Dump: dump, MaxBatchEvents: 4})
+	for i := range n {
+		published.Store(int32(i + 1))
+		if err := p.Publish(ctx, storedEvent(i)); err != nil {
+			t.Fatal(err)
+		}
+		if i == 20 {
+			// The dump must cover every event published before it: publish the rest after it ran.
+			kvtest.Eventually(t, testTimeout, "the resync", func() bool { return dumps.Load() > 0 })
+		}
+	}
+	if err := p.Close(ctx); err != nil {
+		t.Fatalf("Close() = %v", err)
+	}
+	if got := s.cachedBlocks(t, 6); got != n || dumps.Load() != 1 {
+		t.Errorf("the router holds %d blocks after %d dumps, want %d after 1", got, dumps.Load(), n)
 	}
 }

@@ -31,6 +31,7 @@ const testTimeout = 30 * time.Second
 // testServer is kvrouter's gRPC server on a loopback TCP port, in this process, with two aggregated
 // workers of model "m" (block size 4) registered.
 type testServer struct {
+	addr  string
 	srv   *server.Server
 	conn  *grpc.ClientConn
 	admin kvrouterv1.AdminServiceClient
@@ -78,7 +79,7 @@ func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPrompt
 		conn.Close()
 		srv.Stop()
 	})
-	return &testServer{srv: srv, conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
+	return &testServer{addr: lis.Addr().String(), srv: srv, conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
 }
 
 // activeRequests returns the booked requests the server counts over all workers.
