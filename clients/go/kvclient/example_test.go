@@ -3,39 +3,24 @@ package kvclient_test
 import (
 	"context"
 	"fmt"
-	"io"
 	"log"
-	"log/slog"
-	"net"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // exampleRouter starts a kvrouter on a loopback port, as `kvrouter serve` would, and returns its
 // address and what stops it. (In production the address is the router's service.)
 func exampleRouter() (addr string, stop func()) {
 	state := kvstate.NewState()
-	mem := kvstate.NewMemLog(state)
-	srv := server.New(server.Options{
-		State: state, Log: mem, Registry: prometheus.NewRegistry(),
-		Dispatcher:      dispatch.New(state, mem, policy.NewKernel(state, policy.DefaultConfig())),
-		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
-		MaxPromptTokens: 1 << 20, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 100,
-	})
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	srv, lis, err := serveOnLoopback(state, kvstate.NewMemLog(state), 1<<20)
 	if err != nil {
 		log.Fatal(err)
 	}
-	go srv.Serve(lis)
 	return lis.Addr().String(), srv.Stop
 }
 

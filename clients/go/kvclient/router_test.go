@@ -56,21 +56,10 @@ func startServer(t testing.TB, maxPromptTokens int) *testServer {
 // it, as replicas sharing a Redis log do.
 func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) *testServer {
 	t.Helper()
-	opts := server.Options{
-		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
-		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
-		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
-	}
-	for _, m := range mutate {
-		m(&opts)
-	}
-	srv := server.New(opts)
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	srv, lis, err := serveOnLoopback(state, log, maxPromptTokens, mutate...)
 	if err != nil {
 		t.Fatal(err)
 	}
-	go srv.Serve(lis)
 	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -80,6 +69,26 @@ func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPrompt
 		srv.Stop()
 	})
 	return &testServer{addr: lis.Addr().String(), srv: srv, conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
+}
+
+// serveOnLoopback serves kvrouter's gRPC server over state and log on a free loopback port.
+func serveOnLoopback(state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) (*server.Server, net.Listener, error) {
+	opts := server.Options{
+		State: state, Log: log, Registry: prometheus.NewRegistry(),
+		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
+		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
+	}
+	for _, m := range mutate {
+		m(&opts)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return nil, nil, err
+	}
+	srv := server.New(opts)
+	go srv.Serve(lis)
+	return srv, lis, nil
 }
 
 // activeRequests returns the booked requests the server counts over all workers.
