@@ -100,7 +100,9 @@ func NewPublisher(opts PublisherOptions) (*Publisher, error) {
 	return p, nil
 }
 
-// Publish queues events for the router, numbering them in order (their event_id is set here). It
+// Publish queues events for the router, numbering them in order. It takes ownership of the events:
+// it sets their event_id and dp_rank (and tokens_hash with HashTokens), and they must not change
+// until the router acked them. It
 // blocks while MaxUnacked events wait for their ack or a dump runs, until ctx ends. A stored block
 // whose token count is not the hello's block_size is refused here, as the router would refuse it.
 func (p *Publisher) Publish(ctx context.Context, events ...*kvrouterv1.KvEvent) error {
