@@ -1,0 +1,111 @@
+// Package enginefeed reads and writes the KV-cache event feed that vLLM publishes, and SGLang and
+// TensorRT-LLM copy: ZMQ PUB messages of three frames (topic, sequence number as 8 bytes big-endian,
+// msgpack payload), each payload a batch [ts, events, data_parallel_rank], and the replies of the
+// engine's ROUTER replay endpoint. It is the wire format only: what a batch says, decoded by position
+// or by name, with the reason an event could not be read. What to do with the events (map them to
+// kvrouter's contract, track sequence gaps) is the bridge's job (clients/go/bridge).
+//
+// Engines differ by version, so decoding is tolerant where the format grew and strict where it
+// did not. Events are msgpack arrays with the tag first (vLLM before June 2026, SGLang before
+// September 2026) or maps with the tag under "type" (since); positional events may stop after
+// their required fields or carry fields added later, and map events may carry keys this package
+// does not know. Block hashes are integers (vLLM's uint64, SGLang's and Dynamo's int64, both read
+// as the same 64 bits) or byte strings (vLLM with VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0), read as
+// their last 8 bytes big-endian, which is the integer vLLM would have sent.
+package enginefeed
+
+// Kind is what an event says happened to the engine's cache.
+type Kind uint8
+
+// Event kinds, named after the engines' tags.
+const (
+	// BlockStored: blocks were written to the cache, as one chain.
+	BlockStored Kind = iota + 1
+	// BlockRemoved: blocks were evicted.
+	BlockRemoved
+	// AllBlocksCleared: the whole cache was dropped.
+	AllBlocksCleared
+)
+
+// Tags are the engines' names of the event kinds, indexed by Kind.
+var tags = [...]string{BlockStored: "BlockStored", BlockRemoved: "BlockRemoved", AllBlocksCleared: "AllBlocksCleared"}
+
+func (k Kind) String() string {
+	if int(k) < len(tags) && tags[k] != "" {
+		return tags[k]
+	}
+	return "Kind(?)"
+}
+
+// Event is one decoded KV-cache event. Fields an engine did not send are zero (HasParent,
+// HasGroup say whether the optional numbers were sent); strings the engine sent as nil are empty.
+type Event struct {
+	Kind Kind
+	// BlockHashes are the engine's hashes of the stored or removed blocks, in chain order.
+	BlockHashes []uint64
+	// ParentHash is the hash of the block the stored chain continues, when HasParent.
+	ParentHash uint64
+	HasParent  bool
+	// TokenIDs are the tokens of every stored block, block after block (BlockSize per block).
+	TokenIDs []uint32
+	// BlockSize is the engine's block size, in tokens, as the stored event states it.
+	BlockSize int
+	// Medium is where the blocks live ("GPU", "CPU", ...; "" when the engine sent nil or nothing).
+	Medium string
+	// LoraName is the LoRA adapter the stored blocks were computed with ("" for the base model).
+	LoraName string
+	// ExtraKeys says that at least one stored block carries extra hash keys (multimodal inputs, a
+	// cache salt); FirstExtraKey is the index of the first such block.
+	ExtraKeys     bool
+	FirstExtraKey int
+	// GroupIdx is the KV-cache group of a hybrid model, when HasGroup; SpecKind names its kind
+	// ("full_attention", "sliding_window", ...).
+	GroupIdx int64
+	HasGroup bool
+	SpecKind string
+	// Locality is "LOCAL", "REMOTE" or "" (not sent).
+	Locality string
+}
+
+// Reason says why a payload or an event could not be read. The values are metric labels.
+type Reason string
+
+// Reasons a decode fails.
+const (
+	// Malformed: the payload is not a msgpack batch [ts, events, dp_rank]; nothing of it is read.
+	Malformed Reason = "malformed"
+	// UnknownTag: an event whose tag names no known event.
+	UnknownTag Reason = "unknown_tag"
+	// WrongType: a field of the wrong msgpack type or out of range (a negative token id, ...).
+	WrongType Reason = "wrong_type"
+	// MissingField: an event without a field its kind requires.
+	MissingField Reason = "missing_field"
+)
+
+// Skipped is an event of a batch that could not be read, with why.
+type Skipped struct {
+	Index  int // its position in the batch's events
+	Reason Reason
+	Detail string // what was wrong, for a log line
+}
+
+// Batch is one decoded payload. Decoding into the same Batch again reuses its memory.
+type Batch struct {
+	// TS is the engine's timestamp of the batch, in seconds since the epoch.
+	TS float64
+	// DPRank is the data-parallel rank the batch comes from, when HasDPRank.
+	DPRank    int64
+	HasDPRank bool
+	// Events are the events that could be read, in order; Skipped lists the others.
+	Events  []Event
+	Skipped []Skipped
+}
+
+// Blocks returns the number of blocks the batch's readable events name (stored and removed).
+func (b *Batch) Blocks() int {
+	n := 0
+	for i := range b.Events {
+		n += len(b.Events[i].BlockHashes)
+	}
+	return n
+}
