@@ -126,7 +126,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 }
 
 func load(ctx context.Context, c *config, stderr io.Writer) error {
-	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()), kvclient.WithKeepalive(),
 		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
 	if err != nil {
 		return err

@@ -29,7 +29,7 @@ func exampleRouter() (addr string, stop func()) {
 func Example() {
 	addr, stop := exampleRouter()
 	defer stop()
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), kvclient.WithKeepalive())
 	if err != nil {
 		log.Fatal(err)
 	}
