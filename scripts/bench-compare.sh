@@ -27,7 +27,7 @@ benchmarks=(
   "ingest|BenchmarkRedisIngest|^BenchmarkRedisIngest\$/redis=single/batch=512/rate=max|-test.benchtime=3s"
 )
 if echo ingest | grep -qE "$ONLY"; then
-  . scripts/redis.sh >/dev/null # redis-server on PATH: the benchmark starts its own
+  scripts/need.sh redis-server=redis-server # the benchmark starts its own
 fi
 
 out=$PWD/.tmp/bench-compare/$(date -u +%Y%m%dT%H%M%SZ)-$old-$new

@@ -7,7 +7,7 @@
 # scenario loses an acked event, fails a Route call, or does not converge. Bounded to 5 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-. scripts/redis.sh
+scripts/need.sh redis-server=redis-server redis-cli=redis-server
 report=$(mktemp)
 trap 'rm -f "$report"' EXIT
 status=0

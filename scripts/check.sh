@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # check.sh runs the static checks: formatting, vet, buf lint and format, the breaking-change check
-# against the previous commit, and that gen/ is exactly what scripts/generate.sh makes from proto/.
+# against the previous commit, and that gen/ and the Python and TypeScript clients' stubs are exactly
+# what scripts/generate.sh makes from proto/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh protoc-gen-go protoc-gen-go-grpc buf
@@ -30,4 +31,7 @@ if ! diff -r "$tmp/gen" gen >/dev/null; then
   diff -r "$tmp/gen" gen | head -20 >&2
   exit 1
 fi
+scripts/need.sh protoc=protobuf-compiler grpc_python_plugin=protobuf-compiler-grpc
+clients/python/generate.sh --check
+clients/ts/generate.sh --check
 echo "checks passed"

@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
-# test.sh runs every test, with the race detector. It installs what the tests need first: the pinned
-# grpcurl (the walkthrough tests replay grpcurl commands against a real kvrouter process) and
-# redis-server (the Redis tests start private servers and a local cluster on free ports).
+# test.sh runs every test: the Go tests with the race detector, then the Python and TypeScript
+# clients' tests against real `kvrouter serve` processes. It installs what the tests need first: the
+# pinned grpcurl (the walkthrough tests replay grpcurl commands against a real kvrouter process),
+# redis-server (the Redis tests start private servers and a local cluster on free ports), and what
+# each client's own test script installs (Debian's Python gRPC packages; the pinned npm packages).
+# Arguments go to `go test` (e.g. -run); the client suites run whatever they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
-. scripts/redis.sh
+scripts/need.sh redis-server=redis-server redis-cli=redis-server
 go vet ./...
 go test -race -count=1 -timeout 10m ./... "$@"
+echo "== clients/python"
+clients/python/test.sh
+echo "== clients/ts"
+clients/ts/test.sh
