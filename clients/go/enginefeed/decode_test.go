@@ -16,9 +16,9 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/enginefeed"
 )
 
-// Payloads written by another encoder (Debian's python3-msgpack 1.0.3, as msgspec writes them:
-// compact integers, float64 timestamps), so that the decoder is not only checked against the
-// package's own Encoder:
+// pythonArrays is a payload written by another encoder (Debian's python3-msgpack 1.0.3, as
+// msgspec writes them: compact integers, float64 timestamps), so that the decoder is not only
+// checked against the package's own Encoder:
 //
 //	msgpack.packb([1789095808.5, [
 //	    ["BlockStored", [15760518052499183552, 2], None, [1,2,3,4,5,6,7,8], 4, None, "GPU", None,
@@ -27,13 +27,14 @@ import (
 //	    ["AllBlocksCleared"]], 0])
 const pythonArrays = "93cb41daa8dbe0200000939cab426c6f636b53746f72656492cfdab89baa7b5857c002c098010203040506070804c0a3475055c092c0c000ae66756c6c5f617474656e74696f6ec094ac426c6f636b52656d6f76656491cfdab89baa7b5857c0a34750550091b0416c6c426c6f636b73436c656172656400"
 
-// msgpack.packb([1789095808.5, [
+// pythonMaps is the same encoder's map-encoded events:
 //
-//	{"type": "BlockStored", "block_hashes": [b"\0"*24 + (7).to_bytes(8, "big")],
-//	 "parent_block_hash": -3, "token_ids": [9,10,11,12], "block_size": 4, "lora_id": None,
-//	 "medium": "CPU", "lora_name": "sql-lora", "extra_keys": [["mm", 0]], "group_idx": 0,
-//	 "kv_cache_spec_kind": "full_attention", "locality": "LOCAL", "ownership": "x"},
-//	{"type": "BlockRemoved", "block_hashes": [-3], "medium": "CPU"}], 1])
+//	msgpack.packb([1789095808.5, [
+//	    {"type": "BlockStored", "block_hashes": [b"\0"*24 + (7).to_bytes(8, "big")],
+//	     "parent_block_hash": -3, "token_ids": [9,10,11,12], "block_size": 4, "lora_id": None,
+//	     "medium": "CPU", "lora_name": "sql-lora", "extra_keys": [["mm", 0]], "group_idx": 0,
+//	     "kv_cache_spec_kind": "full_attention", "locality": "LOCAL", "ownership": "x"},
+//	    {"type": "BlockRemoved", "block_hashes": [-3], "medium": "CPU"}], 1])
 const pythonMaps = "93cb41daa8dbe0200000928da474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c4200000000000000000000000000000000000000000000000000000000000000007b1706172656e745f626c6f636b5f68617368fda9746f6b656e5f69647394090a0b0caa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65a873716c2d6c6f7261aa65787472615f6b6579739192a26d6d00a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6ea86c6f63616c697479a54c4f43414ca96f776e657273686970a17883a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391fda66d656469756da343505501"
 
 func unhex(t testing.TB, s string) []byte {
