@@ -1,0 +1,46 @@
+"""Helpers that build KvEvent messages for Publisher.publish()."""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Tuple, Union
+
+from kvrouter_client import pb
+
+__all__ = ["stored", "removed", "cleared"]
+
+
+def stored(
+    blocks: Iterable[Tuple[int, Union[Sequence[int], int]]],
+    parent_hash: Optional[int] = None,
+    tier: int = pb.types.STORAGE_TIER_DEVICE,
+    lora_name: str = "",
+    cache_namespace: str = "",
+) -> "pb.worker.KvEvent":
+    """Returns an event saying a chain of blocks was stored.
+
+    Each block is a pair of the engine's block hash and either the block's token ids (exactly
+    block_size of them) or, as an int, its tokens_hash (kvrouter_client.blockhash.local of its
+    tokens, salted with ``lora_name`` and ``cache_namespace``). ``parent_hash`` is the hash of the
+    block just before the first one, when the chain continues an already stored one.
+    """
+    st = pb.worker.BlocksStored(
+        blocks=[
+            pb.worker.StoredBlock(block_hash=h, tokens_hash=toks) if isinstance(toks, int) else pb.worker.StoredBlock(block_hash=h, token_ids=list(toks))
+            for h, toks in blocks
+        ],
+        lora_name=lora_name,
+        cache_namespace=cache_namespace,
+    )
+    if parent_hash is not None:
+        st.parent_hash = parent_hash
+    return pb.worker.KvEvent(storage_tier=tier, stored=st)
+
+
+def removed(block_hashes: Iterable[int], tier: int = pb.types.STORAGE_TIER_DEVICE) -> "pb.worker.KvEvent":
+    """Returns an event saying blocks were evicted from the cache."""
+    return pb.worker.KvEvent(storage_tier=tier, removed=pb.worker.BlocksRemoved(block_hashes=list(block_hashes)))
+
+
+def cleared(tier: int = pb.types.STORAGE_TIER_DEVICE) -> "pb.worker.KvEvent":
+    """Returns an event saying every block of the tier is gone."""
+    return pb.worker.KvEvent(storage_tier=tier, cleared=pb.worker.CacheCleared())

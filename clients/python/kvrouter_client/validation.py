@@ -1,0 +1,97 @@
+"""Client-side checks of what the router would refuse, with the router's own messages.
+
+The messages follow server/router.go and server/worker.go, so that an error raised here reads as the
+router's INVALID_ARGUMENT would.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from kvrouter_client import pb
+from kvrouter_client.errors import ValidationError
+
+MAX_REQUEST_ID_BYTES = 512
+"""The router's limit on request ids, in bytes (server/router.go)."""
+
+MAX_BATCH_BLOCKS = 16_384
+"""The router's default max_batch_blocks: most events, and most blocks, of one Publish message."""
+
+_TIERS = {pb.types.STORAGE_TIER_DEVICE, pb.types.STORAGE_TIER_HOST, pb.types.STORAGE_TIER_DISK, pb.types.STORAGE_TIER_EXTERNAL}
+_ROLES = {pb.types.WORKER_ROLE_PREFILL, pb.types.WORKER_ROLE_DECODE, pb.types.WORKER_ROLE_AGGREGATED}
+
+
+def check_request_id(request_id: str) -> None:
+    """Raises ValidationError for a request id the router refuses (empty or over 512 bytes)."""
+    if request_id == "":
+        raise ValidationError("request_id", "must not be empty")
+    n = len(request_id.encode("utf-8"))
+    if n > MAX_REQUEST_ID_BYTES:
+        raise ValidationError("request_id", f"must be at most {MAX_REQUEST_ID_BYTES} bytes (got {n})")
+
+
+def check_route_request(req: "pb.router.RouteRequest", max_prompt_tokens: Optional[int]) -> None:
+    """Raises ValidationError for a RouteRequest the router would refuse before routing it."""
+    if not req.query_only or req.request_id != "":
+        check_request_id(req.request_id)
+    if req.model == "":
+        raise ValidationError("model", "must not be empty")
+    n = len(req.token_ids)
+    if n == 0:
+        raise ValidationError("token_ids", "must not be empty")
+    if max_prompt_tokens is not None and n > max_prompt_tokens:
+        raise ValidationError("token_ids", f"has {n} tokens, more than the maximum of {max_prompt_tokens} (max_prompt_tokens)")
+    if req.HasField("hints"):
+        h = req.hints
+        if h.HasField("prefill_dp_rank") and not h.HasField("prefill_worker_id"):
+            raise ValidationError("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
+        if h.HasField("decode_dp_rank") and not h.HasField("decode_worker_id"):
+            raise ValidationError("hints.decode_dp_rank", "needs hints.decode_worker_id")
+
+
+def check_hello(h: "pb.worker.WorkerHello") -> None:
+    """Raises ValidationError for a WorkerHello the router would refuse."""
+    if h.worker_id == 0:
+        raise ValidationError("hello.worker_id", "must not be 0")
+    if h.model == "":
+        raise ValidationError("hello.model", "must not be empty")
+    if h.role not in _ROLES:
+        raise ValidationError("hello.role", f"must be PREFILL, DECODE or AGGREGATED (got {pb.types.WorkerRole.Name(h.role)})")
+    if h.block_size == 0:
+        raise ValidationError("hello.block_size", "must be > 0")
+
+
+def check_events(events: Sequence["pb.worker.KvEvent"], block_size: int, field: str = "events.events") -> None:
+    """Raises ValidationError for an event the router would refuse on a stream of this block size.
+
+    Event ids and dp_rank are not checked: the publisher sets them. ``field`` prefixes the field
+    names, as the router does ("events.events" for a batch, "dump.events" for a dump).
+    """
+    for i, ev in enumerate(events):
+        f = f"{field}[{i}]"
+        if ev.storage_tier not in _TIERS:
+            raise ValidationError(f + ".storage_tier", f"must be DEVICE, HOST, DISK or EXTERNAL (got {pb.types.StorageTier.Name(ev.storage_tier)})")
+        kind = ev.WhichOneof("data")
+        if kind == "stored":
+            if len(ev.stored.blocks) == 0:
+                raise ValidationError(f + ".stored.blocks", "must not be empty")
+            for j, b in enumerate(ev.stored.blocks):
+                bf = f"{f}.stored.blocks[{j}]"
+                has_hash = b.HasField("tokens_hash")
+                if has_hash and len(b.token_ids) > 0:
+                    raise ValidationError(bf, "must set exactly one of token_ids and tokens_hash (both are set)")
+                if not has_hash:
+                    if len(b.token_ids) == 0:
+                        raise ValidationError(bf, "must set exactly one of token_ids and tokens_hash (neither is set)")
+                    if len(b.token_ids) != block_size:
+                        raise ValidationError(bf + ".token_ids", f"must hold exactly block_size {block_size} tokens (got {len(b.token_ids)})")
+        elif kind == "removed":
+            if len(ev.removed.block_hashes) == 0:
+                raise ValidationError(f + ".removed.block_hashes", "must not be empty")
+        elif kind is None:
+            raise ValidationError(f, "must set one of stored, removed, cleared")
+
+
+def event_blocks(ev: "pb.worker.KvEvent") -> int:
+    """Returns the blocks an event counts for against max_batch_blocks (stored blocks plus removed hashes)."""
+    return len(ev.stored.blocks) + len(ev.removed.block_hashes)

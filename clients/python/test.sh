@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Installs what the Python client needs (Debian packages), checks that kvrouter_client/_gen matches
+# proto/, builds the kvrouter server, and runs the tests against real `kvrouter serve` processes.
+# The last line is "N passed, N failed"; the exit status is non-zero on any failure.
+set -euo pipefail
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+root="$(cd "$here/../.." && pwd)"
+# Debian's python3-grpcio, python3-protobuf and python3-xxhash install into the system interpreter.
+PYTHON="${PYTHON:-/usr/bin/python3}"
+"$root/scripts/need.sh" py:grpc=python3-grpcio py:google.protobuf=python3-protobuf py:xxhash=python3-xxhash protoc=protobuf-compiler grpc_python_plugin=protobuf-compiler-grpc
+
+echo "test.sh: checking that kvrouter_client/_gen matches proto/"
+"$here/generate.sh" --check
+
+echo "test.sh: building kvrouter"
+mkdir -p "$here/.tmp"
+(cd "$root" && go build -o "$here/.tmp/kvrouter" ./cmd/kvrouter)
+export KVROUTER_BIN="$here/.tmp/kvrouter"
+
+cd "$here"
+export PYTHONDONTWRITEBYTECODE=1
+rc=0
+timeout 110 "$PYTHON" tests/run.py || rc=$?
+if [ "$rc" -eq 124 ]; then
+  echo "test.sh: the tests timed out after 110 s"
+  echo "0 passed, 1 failed"
+fi
+exit "$rc"

@@ -1,0 +1,114 @@
+"""kvrouter_client.blockhash against the repository's golden vectors (kvstate/blockhash/testdata)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import unittest
+
+from kvrouter_client import blockhash, events, pb
+from kvrouter_client.validation import check_events
+from kvserver import CLIENT_ROOT, REPO_ROOT
+
+VECTORS = os.path.join(REPO_ROOT, "kvstate", "blockhash", "testdata", "hash_vectors.json")
+
+
+class VectorsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls) -> None:
+        with open(VECTORS, encoding="utf-8") as f:
+            cls.vectors = json.load(f)
+
+    def test_raw_xxh3(self) -> None:
+        raw = self.vectors["raw"]
+        self.assertGreaterEqual(len(raw), 30)
+        for v in raw:
+            with self.subTest(v["name"]):
+                got = blockhash._xxh3(bytes.fromhex(v["input_hex"]), seed=int(v["seed"]))
+                self.assertEqual(got, int(v["xxh3_64"]))
+
+    def test_cases(self) -> None:
+        cases = self.vectors["cases"]
+        self.assertGreaterEqual(len(cases), 20)
+        for c in cases:
+            with self.subTest(c["name"]):
+                bs, tokens = c["block_size"], c["tokens"]
+                want_local = [int(h) for h in c["local_hashes"]]
+                want_seq = [int(h) for h in c["sequence_hashes"]]
+                s = blockhash.salt(c["lora_name"], c["cache_namespace"])
+                self.assertEqual(s, int(c["salt"]))
+                self.assertEqual(blockhash.local_hashes(tokens, bs, s), want_local)
+                # Block by block, as the publisher hashes, gives the same.
+                per_block = [blockhash.local(tokens[i * bs : (i + 1) * bs], s) for i in range(len(want_local))]
+                self.assertEqual(per_block, want_local)
+                self.assertEqual(blockhash.sequence(want_local), want_seq)
+                for i in range(1, len(want_seq)):
+                    self.assertEqual(blockhash.chain(want_seq[i - 1], want_local[i]), want_seq[i])
+                self.assertEqual(blockhash.prompt_hashes(tokens, bs, c["lora_name"], c["cache_namespace"]), want_seq)
+
+    def test_publisher_hashing_matches(self) -> None:
+        # What Publisher(hash_tokens=True) does to an event: the vectors' local hashes, token ids gone.
+        for c in self.vectors["cases"]:
+            bs, tokens = c["block_size"], c["tokens"]
+            if not c["local_hashes"] or bs == 0:
+                continue
+            with self.subTest(c["name"]):
+                n = len(c["local_hashes"])
+                st = pb.worker.BlocksStored(
+                    blocks=[pb.worker.StoredBlock(block_hash=i + 1, token_ids=tokens[i * bs : (i + 1) * bs]) for i in range(n)],
+                    lora_name=c["lora_name"],
+                    cache_namespace=c["cache_namespace"],
+                )
+                ev = pb.worker.KvEvent(storage_tier=pb.types.STORAGE_TIER_DEVICE, stored=st)
+                blockhash._stored_hasher(bs)([ev])
+                self.assertEqual([b.tokens_hash for b in ev.stored.blocks], [int(h) for h in c["local_hashes"]])
+                self.assertTrue(all(b.HasField("tokens_hash") and len(b.token_ids) == 0 for b in ev.stored.blocks))
+
+    def test_bad_input_raises_value_error(self) -> None:
+        for bad in ([-1, 0, 0, 0], [1 << 32, 0, 0, 0], [1.5, 0, 0, 0]):
+            with self.assertRaises(ValueError):
+                blockhash.local(bad, blockhash.SEED)
+            with self.assertRaises(ValueError):
+                blockhash.local_hashes(bad, 4)
+        for s in (-1, 1 << 64):
+            with self.assertRaises(ValueError):
+                blockhash.local([1, 2, 3, 4], s)
+        with self.assertRaises(ValueError):
+            blockhash.chain(1 << 64, 0)
+        self.assertEqual(blockhash.local_hashes(list(range(10)), 0), [])
+        self.assertEqual(blockhash.salt("", ""), blockhash.SEED)
+
+
+class WithoutXxhashTest(unittest.TestCase):
+    def test_the_package_works_without_xxhash_until_hashing_is_asked_for(self) -> None:
+        code = """
+import sys
+sys.modules["xxhash"] = None  # as if python3-xxhash were not installed
+from kvrouter_client import Publisher, pb
+h = pb.worker.WorkerHello(worker_id=1, model="m", role=pb.types.WORKER_ROLE_AGGREGATED, block_size=4)
+Publisher(h, "127.0.0.1:1", start=False).close(1)
+try:
+    Publisher(h, "127.0.0.1:1", start=False, hash_tokens=True)
+except ImportError as e:
+    print(e)
+"""
+        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT)
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertIn("apt-get install -y python3-xxhash", out.stdout)
+
+
+class EventsTest(unittest.TestCase):
+    def test_stored_takes_token_ids_or_tokens_hash(self) -> None:
+        h = blockhash.local([1, 2, 3, 4])
+        ev = events.stored([(7, [1, 2, 3, 4]), (8, h)])
+        a, b = ev.stored.blocks
+        self.assertEqual((list(a.token_ids), a.HasField("tokens_hash")), ([1, 2, 3, 4], False))
+        self.assertEqual((list(b.token_ids), b.tokens_hash), ([], h))
+        check_events([ev], 4)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,571 @@
+"""Tests of kvrouter_client against real `kvrouter serve` processes (embedded mode)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import unittest
+from typing import Iterator, List, Tuple
+
+import grpc
+
+from kvrouter_client import (
+    Publisher,
+    PublisherClosedError,
+    PublisherError,
+    Router,
+    UnackedWindowFullError,
+    ValidationError,
+    WorkerSupersededError,
+    blockhash,
+    error_reason,
+    events,
+    pb,
+)
+from kvserver import CLIENT_ROOT, Server, free_port, wait_until
+
+# The publisher logs every reconnect; KVROUTER_TEST_LOG=INFO shows it.
+logging.basicConfig(level=os.environ.get("KVROUTER_TEST_LOG", "CRITICAL"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+BS = 4  # block size of every test worker
+
+
+def hello(worker_id: int, model: str = "demo", fresh_start: bool = True) -> "pb.worker.WorkerHello":
+    """Returns the hello of an aggregated test worker."""
+    return pb.worker.WorkerHello(
+        worker_id=worker_id,
+        model=model,
+        role=pb.types.WORKER_ROLE_AGGREGATED,
+        block_size=BS,
+        total_kv_blocks=1 << 20,
+        endpoint=f"10.0.0.{worker_id}:8000",
+        kv_events_enabled=True,
+        fresh_start=fresh_start,
+    )
+
+
+def block(i: int) -> Tuple[int, List[int]]:
+    """Returns block i of a family of distinct one-block prompts: (hash, tokens)."""
+    return 10_000 + i, [i * BS + k + 1 for k in range(BS)]
+
+
+class ServerTest(unittest.TestCase):
+    """A test with its own kvrouter process on a free port."""
+
+    flags: Tuple[str, ...] = ()
+
+    def setUp(self) -> None:
+        self.server = Server(*self.flags)
+        self.addCleanup(self.server.stop)
+
+    def publisher(self, *args, **kwargs) -> Publisher:
+        """Returns a publisher that is closed (without waiting long) when the test ends."""
+        p = Publisher(*args, **kwargs)
+
+        def close() -> None:
+            try:
+                p.close(timeout=2)
+            except Exception:  # noqa: BLE001 - the test checked what it wanted already
+                pass
+
+        self.addCleanup(close)
+        return p
+
+
+class ExamplesTest(ServerTest):
+    def run_example(self, name: str, *args: str) -> str:
+        out = subprocess.run(
+            [sys.executable, os.path.join(CLIENT_ROOT, "examples", name), "--addr", self.server.addr, *args],
+            capture_output=True, text=True, timeout=30,
+        )
+        self.assertEqual(out.returncode, 0, f"{name} failed:\n{out.stdout}\n{out.stderr}")
+        return out.stdout
+
+    def test_worker_publishes_frontend_routes_to_it_and_frees(self) -> None:
+        out = self.run_example("worker.py", "--worker-id", "3", "--endpoint", "10.0.0.3:8000")
+        self.assertIn("worker 3: published 8 blocks", out)
+        w = self.server.worker_status(3)
+        self.assertIsNotNone(w)
+        self.assertEqual(w.cached_blocks.device, 8)
+        self.assertEqual(w.load.kv_used_blocks, 8)
+        # A second worker with a shorter prefix of the same prompt must lose the route.
+        with self.publisher(hello(4), self.server.addr) as p:
+            p.publish(events.stored([(900 + i, list(range(i * BS + 1, (i + 1) * BS + 1))) for i in range(2)]))
+            p.flush(5)
+        out = self.run_example("frontend.py", "--tokens", "34", "--request-id", "req-e2e")
+        self.assertIn("request req-e2e: worker 3 rank 0 at 10.0.0.3:8000 (ROUTE_MODE_AGGREGATED, 8 cached blocks)", out)
+        self.assertIn("request req-e2e: freed", out)
+        for w in self.server.workers():
+            self.assertEqual(w.load.active_requests, 0, f"worker {w.worker.worker_id} still has a booking")
+            self.assertEqual(w.load.active_blocks, 0)
+        self.assertEqual(self.server.admin.GetState(pb.admin.GetStateRequest()).bookings, 0)
+
+
+class PublisherResumeTest(ServerTest):
+    def interrupt_and_wait(self, p: Publisher) -> None:
+        """Breaks the publisher's stream and waits until it registered again."""
+        before = p.stats.streams
+        p.interrupt()
+        self.assertTrue(wait_until(lambda: p.stats.streams > before), "the publisher did not reconnect")
+
+    def test_every_event_applied_once_across_interrupted_streams(self) -> None:
+        dumps: List[int] = []
+        p = self.publisher(hello(5), self.server.addr, dump=lambda: dumps.append(1) or [], max_batch_events=16)
+        n = 1500
+        for i in range(n):
+            p.publish(events.stored([block(i)]))
+            if i % 100 == 50:
+                self.interrupt_and_wait(p)  # the stream fails with events sent and not yet acked
+        p.flush(20)
+        self.assertGreaterEqual(p.stats.streams, 10)
+        self.assertEqual(p.last_acked, n - 1)
+        w = self.server.worker_status(5)
+        self.assertEqual(w.last_event_id, n - 1)
+        self.assertEqual(w.cached_blocks.device, n)
+        self.assertFalse(w.awaiting_resync)
+        self.assertEqual(dumps, [], "a resync means an event was lost or repeated out of order")
+        log = self.server.log_text()
+        self.assertNotIn("gap", log)
+        # Evict every other block; the removals must apply once too.
+        for i in range(0, n, 2):
+            p.publish(events.removed([block(i)[0]]))
+            if i % 300 == 0:
+                self.interrupt_and_wait(p)
+        p.close(20)
+        w = self.server.worker_status(5)
+        self.assertEqual(w.last_event_id, n + n // 2 - 1)
+        self.assertEqual(w.cached_blocks.device, n // 2)
+        self.assertEqual(dumps, [])
+
+    def test_reconnect_replays_what_a_dead_stream_lost(self) -> None:
+        # Events sent on a stream whose connection black-holes them: the router registered the
+        # stream and never read them. After the reconnect Registered says the router holds none of
+        # them, so all are replayed, with no resync.
+        hole = BlackHoleSecondStream()
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), hole)
+        self.addCleanup(channel.close)
+        dumps: List[int] = []
+        p = self.publisher(hello(6), channel, dump=lambda: dumps.append(1) or [])
+        p.publish(events.stored([block(0)]))
+        p.flush(5)
+        self.interrupt_and_wait(p)  # the second stream: registered, then nothing reaches the router
+        self.assertEqual(hole.streams, 2)
+        for i in range(1, 40):
+            p.publish(events.stored([block(i)]))
+        self.assertTrue(wait_until(lambda: hole.ids(swallowed=True) == list(range(1, 40))), f"sent into the black hole: {hole.ids(swallowed=True)}")
+        self.assertEqual(p.unacked, 39)
+        self.assertEqual(self.server.worker_status(6).last_event_id, 0)
+        self.interrupt_and_wait(p)  # the third stream replays them
+        p.flush(10)
+        self.assertEqual(hole.ids(stream=3), list(range(1, 40)))
+        w = self.server.worker_status(6)
+        self.assertEqual(w.last_event_id, 39)
+        self.assertEqual(w.cached_blocks.device, 40)
+        self.assertFalse(w.awaiting_resync)
+        self.assertEqual(p.stats.streams, 3)
+        self.assertEqual(hole.streams, 3)
+        self.assertEqual(p.stats.resync_requests, 0)
+        self.assertEqual(p.stats.dumps, 0)
+        self.assertEqual(dumps, [])
+
+    def test_first_registration_without_fresh_start_continues_the_numbering(self) -> None:
+        with Publisher(hello(16), self.server.addr) as p:
+            p.publish([events.stored([block(i)]) for i in range(5)])
+        with Publisher(hello(16, fresh_start=False), self.server.addr) as p:
+            # Before the first registration the ids are provisional: Registered renumbers them.
+            p.publish([events.stored([block(i)]) for i in range(5, 8)])
+            p.flush(5)
+            self.assertEqual(p.last_acked, 7)
+        w = self.server.worker_status(16)
+        self.assertEqual(w.last_event_id, 7)
+        self.assertEqual(w.cached_blocks.device, 8)
+
+    def test_a_restarted_router_that_lost_everything_gets_a_dump(self) -> None:
+        # Embedded mode keeps its state in memory: a restart on the same port forgets the worker.
+        cache = [block(i) for i in range(10)]
+        dumps: List[int] = []
+
+        def dump() -> List["pb.worker.KvEvent"]:
+            dumps.append(len(cache))
+            return [events.stored(cache)]
+
+        p = self.publisher(hello(15), self.server.addr, dump=dump, backoff_initial=0.02, backoff_max=0.2)
+        p.publish([events.stored([b]) for b in cache])
+        p.flush(5)
+        port = self.server.port
+        self.server.stop()
+        self.server = Server(port=port)
+        self.addCleanup(self.server.stop)
+        self.assertTrue(wait_until(lambda: dumps != [], timeout=10), "no dump after the restart")
+        cache.append(block(10))
+        p.publish(events.stored([block(10)]))
+        p.flush(5)
+        w = self.server.worker_status(15)
+        self.assertEqual(w.cached_blocks.device, 11)
+        self.assertEqual(w.last_event_id, 10)
+        self.assertFalse(w.awaiting_resync)
+
+    def test_fails_over_to_the_next_address(self) -> None:
+        dead = f"127.0.0.1:{free_port()}"
+        p = self.publisher(hello(8), [dead, self.server.addr], backoff_initial=0.01)
+        p.publish([events.stored([block(i)]) for i in range(10)])
+        p.flush(10)
+        self.assertGreaterEqual(p.stats.failures, 1)
+        self.assertEqual(self.server.worker_status(8).cached_blocks.device, 10)
+
+    def test_close_flushes_and_waits_for_the_last_ack(self) -> None:
+        p = Publisher(hello(9), self.server.addr, max_batch_events=8)
+        for i in range(500):
+            p.publish(events.stored([block(i)]))
+        p.close(10)
+        self.assertEqual(p.last_acked, 499)
+        self.assertEqual(p.unacked, 0)
+        w = self.server.worker_status(9)
+        self.assertEqual(w.last_event_id, 499)
+        self.assertFalse(w.connected)
+        with self.assertRaises(PublisherClosedError):
+            p.publish(events.stored([block(0)]))
+
+    def test_a_failing_stream_thread_stops_the_publisher(self) -> None:
+        # An unexpected error in the publisher's thread (a bug) must not leave flush() waiting forever.
+        p = Publisher(hello(17), self.server.addr, start=False)
+
+        def boom() -> None:
+            raise RuntimeError("boom")
+
+        p._run_streams = boom  # type: ignore[method-assign]
+        p.publish(events.stored([block(0)]))
+        p.start()
+        with self.assertRaises(PublisherError) as cm:
+            p.flush(5)
+        self.assertIn("RuntimeError('boom')", str(cm.exception))
+        self.assertIsInstance(cm.exception.cause, RuntimeError)
+        with self.assertRaises(PublisherError):
+            p.close(1)
+
+    def test_unacked_window_bounds_memory(self) -> None:
+        dead = f"127.0.0.1:{free_port()}"  # nothing listens: nothing is ever acked
+        p = Publisher(hello(10), dead, max_unacked=10, backoff_initial=0.01, backoff_max=0.05)
+        for i in range(10):
+            p.publish(events.stored([block(i)]))
+        with self.assertRaises(UnackedWindowFullError):
+            p.publish(events.stored([block(10)]), block=False)
+        t0 = time.monotonic()
+        with self.assertRaises(UnackedWindowFullError) as cm:
+            p.publish(events.stored([block(10)]), timeout=0.2)
+        self.assertGreaterEqual(time.monotonic() - t0, 0.19)
+        self.assertIn("max_unacked 10", str(cm.exception))
+        with self.assertRaises(TimeoutError):
+            p.close(timeout=0.3)
+
+
+class LimitsTest(ServerTest):
+    flags = ("--max-batch-blocks", "8")
+
+    def test_too_large_messages_are_split(self) -> None:
+        p = self.publisher(hello(11), self.server.addr, max_batch_events=64, flush_interval=0.05)
+        p.publish([events.stored([block(i)]) for i in range(100)])
+        p.flush(10)
+        self.assertIsNone(p.error)
+        w = self.server.worker_status(11)
+        self.assertEqual(w.last_event_id, 99)
+        self.assertEqual(w.cached_blocks.device, 100)
+
+
+class DropEvent(grpc.StreamStreamClientInterceptor):
+    """Loses one event on the way to the router, once: the router sees a gap in the ids."""
+
+    def __init__(self, event_id: int) -> None:
+        self.event_id = event_id
+        self.dropped = False
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
+        def requests() -> Iterator["pb.worker.PublishRequest"]:
+            for req in request_iterator:
+                if req.WhichOneof("message") == "events" and not self.dropped:
+                    kept = [ev for ev in req.events.events if ev.event_id != self.event_id]
+                    if len(kept) != len(req.events.events):
+                        self.dropped = True
+                        if not kept:
+                            continue
+                        req = pb.worker.PublishRequest(events=pb.worker.EventBatch(events=kept))
+                yield req
+
+        return continuation(client_call_details, requests())
+
+
+class BlackHoleSecondStream(grpc.StreamStreamClientInterceptor):
+    """Black-holes the second Publish stream: its hello reaches the router, nothing after it does.
+
+    It records the event ids each stream carried to the router, and those it swallowed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.streams = 0
+        self._sent: List[List[int]] = []
+        self._swallowed: List[int] = []
+
+    def ids(self, stream: int = 0, swallowed: bool = False) -> List[int]:
+        """Returns the event ids stream n (from 1) carried to the router, or those swallowed."""
+        with self._lock:
+            return list(self._swallowed if swallowed else self._sent[stream - 1])
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
+        with self._lock:
+            self.streams += 1
+            n = self.streams
+            self._sent.append([])
+
+        def requests() -> Iterator["pb.worker.PublishRequest"]:
+            for req in request_iterator:
+                kind = req.WhichOneof("message")
+                ids = [ev.event_id for ev in req.events.events] if kind == "events" else []
+                with self._lock:
+                    if n == 2 and kind != "hello":
+                        self._swallowed.extend(ids)
+                        continue
+                    self._sent[n - 1].extend(ids)
+                yield req
+
+        return continuation(client_call_details, requests())
+
+
+class ResyncTest(ServerTest):
+    def test_gap_is_answered_with_a_dump_in_parts(self) -> None:
+        cache: List[Tuple[int, List[int]]] = []
+        lock = threading.Lock()
+        calls: List[int] = []
+
+        def dump() -> List["pb.worker.KvEvent"]:
+            with lock:
+                calls.append(len(cache))
+                return [events.stored([b]) for b in cache]
+
+        drop = DropEvent(3)
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop)
+        p = self.publisher(hello(12), channel, dump=dump, max_batch_events=2, max_dump_blocks=3)
+        for i in range(10):
+            with lock:
+                cache.append(block(i))
+            p.publish(events.stored([block(i)]))
+        p.flush(10)
+        self.assertTrue(drop.dropped)
+        self.assertTrue(wait_until(lambda: calls != []))
+        self.assertGreaterEqual(p.stats.resync_requests, 1)
+        self.assertGreaterEqual(p.stats.dump_parts, 2, "a dump of 10 blocks in parts of 3 blocks")
+        # Events after the dump continue its numbering.
+        for i in range(10, 15):
+            with lock:
+                cache.append(block(i))
+            p.publish(events.stored([block(i)]))
+        p.flush(10)
+        w = self.server.worker_status(12)
+        self.assertFalse(w.awaiting_resync)
+        self.assertEqual(w.cached_blocks.device, 15)
+        self.assertEqual(w.last_event_id, 14)
+        self.assertIn('"msg":"event id gap; dropped the worker\'s blocks and asked for a dump"', self.server.log_text())
+        self.assertIn('"expected":3,"got":4', self.server.log_text())
+
+    def test_resync_without_dump_function_stops_the_publisher(self) -> None:
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), DropEvent(0))
+        p = self.publisher(hello(13), channel)
+        p.publish([events.stored([block(i)]) for i in range(3)])
+        self.assertTrue(wait_until(lambda: p.error is not None))
+        self.assertIn("no dump function", str(p.error))
+
+
+class HashTokensTest(ServerTest):
+    N = 8  # blocks of the prompt 1..32
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.router = Router(self.server.addr)
+        self.addCleanup(self.router.close)
+        # Worker 31 holds the prompt's first 3 blocks by token ids: it wins unless worker 30's
+        # hashed blocks match the router's own hashing of the prompt.
+        with self.publisher(hello(31), self.server.addr) as p:
+            p.publish(events.stored([block(i) for i in range(3)]))
+
+    def overlap(self, **kwargs) -> Tuple[int, int]:
+        """Routes the prompt (query only); returns the chosen worker and its device overlap."""
+        b = self.router.route([t for i in range(self.N) for t in block(i)[1]] + [999], "demo", query_only=True, **kwargs)
+        return b.decode.worker_id, b.response.diagnostics.decode.overlap_blocks.device
+
+    def test_hashed_blocks_match_the_routers_hashing(self) -> None:
+        p = self.publisher(hello(30), self.server.addr, hash_tokens=True)
+        chain = [block(i) for i in range(self.N)]
+        # Validation comes first, on the token ids; a refused call changes nothing.
+        bad = [events.stored(chain[:1]), events.stored([(1, [1, 2, 3])])]
+        with self.assertRaises(ValidationError) as cm:
+            p.publish(bad)
+        self.assertEqual(str(cm.exception), "events.events[1].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 3)")
+        self.assertEqual(list(bad[0].stored.blocks[0].token_ids), chain[0][1])
+        self.assertFalse(bad[0].stored.blocks[0].HasField("tokens_hash"))
+        # One chain in two events, and the same prompt for a LoRA adapter and a tenant.
+        evs = [
+            events.stored(chain[:4]),
+            events.stored(chain[4:], parent_hash=chain[3][0]),
+            events.stored([(20_000 + i, toks) for i, (_, toks) in enumerate(chain)], lora_name="adapter-x", cache_namespace="tenant-1"),
+        ]
+        p.publish(evs)
+        p.flush(5)
+        salted = blockhash.salt("adapter-x", "tenant-1")
+        for ev, s, blocks in ((evs[0], blockhash.SEED, chain[:4]), (evs[1], blockhash.SEED, chain[4:]), (evs[2], salted, chain)):
+            self.assertEqual([b.tokens_hash for b in ev.stored.blocks], [blockhash.local(toks, s) for _, toks in blocks])
+            self.assertTrue(all(len(b.token_ids) == 0 for b in ev.stored.blocks), "hashed blocks are sent without their token ids")
+        self.assertEqual(self.server.worker_status(30).cached_blocks.device, 2 * self.N)
+        self.assertEqual(self.overlap(), (30, self.N))
+        self.assertEqual(self.overlap(lora_name="adapter-x", cache_namespace="tenant-1"), (30, self.N))
+        # Another salt matches nothing: neither worker holds the prompt for adapter-x alone.
+        self.assertEqual(self.overlap(lora_name="adapter-x")[1], 0)
+
+    def test_dumped_blocks_are_hashed_too(self) -> None:
+        cache = [block(i) for i in range(self.N)]
+        dumped: List["pb.worker.KvEvent"] = []
+
+        def dump() -> List["pb.worker.KvEvent"]:
+            dumped[:] = [events.stored(cache[:4]), events.stored(cache[4:], parent_hash=cache[3][0])]
+            return list(dumped)
+
+        drop = DropEvent(2)  # the router sees a gap and asks for a dump
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop)
+        self.addCleanup(channel.close)
+        p = self.publisher(hello(30), channel, dump=dump, hash_tokens=True, max_batch_events=1)
+        p.publish([events.stored([b]) for b in cache])
+        self.assertTrue(wait_until(lambda: p.stats.dumps == 1 and p.unacked == 0), "no dump after the gap")
+        p.flush(5)
+        self.assertTrue(all(b.HasField("tokens_hash") and len(b.token_ids) == 0 for ev in dumped for b in ev.stored.blocks))
+        w = self.server.worker_status(30)
+        self.assertFalse(w.awaiting_resync)
+        self.assertEqual(w.cached_blocks.device, self.N)
+        self.assertEqual(self.overlap(), (30, self.N))
+
+
+class SupersededTest(ServerTest):
+    def test_a_second_publisher_for_the_same_worker_stops_the_first(self) -> None:
+        a = self.publisher(hello(7), self.server.addr)
+        a.publish(events.stored([block(0)]))
+        a.flush(5)
+        b = self.publisher(hello(7), self.server.addr)
+        b.publish(events.stored([block(1)]))
+        b.flush(5)
+        self.assertTrue(wait_until(lambda: a.error is not None))
+        self.assertIsInstance(a.error, WorkerSupersededError)
+        self.assertEqual(error_reason(a.error.cause), "WORKER_SUPERSEDED")
+        self.assertEqual(a.error.cause.code(), grpc.StatusCode.FAILED_PRECONDITION)
+        self.assertEqual(a.stats.streams, 1, "a superseded publisher must not reconnect")
+        with self.assertRaises(WorkerSupersededError):
+            a.publish(events.stored([block(2)]))
+        with self.assertRaises(WorkerSupersededError):
+            a.close(2)
+        b.publish(events.stored([block(2)]))
+        b.flush(5)
+        self.assertIsNone(b.error)
+        self.assertTrue(self.server.worker_status(7).connected)
+
+
+class ValidationTest(ServerTest):
+    flags = ("--max-prompt-tokens", "8")
+
+    def server_error(self, call) -> grpc.RpcError:  # noqa: ANN001
+        try:
+            call()
+        except grpc.RpcError as err:
+            self.assertEqual(err.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            return err
+        self.fail("the router accepted what the client refuses")
+
+    def test_route_checks_match_the_router(self) -> None:
+        dead = Router(f"127.0.0.1:{free_port()}", max_prompt_tokens=8)  # nothing is sent
+        live = self.server.router
+        cases = [
+            dict(token_ids=list(range(1, 10)), model="demo", request_id="r1"),
+            dict(token_ids=[], model="demo", request_id="r2"),
+            dict(token_ids=[1, 2], model="", request_id="r3"),
+            dict(token_ids=[1, 2], model="demo", request_id="x" * 513),
+        ]
+        for c in cases:
+            with self.assertRaises(ValidationError) as cm:
+                dead.route(c["token_ids"], c["model"], c["request_id"])
+            err = self.server_error(lambda: live.Route(pb.router.RouteRequest(**c), timeout=5))
+            self.assertEqual(str(cm.exception), err.details())
+        self.assertEqual(str(cm.exception), "request_id: must be at most 512 bytes (got 513)")
+        dead.close()
+
+    def test_publish_checks_match_the_router(self) -> None:
+        p = Publisher(hello(14), f"127.0.0.1:{free_port()}", start=False)  # nothing is sent
+        bad = [
+            (events.stored([(1, [1, 2, 3])]), "events.events[0].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 3)"),
+            (pb.worker.KvEvent(stored=pb.worker.BlocksStored(blocks=[pb.worker.StoredBlock(block_hash=1, token_ids=[1, 2, 3, 4])])),
+             "events.events[0].storage_tier: must be DEVICE, HOST, DISK or EXTERNAL (got STORAGE_TIER_UNSPECIFIED)"),
+            (pb.worker.KvEvent(storage_tier=pb.types.STORAGE_TIER_DEVICE), "events.events[0]: must set one of stored, removed, cleared"),
+        ]
+        for ev, want in bad:
+            with self.assertRaises(ValidationError) as cm:
+                p.publish(ev)
+            self.assertEqual(str(cm.exception), want)
+            # The router says the same about the same event.
+            h = hello(14)
+            reqs = [pb.worker.PublishRequest(hello=h), pb.worker.PublishRequest(events=pb.worker.EventBatch(events=[ev]))]
+            err = self.server_error(lambda: list(self.server.worker.Publish(iter(reqs), timeout=5)))
+            self.assertEqual(err.details(), want)
+        self.assertEqual(p.unacked, 0)
+        self.assertEqual(p.stats.batches, 0)
+        with self.assertRaises(ValidationError) as cm:
+            Publisher(hello(0), self.server.addr)
+        self.assertEqual(str(cm.exception), "hello.worker_id: must not be 0")
+        p.close(1)
+
+
+class BookingTest(ServerTest):
+    def setUp(self) -> None:
+        super().setUp()
+        p = self.publisher(hello(20), self.server.addr)
+        p.publish(events.stored([block(0)]))
+        p.flush(5)
+        self.router = Router(self.server.addr)
+        self.addCleanup(self.router.close)
+
+    def active(self) -> int:
+        return self.server.worker_status(20).load.active_requests
+
+    def test_free_and_prefill_complete_are_idempotent(self) -> None:
+        b = self.router.route(block(0)[1] + [99], "demo")
+        self.assertEqual(b.decode.worker_id, 20)
+        self.assertEqual(self.active(), 1)
+        b.prefill_complete()
+        b.prefill_complete()
+        b.free()
+        self.assertEqual(self.active(), 0)
+        b.free()
+        b.prefill_complete()
+        self.assertTrue(b.freed)
+        # A booking freed elsewhere (or expired): NOT_FOUND counts as done.
+        c = self.router.route([1, 2, 3], "demo", "req-c")
+        self.server.router.Free(pb.router.FreeRequest(request_id="req-c"))
+        c.free()
+        self.assertTrue(c.freed)
+
+    def test_context_manager_frees_on_exception(self) -> None:
+        with self.assertRaises(RuntimeError):
+            with self.router.route([1, 2, 3, 4, 5], "demo") as b:
+                self.assertEqual(self.active(), 1)
+                raise RuntimeError("the request failed")
+        self.assertTrue(b.freed)
+        self.assertEqual(self.active(), 0)
+        with self.router.route([1, 2, 3, 4, 5], "demo") as b2:
+            pass
+        self.assertTrue(b2.freed)
+        self.assertEqual(self.active(), 0)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.server.router.Free(pb.router.FreeRequest(request_id=b2.request_id))
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
+
+
+if __name__ == "__main__":
+    unittest.main()
