@@ -1,0 +1,254 @@
+/**
+ * The router's block hashing (kvstate/blockhash/blockhash.go), for workers that send tokens_hash instead
+ * of token_ids and for anyone who wants the router's hashes of a prompt:
+ *
+ * - salt = 1337, plus XXH3(lora_name, seed 0) when a LoRA adapter is set, plus XXH3(cache_namespace,
+ *   seed 1) when a cache namespace is set (UTF-8, additions wrap mod 2^64, empty strings are absent);
+ * - local = XXH3 over the block's tokens as little-endian uint32s, seeded with the salt;
+ * - chain(parent, local) = XXH3 over parent and local as little-endian uint64s, seed 1337;
+ * - the sequence hash of block 0 is its local hash, of block i chain(sequence[i-1], local[i]).
+ *
+ * XXH3 is the 64-bit XXH3 of hash-wasm. Its hashers are WebAssembly instances created asynchronously,
+ * one per seed, so loadBlockHasher() resolves a BlockHasher whose methods are synchronous.
+ */
+import { createXXHash3, type IHasher } from "hash-wasm";
+
+/** The XXH3 seed of local hashes without LoRA adapter or cache namespace, and of every chain. */
+export const BLOCK_HASH_SEED = 1337n;
+
+const MAX_U64 = (1n << 64n) - 1n;
+/** How many XXH3 hashers of seeds other than 0, 1 and 1337 stay cached between loads (least recently loaded go first). */
+const MAX_CACHED_SEEDS = 256;
+const LITTLE_ENDIAN = new Uint8Array(new Uint16Array([1]).buffer)[0] === 1;
+const utf8 = new TextEncoder();
+
+/** Hashers of the seeds every BlockHasher needs; never evicted. */
+const pinned = new Map<bigint, Promise<IHasher>>();
+/** Hashers of salts, most recently loaded last. */
+const cached = new Map<bigint, Promise<IHasher>>();
+
+function createHasher(seed: bigint): Promise<IHasher> {
+  return createXXHash3(Number(seed & 0xffff_ffffn), Number(seed >> 32n));
+}
+
+/** Returns the (cached) XXH3 hasher of a seed. */
+function hasherOf(seed: bigint): Promise<IHasher> {
+  checkU64("seed", seed);
+  let p = pinned.get(seed);
+  if (p) {
+    return p;
+  }
+  if (seed === 0n || seed === 1n || seed === BLOCK_HASH_SEED) {
+    p = createHasher(seed);
+    p.catch(() => pinned.delete(seed)); // a failed load is retried next time
+    pinned.set(seed, p);
+  } else {
+    p = cached.get(seed);
+    if (p) {
+      cached.delete(seed); // re-inserted below: most recently used
+    } else {
+      p = createHasher(seed);
+      p.catch(() => cached.delete(seed)); // a failed load is retried next time
+    }
+    cached.set(seed, p);
+    while (cached.size > MAX_CACHED_SEEDS) {
+      cached.delete(cached.keys().next().value!);
+    }
+  }
+  return p;
+}
+
+function checkU64(what: string, v: bigint): void {
+  if (typeof v !== "bigint" || v < 0n || v > MAX_U64) {
+    throw new RangeError(`kvrouter: ${what} must be a uint64 bigint (got ${String(v)})`);
+  }
+}
+
+function digest(h: IHasher, data: Uint8Array): bigint {
+  const d = h.init().update(data).digest("binary"); // the canonical (big-endian) form
+  return new DataView(d.buffer, d.byteOffset, 8).getBigUint64(0, false);
+}
+
+/** Tokens as a block hashes them. */
+export type Tokens = readonly number[] | Uint32Array;
+
+/**
+ * BlockHasher computes the router's block hashes synchronously. Get one with loadBlockHasher(); it
+ * hashes with salt 1337 (no LoRA adapter, no cache namespace) at once, and with any other salt after
+ * load(salt) (or loadBlockHasher(salt)) resolved. It is cheap: make one per task if you like.
+ */
+export class BlockHasher {
+  private readonly seeded = new Map<bigint, IHasher>();
+  private readonly salts = new Map<string, bigint>(); // salt() of recent (loraName, cacheNamespace) pairs
+  private scratch = new Uint32Array(64);
+  private readonly pair = new DataView(new ArrayBuffer(16));
+
+  /** @internal Use loadBlockHasher. */
+  constructor(private readonly seed0: IHasher, private readonly seed1: IHasher, private readonly chainHasher: IHasher) {
+    this.seeded.set(BLOCK_HASH_SEED, chainHasher);
+  }
+
+  /**
+   * Loads the XXH3 hashers of these salts, so that local() and locals() accept them. Resolves to this
+   * hasher.
+   */
+  async load(...salts: bigint[]): Promise<this> {
+    const todo = [...new Set(salts)].filter((s) => !this.seeded.has(s));
+    const hs = await Promise.all(todo.map(hasherOf));
+    todo.forEach((s, i) => this.seeded.set(s, hs[i]!));
+    return this;
+  }
+
+  /** Says whether local() and locals() accept this salt now. */
+  hasSalt(salt: bigint): boolean {
+    return this.seeded.has(salt);
+  }
+
+  /** How many salts local() and locals() accept (1337 included). */
+  get saltsLoaded(): number {
+    return this.seeded.size;
+  }
+
+  /**
+   * The salt (the seed of local hashes) of a request or stored block: 1337, plus XXH3(loraName, seed 0)
+   * if loraName is not empty, plus XXH3(cacheNamespace, seed 1) if cacheNamespace is not empty, mod 2^64.
+   */
+  salt(loraName = "", cacheNamespace = ""): bigint {
+    if (loraName === "" && cacheNamespace === "") {
+      return BLOCK_HASH_SEED;
+    }
+    const key = `${loraName}\u0000${cacheNamespace}`;
+    const known = this.salts.get(key);
+    if (known !== undefined) {
+      return known;
+    }
+    let s = BLOCK_HASH_SEED;
+    if (loraName !== "") {
+      s += digest(this.seed0, utf8.encode(loraName));
+    }
+    if (cacheNamespace !== "") {
+      s += digest(this.seed1, utf8.encode(cacheNamespace));
+    }
+    s = BigInt.asUintN(64, s);
+    if (this.salts.size >= 1024) {
+      this.salts.clear();
+    }
+    this.salts.set(key, s);
+    return s;
+  }
+
+  /**
+   * The local hash of one block's tokens (all of them, whatever their number): XXH3 over the tokens as
+   * little-endian uint32s, seeded with salt (default 1337). Throws a RangeError for a token that is not
+   * a uint32, and an Error for a salt that was not loaded.
+   */
+  local(tokens: Tokens, salt: bigint = BLOCK_HASH_SEED): bigint {
+    return digest(this.hasher(salt), this.bytes(tokens, 0, tokens.length));
+  }
+
+  /**
+   * The local hash of every complete block of tokens, in order: a tail shorter than blockSize is not
+   * hashed, and a blockSize of 0 hashes nothing.
+   */
+  locals(tokens: Tokens, blockSize: number, salt: bigint = BLOCK_HASH_SEED): bigint[] {
+    const h = this.hasher(salt);
+    if (!Number.isInteger(blockSize) || blockSize <= 0) {
+      return [];
+    }
+    const n = tokens.length - (tokens.length % blockSize);
+    const all = this.bytes(tokens, 0, n);
+    const out: bigint[] = [];
+    for (let start = 0; start < n; start += blockSize) {
+      out.push(digest(h, all.subarray(4 * start, 4 * (start + blockSize))));
+    }
+    return out;
+  }
+
+  /**
+   * The sequence hash of a block from its parent's sequence hash and its own local hash: XXH3 over the
+   * two as little-endian uint64s, seed 1337.
+   */
+  chain(parent: bigint, local: bigint): bigint {
+    checkU64("parent", parent);
+    checkU64("local", local);
+    this.pair.setBigUint64(0, parent, true);
+    this.pair.setBigUint64(8, local, true);
+    return digest(this.chainHasher, new Uint8Array(this.pair.buffer));
+  }
+
+  /**
+   * The sequence hash of each block from the local hashes of a prompt's blocks: the first block's is its
+   * local hash, each next one chains to the previous one. Two prompts share the sequence hash of block i
+   * only if they share blocks 0..i.
+   */
+  sequence(locals: readonly bigint[]): bigint[] {
+    const out: bigint[] = [];
+    for (const [i, l] of locals.entries()) {
+      if (i === 0) {
+        checkU64("local", l);
+        out.push(l);
+      } else {
+        out.push(this.chain(out[i - 1]!, l));
+      }
+    }
+    return out;
+  }
+
+  private hasher(salt: bigint): IHasher {
+    const h = this.seeded.get(salt);
+    if (!h) {
+      checkU64("salt", salt);
+      throw new Error(`kvrouter: the XXH3 hasher of salt ${salt} is not loaded: await blockHasher.load(salt) first`);
+    }
+    return h;
+  }
+
+  /** tokens[from, to) as little-endian uint32 bytes, checked to be uint32s. */
+  private bytes(tokens: Tokens, from: number, to: number): Uint8Array {
+    if (tokens instanceof Uint32Array && LITTLE_ENDIAN) {
+      const t = tokens.subarray(from, to);
+      return new Uint8Array(t.buffer, t.byteOffset, t.byteLength);
+    }
+    const n = to - from;
+    if (this.scratch.length < n) {
+      this.scratch = new Uint32Array(Math.max(n, 2 * this.scratch.length));
+    }
+    const s = this.scratch;
+    for (let i = 0; i < n; i++) {
+      const v = tokens[from + i]!;
+      if (v >>> 0 !== v) {
+        throw new RangeError(`kvrouter: token ${from + i} must be a uint32 (got ${v})`);
+      }
+      s[i] = v;
+    }
+    if (!LITTLE_ENDIAN) {
+      const dv = new DataView(s.buffer, 0, 4 * n);
+      for (let i = 0; i < n; i++) {
+        dv.setUint32(4 * i, s[i]!, true);
+      }
+    }
+    return new Uint8Array(s.buffer, 0, 4 * n);
+  }
+}
+
+/**
+ * Returns the 64-bit XXH3 of data with a uint64 seed, as the router's hashing computes it (raw access,
+ * for tests and tools; hash blocks with a BlockHasher).
+ */
+export async function xxh3(data: Uint8Array, seed: bigint): Promise<bigint> {
+  return digest(await hasherOf(seed), data);
+}
+
+/**
+ * Loads the XXH3 hashers of seeds 0, 1 and 1337, and of the given salts, and resolves a BlockHasher
+ * that hashes with them synchronously. Hashers are cached per seed (those of up to 256 other salts
+ * stay cached for later loads), so loading again is cheap.
+ */
+export async function loadBlockHasher(...salts: bigint[]): Promise<BlockHasher> {
+  const [s0, s1, s1337] = await Promise.all([hasherOf(0n), hasherOf(1n), hasherOf(BLOCK_HASH_SEED)]);
+  const bh = new BlockHasher(s0, s1, s1337);
+  if (salts.length > 0) {
+    await bh.load(...salts);
+  }
+  return bh;
+}

@@ -1,0 +1,19 @@
+/**
+ * The TypeScript client of kvrouter: a Publisher for workers, a Router for frontends, the generated
+ * stubs of the contract (proto/kvrouter/v1), and the router's own request checks.
+ */
+export { Publisher, MAX_BATCH_BLOCKS } from "./publisher.js";
+export type { PublisherOptions, PublisherStats, KvEventInit, WorkerHelloInit, LoadReportInit } from "./publisher.js";
+export { Router, RouteHandle } from "./router.js";
+export type { RouterOptions, RouteInit } from "./router.js";
+export { errorInfo, errorReason, invalidArgument, WorkerSupersededError, PublisherFullError, PublisherClosedError, ERROR_DOMAIN } from "./errors.js";
+export { checkEvent, checkRouteRequest, checkRequestId, DEFAULT_MAX_PROMPT_TOKENS, MAX_REQUEST_ID_BYTES } from "./validate.js";
+export { openTransport, baseUrl } from "./transport.js";
+export type { OwnedTransport, TransportOptions } from "./transport.js";
+export type { ErrorInfo } from "./errors.js";
+export { BlockHasher, loadBlockHasher, xxh3, BLOCK_HASH_SEED } from "./blockhash.js";
+export type { Tokens } from "./blockhash.js";
+export * from "./gen/kvrouter/v1/types_pb.js";
+export * from "./gen/kvrouter/v1/worker_pb.js";
+export * from "./gen/kvrouter/v1/router_pb.js";
+export * from "./gen/kvrouter/v1/admin_pb.js";

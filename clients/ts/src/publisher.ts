@@ -1,0 +1,854 @@
+import { create, isMessage, toBinary, type DescMessage, type MessageInitShape, type MessageShape } from "@bufbuild/protobuf";
+import { Code, ConnectError, createClient, type Client, type Interceptor } from "@connectrpc/connect";
+import {
+  KvEventSchema,
+  LoadReportSchema,
+  WorkerHelloSchema,
+  WorkerService,
+  type KvEvent,
+  type LoadReport,
+  type PublishRequest,
+  type PublishResponse,
+  type Registered,
+  type WorkerHello,
+  PublishRequestSchema,
+} from "./gen/kvrouter/v1/worker_pb.js";
+import { WorkerRole } from "./gen/kvrouter/v1/types_pb.js";
+import { errorReason, invalidArgument, PublisherClosedError, PublisherFullError, WorkerSupersededError } from "./errors.js";
+import { openTransport, type OwnedTransport } from "./transport.js";
+import { loadBlockHasher, type BlockHasher } from "./blockhash.js";
+import { checkEvent, eventBlocks } from "./validate.js";
+
+/** A KV event as an object literal; event_id is assigned by the Publisher and dp_rank defaults to the hello's. */
+export type KvEventInit = MessageInitShape<typeof KvEventSchema>;
+/** A worker hello as an object literal. */
+export type WorkerHelloInit = MessageInitShape<typeof WorkerHelloSchema>;
+/** A load report as an object literal; dp_rank defaults to the hello's. */
+export type LoadReportInit = MessageInitShape<typeof LoadReportSchema>;
+
+/** The router's max_batch_blocks: events, and blocks, per message. */
+export const MAX_BATCH_BLOCKS = 16_384;
+
+/** Options of a Publisher. */
+export interface PublisherOptions {
+  /**
+   * Router addresses ("host:port" or URLs). The publisher streams to the first, and after a failed
+   * stream reconnects to the next one (round robin), so several replicas or one balanced name both work.
+   */
+  addresses: string[];
+  /** The worker's registration. A new worker process should set freshStart; it is sent on the first stream only. */
+  hello: WorkerHelloInit;
+  /**
+   * Returns the worker's whole cache as stored events (their ids are ignored), for the router's
+   * ResyncRequest. It must reflect every event published before it is called; publish() waits while
+   * it runs. Without it a resync request stops the publisher with UNIMPLEMENTED.
+   */
+  dump?: (signal: AbortSignal) => Promise<KvEventInit[]> | KvEventInit[];
+  /** The most events per batch message (at most 16,384, the router's max_batch_blocks). Default 16,384. */
+  maxBatchEvents?: number;
+  /** The most blocks (stored blocks plus removed hashes) per batch or dump message. Default 16,384. */
+  maxBatchBlocks?: number;
+  /** How long a batch may wait for more events before it is sent, in milliseconds. Default 5. */
+  flushIntervalMs?: number;
+  /** The most events kept unacknowledged; publish() then waits or rejects (whenFull). Default 100,000. */
+  maxUnacked?: number;
+  /** What publish() does when maxUnacked events await acks: "wait" for acks (default) or "reject" with PublisherFullError. */
+  whenFull?: "wait" | "reject";
+  /** The first reconnect delay in milliseconds; it doubles per failed attempt, with jitter. Default 50. */
+  minBackoffMs?: number;
+  /** The longest reconnect delay in milliseconds. Default 5,000. */
+  maxBackoffMs?: number;
+  /** Receives the publisher's log lines (reconnects, resyncs). Default: none. */
+  log?: (message: string, fields?: Record<string, unknown>) => void;
+  /**
+   * Connect interceptors for the Publish streams (every address's transport), for example to add an
+   * authentication header, or to log. The first one is the outermost: it sees each call first.
+   */
+  interceptors?: Interceptor[];
+  /**
+   * Sends each stored block's tokens_hash (8 bytes: its local hash, computed here exactly as the router
+   * computes it, salted with the event's lora_name and cache_namespace) instead of its token_ids, as the
+   * Go client's HashTokens does. Blocks that already set tokens_hash are sent as they are. Default false.
+   */
+  hashTokens?: boolean;
+}
+
+/** Counters of what a publisher did, for logs and tests. */
+export interface PublisherStats {
+  /** Streams that registered. */
+  registrations: number;
+  /** Resync requests received from the router. */
+  resyncRequests: number;
+  /** Dumps sent (each possibly in several parts). */
+  dumps: number;
+  /** Dump parts sent. */
+  dumpParts: number;
+  /** Event batch messages sent (replays included). */
+  batches: number;
+  /** The highest event id the router acked, or -1n. */
+  lastAcked: bigint;
+}
+
+/** One queued event. */
+interface Entry {
+  ev: KvEvent;
+  blocks: number;
+  at: number; // when it was published (ms), for the batch time bound
+}
+
+/** A queue of requests that the Publish call reads as its request stream. */
+class RequestQueue implements AsyncIterable<PublishRequest> {
+  private items: PublishRequest[] = [];
+  private ended = false;
+  private wake: (() => void) | undefined;
+
+  push(msg: PublishRequest): void {
+    if (this.ended) {
+      return;
+    }
+    this.items.push(msg);
+    this.wake?.();
+  }
+
+  end(): void {
+    this.ended = true;
+    this.wake?.();
+  }
+
+  async *[Symbol.asyncIterator](): AsyncIterator<PublishRequest> {
+    for (;;) {
+      const item = this.items.shift();
+      if (item) {
+        yield item;
+        continue;
+      }
+      if (this.ended) {
+        return;
+      }
+      await new Promise<void>((resolve) => (this.wake = resolve));
+      this.wake = undefined;
+    }
+  }
+}
+
+/** Wakes waiters on every change of the publisher's state. */
+class Notifier {
+  private waiters = new Set<() => void>();
+
+  notify(): void {
+    const ws = [...this.waiters];
+    this.waiters.clear();
+    for (const w of ws) {
+      w();
+    }
+  }
+
+  /** Resolves at the next notify, after timeoutMs, or when signal aborts. */
+  wait(timeoutMs?: number, signal?: AbortSignal): Promise<void> {
+    return new Promise<void>((resolve) => {
+      let timer: NodeJS.Timeout | undefined;
+      const done = (): void => {
+        this.waiters.delete(done);
+        if (timer) {
+          clearTimeout(timer);
+        }
+        signal?.removeEventListener("abort", done);
+        resolve();
+      };
+      this.waiters.add(done);
+      if (timeoutMs !== undefined) {
+        timer = setTimeout(done, Math.max(0, timeoutMs));
+      }
+      signal?.addEventListener("abort", done, { once: true });
+    });
+  }
+}
+
+/**
+ * Returns why protobuf cannot encode a message (a number out of its field's range), or undefined. A
+ * message that cannot be encoded would fail every stream it is sent on.
+ */
+function encodeError<Desc extends DescMessage>(schema: Desc, msg: MessageShape<Desc>): string | undefined {
+  try {
+    toBinary(schema, msg);
+    return undefined;
+  } catch (e) {
+    return e instanceof Error ? e.message : String(e);
+  }
+}
+
+/** Resolves when p settles; rejects with the signal's reason if it aborts first. */
+function settledOrAborted(p: Promise<void>, signal?: AbortSignal): Promise<void> {
+  if (!signal) {
+    return p;
+  }
+  signal.throwIfAborted();
+  return new Promise<void>((resolve, reject) => {
+    const onAbort = (): void => reject(signal.reason);
+    signal.addEventListener("abort", onAbort, { once: true });
+    void p.finally(() => {
+      signal.removeEventListener("abort", onAbort);
+      resolve();
+    });
+  });
+}
+
+const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
+  new Promise((resolve) => {
+    const t = setTimeout(done, ms);
+    function done(): void {
+      clearTimeout(t);
+      signal?.removeEventListener("abort", done);
+      resolve();
+    }
+    signal?.addEventListener("abort", done, { once: true });
+  });
+
+/**
+ * Publisher is one worker rank's Publish stream, kept up across failures. It registers with the hello,
+ * numbers the events it is given from the rank's last id, sends them in batches (bounded in events,
+ * blocks and time), and keeps every event until the router acks it. After a failed stream it reconnects
+ * (the next address, exponential backoff with jitter), registers again without fresh_start and resumes
+ * after Registered.last_event_id: acked events are not sent again, the others are. It answers a
+ * ResyncRequest (and a router that lost acked events) with a KvDump of the dump function's events, in
+ * parts. It stops for good on WORKER_SUPERSEDED (another stream registered the same worker rank), on
+ * INVALID_ARGUMENT and other FAILED_PRECONDITION statuses, and on a single event too large to send.
+ */
+export class Publisher {
+  private readonly opts: Required<Omit<PublisherOptions, "dump" | "log" | "hello" | "interceptors">> & Pick<PublisherOptions, "dump" | "log">;
+  private readonly hello: WorkerHello;
+  private readonly transports: OwnedTransport[];
+  private readonly clients: Client<typeof WorkerService>[];
+  private readonly changed = new Notifier();
+  private readonly stop = new AbortController(); // aborts the run loop (fatal error or forced close)
+
+  private pending: Entry[] = []; // unacked events, in id order
+  private sent = 0; // how many of pending were sent on the current stream
+  private acked = -1n;
+  private nextId = 0n;
+  private load: LoadReport | undefined; // the latest load report, not yet sent on the current stream
+  private lastLoad: LoadReport | undefined; // the latest load report, sent again after a reconnect
+  private batchEvents: number;
+  private batchBlocks: number;
+  private dumping = false;
+  private closing = false;
+  private flushWaiters = 0;
+  private fatal: Error | undefined;
+  private readonly done: Promise<void>;
+  private readonly readyPromise: Promise<void>;
+  private resolveReady!: () => void;
+  private rejectReady!: (err: Error) => void;
+  private everRegistered = false;
+  private queueing = 0; // publish calls that have not queued their events (or failed) yet
+  private publishTail: Promise<void> = Promise.resolve(); // settles when the latest publish call queued or failed
+  private hasher: BlockHasher | undefined; // with hashTokens, once loaded
+  private hasherLoading: Promise<BlockHasher> | undefined;
+
+  /** What the publisher did so far. */
+  readonly stats: PublisherStats = { registrations: 0, resyncRequests: 0, dumps: 0, dumpParts: 0, batches: 0, lastAcked: -1n };
+
+  /**
+   * Validates the options and the hello (with the router's messages for a hello it would refuse) and
+   * starts streaming in the background.
+   */
+  constructor(opts: PublisherOptions) {
+    if (opts.addresses.length === 0) {
+      throw new Error("kvrouter: PublisherOptions.addresses must name at least one router");
+    }
+    this.hello = isMessage(opts.hello, WorkerHelloSchema) ? { ...opts.hello } : create(WorkerHelloSchema, opts.hello);
+    const h = this.hello;
+    if (h.workerId === 0n) {
+      throw invalidArgument("hello.worker_id", "must not be 0");
+    }
+    if (h.model === "") {
+      throw invalidArgument("hello.model", "must not be empty");
+    }
+    if (h.role < WorkerRole.PREFILL || h.role > WorkerRole.AGGREGATED) {
+      throw invalidArgument("hello.role", `must be PREFILL, DECODE or AGGREGATED (got ${WorkerRole[h.role] ?? h.role})`);
+    }
+    if (h.blockSize === 0) {
+      throw invalidArgument("hello.block_size", "must be > 0");
+    }
+    const unencodable = encodeError(WorkerHelloSchema, h);
+    if (unencodable) {
+      throw invalidArgument("hello", unencodable);
+    }
+    this.opts = {
+      addresses: opts.addresses,
+      dump: opts.dump,
+      log: opts.log,
+      maxBatchEvents: Math.min(opts.maxBatchEvents ?? MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS),
+      maxBatchBlocks: Math.min(opts.maxBatchBlocks ?? MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS),
+      flushIntervalMs: opts.flushIntervalMs ?? 5,
+      maxUnacked: opts.maxUnacked ?? 100_000,
+      whenFull: opts.whenFull ?? "wait",
+      minBackoffMs: opts.minBackoffMs ?? 50,
+      maxBackoffMs: opts.maxBackoffMs ?? 5_000,
+      hashTokens: opts.hashTokens ?? false,
+    };
+    for (const [name, min] of [["maxBatchEvents", 1], ["maxBatchBlocks", 1], ["flushIntervalMs", 0], ["maxUnacked", 1], ["minBackoffMs", 1], ["maxBackoffMs", 1]] as const) {
+      const v = this.opts[name];
+      if (!Number.isFinite(v) || v < min) {
+        throw new RangeError(`kvrouter: PublisherOptions.${name} must be a number >= ${min} (got ${v})`);
+      }
+    }
+    this.batchEvents = this.opts.maxBatchEvents;
+    this.batchBlocks = this.opts.maxBatchBlocks;
+    const interceptors = [...(opts.interceptors ?? [])];
+    this.transports = opts.addresses.map((address) => openTransport(address, { interceptors }));
+    if (this.opts.hashTokens) {
+      void this.loadHasher().catch(() => undefined); // early; a failure is reported by publish
+    }
+    this.clients = this.transports.map((t) => createClient(WorkerService, t.transport));
+    this.readyPromise = new Promise<void>((resolve, reject) => {
+      this.resolveReady = resolve;
+      this.rejectReady = reject;
+    });
+    this.readyPromise.catch(() => undefined); // reported through every other call too
+    this.done = this.run();
+  }
+
+  /** Resolves once the first stream registered; rejects if the publisher stops before that. */
+  get ready(): Promise<void> {
+    return this.readyPromise;
+  }
+
+  /** The error that stopped the publisher, if one did. */
+  get error(): Error | undefined {
+    return this.fatal;
+  }
+
+  /** The number of events kept until the router acks them. */
+  get unacked(): number {
+    return this.pending.length;
+  }
+
+  /**
+   * Queues events for the router and returns the ids assigned to them. Every event is checked first as
+   * the router would check it (tier, dp_rank, a stored block's token count against the hello's
+   * block_size); an invalid one rejects the whole call with INVALID_ARGUMENT and the router's message,
+   * and nothing is queued. With hashTokens, stored blocks get their tokens_hash instead of token_ids.
+   * When maxUnacked events await acks, waits for acks (or rejects with PublisherFullError, with
+   * whenFull "reject"); opts.signal abandons the wait. Concurrent calls queue their events in call
+   * order, so a removal published after a store is applied after it. The events given are not modified
+   * (the publisher copies them), but their token_ids arrays are sent as they are: do not change them
+   * until the router acked the events.
+   */
+  async publish(events: KvEventInit[], opts: { signal?: AbortSignal } = {}): Promise<bigint[]> {
+    const earlier = this.queueing > 0;
+    const prev = this.publishTail;
+    let release!: () => void;
+    const mine = new Promise<void>((resolve) => (release = resolve));
+    this.publishTail = prev.then(() => mine); // later calls wait for the earlier ones too, even if this one gives up
+    this.queueing++;
+    try {
+      const evs = events.map((init, i) => this.prepare(init, `events.events[${i}]`));
+      const hashing = this.opts.hashTokens ? this.hashTokens(evs) : undefined;
+      if (hashing) {
+        await hashing;
+      }
+      if (earlier) {
+        await settledOrAborted(prev, opts.signal); // queue after the calls made before this one
+      }
+      for (;;) {
+        this.throwIfStopped();
+        opts.signal?.throwIfAborted();
+        if (!this.dumping && this.pending.length + evs.length <= Math.max(this.opts.maxUnacked, evs.length)) {
+          break;
+        }
+        if (!this.dumping && this.opts.whenFull === "reject") {
+          throw new PublisherFullError(this.pending.length, this.opts.maxUnacked, evs.length);
+        }
+        await this.changed.wait(undefined, opts.signal);
+      }
+      const now = Date.now();
+      const ids: bigint[] = [];
+      for (const e of evs) {
+        e.ev.eventId = this.nextId++;
+        e.at = now;
+        ids.push(e.ev.eventId);
+        this.pending.push(e);
+      }
+      this.changed.notify();
+      return ids;
+    } finally {
+      this.queueing--;
+      release();
+    }
+  }
+
+  /** Sends the worker's own load view (the latest report wins if several wait); sent again after a reconnect. */
+  reportLoad(init: LoadReportInit): void {
+    this.throwIfStopped();
+    const r = isMessage(init, LoadReportSchema) ? { ...init } : create(LoadReportSchema, init);
+    if (init.dpRank === undefined) {
+      r.dpRank = this.hello.dpRank;
+    }
+    if (r.dpRank !== this.hello.dpRank) {
+      throw invalidArgument("load.dp_rank", `must equal the stream's registered dp_rank ${this.hello.dpRank} (got ${r.dpRank})`);
+    }
+    const unencodable = encodeError(LoadReportSchema, r);
+    if (unencodable) {
+      throw invalidArgument("load", unencodable);
+    }
+    this.load = r;
+    this.lastLoad = r;
+    this.changed.notify();
+  }
+
+  /** Sends what is queued at once and resolves when the router acked every event published so far. */
+  async flush(opts: { signal?: AbortSignal } = {}): Promise<void> {
+    const target = this.nextId - 1n;
+    this.flushWaiters++;
+    this.changed.notify();
+    try {
+      while (this.pending.length > 0 && this.pending[0]!.ev.eventId <= target) {
+        if (this.fatal) {
+          throw this.fatal;
+        }
+        opts.signal?.throwIfAborted();
+        await this.changed.wait(undefined, opts.signal);
+      }
+    } finally {
+      this.flushWaiters--;
+    }
+  }
+
+  /**
+   * Flushes, waits for the last ack, then ends the stream and closes the connections. opts.signal
+   * abandons the wait: the stream is then cut and unacked events are lost. Rejects with the error that
+   * stopped the publisher, if one did.
+   */
+  async close(opts: { signal?: AbortSignal } = {}): Promise<void> {
+    this.closing = true;
+    this.changed.notify();
+    const onAbort = (): void => this.stop.abort(opts.signal?.reason);
+    opts.signal?.addEventListener("abort", onAbort, { once: true });
+    if (opts.signal?.aborted) {
+      onAbort();
+    }
+    try {
+      await this.done;
+    } finally {
+      opts.signal?.removeEventListener("abort", onAbort);
+    }
+    if (this.fatal && !(this.fatal instanceof PublisherClosedError)) {
+      throw this.fatal;
+    }
+    opts.signal?.throwIfAborted();
+  }
+
+  private throwIfStopped(): void {
+    if (this.fatal) {
+      throw this.fatal;
+    }
+    if (this.closing) {
+      throw new PublisherClosedError();
+    }
+  }
+
+  /** Copies and checks one event (field is its path in the router's messages). */
+  private prepare(init: KvEventInit, field: string): Entry {
+    // create returns a KvEvent message as it is: copy it, since eventId and dpRank are set here.
+    const ev = isMessage(init, KvEventSchema) ? { ...init } : create(KvEventSchema, init);
+    if (init.dpRank === undefined) {
+      ev.dpRank = this.hello.dpRank;
+    }
+    const err = checkEvent(field, ev, this.hello.dpRank, this.hello.blockSize);
+    if (err) {
+      throw err;
+    }
+    const blocks = eventBlocks(ev);
+    if (blocks > MAX_BATCH_BLOCKS) {
+      throw new ConnectError(`${field}: holds ${blocks} blocks (stored blocks plus removed hashes), more than max_batch_blocks ${MAX_BATCH_BLOCKS}: split the event`, Code.ResourceExhausted);
+    }
+    return { ev, blocks, at: 0 };
+  }
+
+  private loadHasher(): Promise<BlockHasher> {
+    this.hasherLoading ??= loadBlockHasher().then(
+      (h) => (this.hasher = h),
+      (err: unknown) => {
+        this.hasherLoading = undefined; // tried again by the next publish
+        throw new ConnectError(`kvrouter: hashTokens: loading the XXH3 hasher failed: ${err instanceof Error ? err.message : String(err)}`, Code.Internal, undefined, undefined, err);
+      },
+    );
+    return this.hasherLoading;
+  }
+
+  /**
+   * Replaces the token_ids of every stored block by its tokens_hash (the router's local hash, salted
+   * with the event's lora_name and cache_namespace). The events' stored data and blocks are replaced,
+   * not changed, so that objects the caller passed in stay as they were. Synchronous (returns
+   * undefined) unless a hasher must be loaded: the first time, and for a new salt.
+   */
+  private hashTokens(entries: Entry[]): Promise<void> | undefined {
+    const bh = this.hasher;
+    if (bh) {
+      const salts = this.saltsOf(entries, bh);
+      if ([...salts.values()].every((s) => bh.hasSalt(s))) {
+        this.hashWith(bh, salts);
+        return undefined;
+      }
+    }
+    return this.loadAndHash(entries);
+  }
+
+  private async loadAndHash(entries: Entry[]): Promise<void> {
+    let bh = this.hasher ?? (await this.loadHasher());
+    const salts = this.saltsOf(entries, bh);
+    const missing = new Set([...salts.values()].filter((s) => !bh.hasSalt(s)));
+    if (missing.size > 0) {
+      // A hasher keeps the salts it loaded: start afresh now and then, so that a worker serving many
+      // cache namespaces does not keep a hasher for each forever.
+      bh = bh.saltsLoaded + missing.size > 64 ? await loadBlockHasher(...new Set(salts.values())) : await bh.load(...missing);
+      this.hasher = bh;
+    }
+    this.hashWith(bh, salts);
+  }
+
+  /** The salt of each stored event with a block to hash. */
+  private saltsOf(entries: Entry[], bh: BlockHasher): Map<Entry, bigint> {
+    const salts = new Map<Entry, bigint>();
+    for (const e of entries) {
+      if (e.ev.data.case === "stored" && e.ev.data.value.blocks.some((b) => b.tokensHash === undefined)) {
+        salts.set(e, bh.salt(e.ev.data.value.loraName, e.ev.data.value.cacheNamespace));
+      }
+    }
+    return salts;
+  }
+
+  private hashWith(bh: BlockHasher, salts: Map<Entry, bigint>): void {
+    for (const [e, salt] of salts) {
+      if (e.ev.data.case !== "stored") {
+        continue;
+      }
+      const st = e.ev.data.value;
+      const blocks = st.blocks.map((b) => (b.tokensHash !== undefined ? b : { ...b, tokenIds: [], tokensHash: bh.local(b.tokenIds, salt) }));
+      e.ev.data = { case: "stored", value: { ...st, blocks } };
+    }
+  }
+
+  private fail(err: Error): void {
+    this.fatal ??= err;
+    this.rejectReady(this.fatal);
+    this.stop.abort(err);
+    this.changed.notify();
+  }
+
+  private logLine(message: string, fields?: Record<string, unknown>): void {
+    this.opts.log?.(message, fields);
+  }
+
+  /** Streams until closed or stopped, reconnecting after failures. */
+  private async run(): Promise<void> {
+    let index = 0;
+    let attempt = 0;
+    try {
+      while (!this.stop.signal.aborted) {
+        try {
+          if (await this.stream(index, !this.everRegistered, () => (attempt = 0))) {
+            return; // closed cleanly: everything acked
+          }
+        } catch (e) {
+          if (this.stop.signal.aborted) {
+            return;
+          }
+          const err = ConnectError.from(e);
+          const fatal = this.classify(err);
+          if (fatal) {
+            this.fail(fatal);
+            return;
+          }
+          if (err.code === Code.ResourceExhausted) {
+            continue; // smaller messages, at once, same address
+          }
+          this.logLine("kvrouter: publish stream failed; reconnecting", { address: this.opts.addresses[index], code: Code[err.code], error: err.rawMessage });
+        }
+        index = (index + 1) % this.clients.length;
+        const base = Math.min(this.opts.maxBackoffMs, this.opts.minBackoffMs * 2 ** Math.min(attempt, 30));
+        attempt++;
+        await sleep(base / 2 + Math.random() * (base / 2), this.stop.signal);
+      }
+    } finally {
+      if (!this.fatal) {
+        this.fatal = this.stop.signal.aborted ? new ConnectError("kvrouter: the publisher was closed before every event was acked", Code.Canceled) : new PublisherClosedError();
+        this.rejectReady(this.fatal);
+      }
+      this.changed.notify();
+      for (const t of this.transports) {
+        t.close();
+      }
+    }
+  }
+
+  /** Returns the error that stops the publisher for good, or undefined when a reconnect may help. */
+  private classify(err: ConnectError): Error | undefined {
+    switch (err.code) {
+      case Code.FailedPrecondition:
+        if (errorReason(err) === "WORKER_SUPERSEDED") {
+          return new WorkerSupersededError(err);
+        }
+        return err;
+      case Code.InvalidArgument:
+      case Code.Unimplemented:
+      case Code.PermissionDenied:
+      case Code.Unauthenticated:
+        return err;
+      case Code.ResourceExhausted:
+        if (this.batchEvents <= 1 && this.batchBlocks <= 1) {
+          return err;
+        }
+        this.batchEvents = Math.max(1, Math.floor(this.batchEvents / 2));
+        this.batchBlocks = Math.max(1, Math.floor(this.batchBlocks / 2));
+        this.logLine("kvrouter: a message was too large; sending smaller ones", { maxBatchEvents: this.batchEvents, maxBatchBlocks: this.batchBlocks, error: err.rawMessage });
+        return undefined;
+      default:
+        return undefined;
+    }
+  }
+
+  /**
+   * Runs one Publish stream: hello, Registered, resume, then batches, load reports and dumps until the
+   * publisher is closed with everything acked (returns true) or the stream fails (throws).
+   */
+  private async stream(index: number, first: boolean, onRegistered: () => void): Promise<boolean> {
+    const client = this.clients[index]!;
+    const abort = new AbortController();
+    const onStop = (): void => abort.abort();
+    this.stop.signal.addEventListener("abort", onStop, { once: true });
+    const out = new RequestQueue();
+    const hello = create(WorkerHelloSchema, { ...this.hello, freshStart: first && this.hello.freshStart });
+    out.push(create(PublishRequestSchema, { message: { case: "hello", value: hello } }));
+    const responses = client.publish(out, { signal: abort.signal })[Symbol.asyncIterator]();
+    try {
+      const r = await responses.next();
+      if (r.done) {
+        throw new ConnectError("the router ended the stream before answering the hello", Code.Unavailable);
+      }
+      if (r.value.message.case !== "registered") {
+        throw new ConnectError(`the router answered the hello with ${r.value.message.case ?? "nothing"}, not registered`, Code.Internal);
+      }
+      this.stats.registrations++;
+      this.everRegistered = true;
+      onRegistered();
+      let needDump = this.resume(r.value.message.value, first, hello.freshStart);
+      this.resolveReady();
+
+      let failed: unknown;
+      let readerDone = false;
+      let resync = false;
+      const reader = (async (): Promise<void> => {
+        try {
+          for (;;) {
+            const m = await responses.next();
+            if (m.done) {
+              return;
+            }
+            this.handleResponse(m.value, () => (resync = true));
+          }
+        } catch (e) {
+          failed = e;
+        } finally {
+          readerDone = true;
+          this.changed.notify();
+        }
+      })();
+
+      for (;;) {
+        if (failed !== undefined) {
+          throw failed;
+        }
+        if (this.stop.signal.aborted) {
+          throw new ConnectError("the publisher stopped", Code.Canceled);
+        }
+        if (resync) {
+          resync = false;
+          needDump = true;
+        }
+        if (needDump) {
+          await this.sendDump(out, abort.signal);
+          needDump = false;
+          continue;
+        }
+        if (readerDone) {
+          throw new ConnectError("the router ended the Publish stream", Code.Unavailable);
+        }
+        const batch = this.nextBatch();
+        if (batch.events) {
+          out.push(create(PublishRequestSchema, { message: { case: "events", value: { events: batch.events } } }));
+          this.stats.batches++;
+          continue;
+        }
+        if (this.load) {
+          out.push(create(PublishRequestSchema, { message: { case: "load", value: this.load } }));
+          this.load = undefined;
+          continue;
+        }
+        if (this.closing && this.pending.length === 0) {
+          out.end();
+          await reader;
+          if (failed !== undefined) {
+            throw failed;
+          }
+          return true;
+        }
+        await this.changed.wait(batch.waitMs, this.stop.signal);
+      }
+    } finally {
+      this.stop.signal.removeEventListener("abort", onStop);
+      out.end();
+      abort.abort();
+    }
+  }
+
+  private handleResponse(res: PublishResponse, onResync: () => void): void {
+    switch (res.message.case) {
+      case "ack":
+        this.dropThrough(res.message.value.eventId);
+        break;
+      case "resync":
+        this.stats.resyncRequests++;
+        this.logLine("kvrouter: the router asked for a dump", { reason: res.message.value.reason, expectedEventId: res.message.value.expectedEventId });
+        onResync();
+        this.changed.notify();
+        break;
+      default:
+        break;
+    }
+  }
+
+  /**
+   * Returns the next batch of unsent events when one is due (full, old enough, flushing or closing),
+   * otherwise how long to wait for it.
+   */
+  private nextBatch(): { events?: KvEvent[]; waitMs?: number } {
+    const unsent = this.pending.length - this.sent;
+    if (unsent === 0) {
+      return {};
+    }
+    const events: KvEvent[] = [];
+    let blocks = 0;
+    let i = this.sent;
+    while (i < this.pending.length && events.length < this.batchEvents) {
+      const e = this.pending[i]!;
+      if (events.length > 0 && blocks + e.blocks > this.batchBlocks) {
+        break;
+      }
+      events.push(e.ev);
+      blocks += e.blocks;
+      i++;
+    }
+    const full = i < this.pending.length || events.length >= this.batchEvents || blocks >= this.batchBlocks;
+    const age = Date.now() - this.pending[this.sent]!.at;
+    if (!full && !this.closing && this.flushWaiters === 0 && age < this.opts.flushIntervalMs) {
+      return { waitMs: this.opts.flushIntervalMs - age };
+    }
+    this.sent = i;
+    return { events };
+  }
+
+  /**
+   * Applies a registration: drops what the router holds and rewinds to the first unacked event. A first
+   * registration without fresh_start continues the rank's numbering after the router's last event.
+   * Returns whether the router lost events this publisher saw acked, so that only a dump restores them.
+   */
+  private resume(reg: Registered, first: boolean, freshStart: boolean): boolean {
+    this.sent = 0;
+    this.load = this.lastLoad; // sent again on the new stream
+    if (reg.lastEventId === undefined) {
+      if (this.acked >= 0n && !freshStart) {
+        this.logLine("kvrouter: the router holds none of the events it acked; sending a dump", { acked: this.acked });
+        return true;
+      }
+      return false;
+    }
+    const last = reg.lastEventId;
+    if (first && !freshStart) {
+      // A worker resuming a rank: its events follow the router's last one.
+      this.nextId = last + 1n;
+      for (const e of this.pending) {
+        e.ev.eventId = this.nextId++;
+      }
+      this.acked = last;
+      this.stats.lastAcked = last;
+      this.changed.notify();
+      return false;
+    }
+    if (last < this.acked) {
+      this.logLine("kvrouter: the router holds fewer events than it acked; sending a dump", { registered: last, acked: this.acked });
+      return true;
+    }
+    this.dropThrough(last);
+    return false;
+  }
+
+  /** Forgets the events through id: the router holds them. */
+  private dropThrough(id: bigint): void {
+    let n = 0;
+    while (n < this.pending.length && this.pending[n]!.ev.eventId <= id) {
+      n++;
+    }
+    if (n > 0) {
+      this.pending.splice(0, n);
+      this.sent = Math.max(this.sent - n, 0);
+    }
+    if (id > this.acked) {
+      this.acked = id;
+      this.stats.lastAcked = id;
+    }
+    this.changed.notify();
+  }
+
+  /**
+   * Sends the worker's whole cache as a KvDump, in parts of at most maxBatchBlocks blocks, with
+   * publishing paused; the events it reflects are forgotten, and the next event follows it.
+   */
+  private async sendDump(out: RequestQueue, signal: AbortSignal): Promise<void> {
+    const dumpFn = this.opts.dump;
+    if (!dumpFn) {
+      throw new ConnectError("kvrouter: the router asked for a dump of the worker's cache and PublisherOptions.dump is not set", Code.Unimplemented);
+    }
+    this.dumping = true;
+    try {
+      if (this.nextId === 0n) {
+        this.nextId = 1n; // through_event_id 0 then stands for "nothing before"
+      }
+      const through = this.nextId - 1n;
+      let inits: KvEventInit[];
+      try {
+        inits = await dumpFn(signal);
+      } catch (e) {
+        throw new ConnectError(`kvrouter: PublisherOptions.dump failed: ${e instanceof Error ? e.message : String(e)}`, Code.Unimplemented);
+      }
+      const events = inits.map((init, i) => this.prepare(init, `dump.events[${i}]`));
+      for (const [i, e] of events.entries()) {
+        if (e.ev.data.case !== "stored") {
+          throw invalidArgument(`dump.events[${i}]`, "must be a stored event (a dump lists the blocks the worker holds)");
+        }
+      }
+      if (this.opts.hashTokens) {
+        await this.hashTokens(events);
+      }
+      let start = 0;
+      do {
+        let end = start;
+        let blocks = 0;
+        while (end < events.length && (end === start || blocks + events[end]!.blocks <= this.batchBlocks)) {
+          blocks += events[end]!.blocks;
+          end++;
+        }
+        out.push(create(PublishRequestSchema, {
+          message: { case: "dump", value: { throughEventId: through, events: events.slice(start, end).map((e) => e.ev), moreFollows: end < events.length } },
+        }));
+        this.stats.dumpParts++;
+        start = end;
+      } while (start < events.length);
+      this.stats.dumps++;
+      this.dropThrough(through); // in the dump; the router acks it when it applied it
+    } finally {
+      this.dumping = false;
+      this.changed.notify();
+    }
+  }
+}
