@@ -44,7 +44,10 @@ type PublisherOptions struct {
 	// HashTokens sends each stored block's tokens_hash (8 bytes, the router's hashing) instead of its
 	// token ids.
 	HashTokens bool
-	Logger     *slog.Logger
+	// OnAck, when set, is called with the event id of every Ack the router sends: every event up to
+	// it is held by the router. It runs on the stream's goroutine, so it must return quickly.
+	OnAck  func(eventID uint64)
+	Logger *slog.Logger
 }
 
 // ErrPublisherClosed is returned by Publish after Close.
@@ -464,8 +467,11 @@ func cloneLoad(r *kvrouterv1.LoadReport) *kvrouterv1.LoadReport {
 
 func (p *Publisher) ack(id uint64) {
 	p.mu.Lock()
-	defer p.mu.Unlock()
 	p.dropThroughLocked(int64(id))
+	p.mu.Unlock()
+	if p.opts.OnAck != nil {
+		p.opts.OnAck(id)
+	}
 }
 
 // dropThroughLocked forgets the events through id: the router holds them.

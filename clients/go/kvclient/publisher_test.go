@@ -4,6 +4,7 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -92,7 +93,10 @@ func TestPublishAndClose(t *testing.T) {
 			s := startServer(t, 1<<20)
 			ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 			defer cancel()
-			p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(7), Conns: []grpc.ClientConnInterface{s.conn}, HashTokens: hashTokens, MaxBatchEvents: 16})
+			var acks []uint64 // OnAck runs on the stream's goroutine, one call at a time
+			var acksMu sync.Mutex
+			onAck := func(id uint64) { acksMu.Lock(); acks = append(acks, id); acksMu.Unlock() }
+			p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(7), Conns: []grpc.ClientConnInterface{s.conn}, HashTokens: hashTokens, MaxBatchEvents: 16, OnAck: onAck})
 			const n = 100
 			for i := range n {
 				if err := p.Publish(ctx, storedEvent(i)); err != nil {
@@ -106,6 +110,11 @@ func TestPublishAndClose(t *testing.T) {
 			if last, ok := p.LastAcked(); !ok || last != n-1 {
 				t.Errorf("LastAcked() = %d, %v; want %d", last, ok, n-1)
 			}
+			acksMu.Lock()
+			if len(acks) == 0 || acks[len(acks)-1] != n-1 || !slices.IsSorted(acks) {
+				t.Errorf("OnAck saw %v, want ascending ids ending at %d", acks, n-1)
+			}
+			acksMu.Unlock()
 			if got := s.cachedBlocks(t, 7); got != n {
 				t.Errorf("the router holds %d blocks of worker 7, want %d", got, n)
 			}
