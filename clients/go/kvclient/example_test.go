@@ -11,13 +11,14 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/servertest"
 )
 
 // exampleRouter starts a kvrouter on a loopback port, as `kvrouter serve` would, and returns its
 // address and what stops it. (In production the address is the router's service.)
 func exampleRouter() (addr string, stop func()) {
 	state := kvstate.NewState()
-	srv, lis, err := serveOnLoopback(state, kvstate.NewMemLog(state), 1<<20)
+	srv, lis, err := servertest.Serve(state, kvstate.NewMemLog(state), 1<<20)
 	if err != nil {
 		log.Fatal(err)
 	}

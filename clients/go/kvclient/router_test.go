@@ -3,16 +3,12 @@ package kvclient_test
 import (
 	"context"
 	"errors"
-	"io"
-	"log/slog"
 	"math/rand/v2"
-	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -21,9 +17,8 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/servertest"
 )
 
 const testTimeout = 30 * time.Second
@@ -56,7 +51,7 @@ func startServer(t testing.TB, maxPromptTokens int) *testServer {
 // it, as replicas sharing a Redis log do.
 func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) *testServer {
 	t.Helper()
-	srv, lis, err := serveOnLoopback(state, log, maxPromptTokens, mutate...)
+	srv, lis, err := servertest.Serve(state, log, maxPromptTokens, mutate...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -69,26 +64,6 @@ func startReplica(t testing.TB, state *kvstate.State, log kvstate.Log, maxPrompt
 		srv.Stop()
 	})
 	return &testServer{addr: lis.Addr().String(), srv: srv, conn: conn, admin: kvrouterv1.NewAdminServiceClient(conn), raw: kvrouterv1.NewRouterServiceClient(conn)}
-}
-
-// serveOnLoopback serves kvrouter's gRPC server over state and log on a free loopback port.
-func serveOnLoopback(state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) (*server.Server, net.Listener, error) {
-	opts := server.Options{
-		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
-		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
-		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
-	}
-	for _, m := range mutate {
-		m(&opts)
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		return nil, nil, err
-	}
-	srv := server.New(opts)
-	go srv.Serve(lis)
-	return srv, lis, nil
 }
 
 // activeRequests returns the booked requests the server counts over all workers.
