@@ -17,6 +17,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/config/layered"
 )
 
 // Default Publish limits (docs/operations.md, "Sizing", has what each costs).
@@ -62,9 +63,8 @@ type Options struct {
 	// ConfigFile is the YAML file of settings (--config, or KVROUTER_CONFIG); "" reads none.
 	ConfigFile string
 
-	sources   map[string]Source // where each setting's value came from
-	fromFlags []flagValue       // flags as parsed, applied last by Complete
-	cdSet     []string          // the keys conditional_disagg_config set, for provenance
+	layers *layered.Layers[Options] // the settings' layers, and where each value came from
+	cdSet  []string                 // the keys conditional_disagg_config set, for provenance
 
 	// prefillBusyInherited: Router.ConditionalDisagg's prefill busy threshold is router_queue_threshold's.
 	prefillBusyInherited bool
@@ -92,63 +92,34 @@ func New() *Options {
 		SnapshotInterval:     5 * time.Minute,
 		RedisReseedWindow:    10 * time.Second,
 		Router:               policy.DefaultConfig(),
-		sources:              make(map[string]Source, len(settings)),
-	}
-	for _, s := range settings {
-		o.sources[s.key] = SourceDefault
+		layers:               layered.New(settings),
 	}
 	return o
 }
 
 // Source says where a setting's value came from.
-type Source int
+type Source = layered.Source
 
 // Configuration sources, lowest precedence first.
 const (
-	SourceDefault Source = iota + 1
-	SourceFile
-	SourceEnv
-	SourceFlag
+	SourceDefault = layered.SourceDefault
+	SourceFile    = layered.SourceFile
+	SourceEnv     = layered.SourceEnv
+	SourceFlag    = layered.SourceFlag
 )
 
-func (s Source) String() string {
-	switch s {
-	case SourceDefault:
-		return "default"
-	case SourceFile:
-		return "file"
-	case SourceEnv:
-		return "env"
-	case SourceFlag:
-		return "flag"
-	}
-	return "unknown"
-}
-
 // Entry is one effective setting, as GetConfig reports it.
-type Entry struct {
-	Key    string
-	Value  string
-	Source Source
-}
+type Entry = layered.Entry
 
 // Source returns where the setting key's value came from (SourceDefault for a key it does not know).
-func (o *Options) Source(key string) Source {
-	if s, ok := o.sources[key]; ok {
-		return s
-	}
-	return SourceDefault
-}
+func (o *Options) Source(key string) Source { return o.layers.Source(key) }
 
 // Entries lists the effective settings, sorted by key: every setting as given, and the derived
 // conditional-disaggregation values (conditional_disagg.<key>), each with its source: the
 // conditional_disagg_config's for a key it set, router_queue_threshold's for an inherited prefill
 // busy threshold, the default otherwise.
 func (o *Options) Entries() []Entry {
-	out := make([]Entry, 0, len(settings)+len(policy.CDConfigKeys))
-	for _, s := range settings {
-		out = append(out, Entry{Key: s.key, Value: s.get(o), Source: o.Source(s.key)})
-	}
+	out := o.layers.Entries(o)
 	cd := o.Router.ConditionalDisagg
 	source := func(key string) Source {
 		if slices.Contains(o.cdSet, key) {
@@ -167,19 +138,10 @@ func (o *Options) Entries() []Entry {
 	out = append(out,
 		Entry{Key: "conditional_disagg.policy", Value: policyName, Source: source("policy")},
 		Entry{Key: "conditional_disagg.eff_isl_threshold", Value: strconv.FormatUint(cd.EffISLThreshold, 10), Source: source("eff_isl_threshold")},
-		Entry{Key: "conditional_disagg.eff_isl_ratio_threshold", Value: formatFloat(cd.EffISLRatioThreshold), Source: source("eff_isl_ratio_threshold")},
-		Entry{Key: "conditional_disagg.prefill_busy_threshold", Value: formatOptional(cd.PrefillBusyThreshold), Source: prefillSource},
-		Entry{Key: "conditional_disagg.decode_busy_threshold", Value: formatOptional(cd.DecodeBusyThreshold), Source: source("decode_busy_threshold")},
+		Entry{Key: "conditional_disagg.eff_isl_ratio_threshold", Value: layered.FormatFloat(cd.EffISLRatioThreshold), Source: source("eff_isl_ratio_threshold")},
+		Entry{Key: "conditional_disagg.prefill_busy_threshold", Value: layered.FormatOptional(cd.PrefillBusyThreshold), Source: prefillSource},
+		Entry{Key: "conditional_disagg.decode_busy_threshold", Value: layered.FormatOptional(cd.DecodeBusyThreshold), Source: source("decode_busy_threshold")},
 	)
 	slices.SortFunc(out, func(a, b Entry) int { return strings.Compare(a.Key, b.Key) })
 	return out
-}
-
-func formatFloat(v float64) string { return strconv.FormatFloat(v, 'g', -1, 64) }
-
-func formatOptional(v *float64) string {
-	if v == nil {
-		return ""
-	}
-	return formatFloat(*v)
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/config/layered"
 )
 
 // cdConfigFlag is how messages name conditional_disagg_config, wherever it was given: as Dynamo's
@@ -77,11 +78,11 @@ func (o *Options) resolveConditionalDisagg() error {
 			return cdConfigError(err)
 		}
 		if !cd.Enabled {
-			return fmt.Errorf("%s requires %s", cdConfigFlag, flagOf("conditional_disagg"))
+			return fmt.Errorf("%s requires %s", cdConfigFlag, layered.FlagOf("conditional_disagg"))
 		}
 		o.cdSet = set
 	}
-	resolved, err := o.Router.ResolveCD(cd, flagOf)
+	resolved, err := o.Router.ResolveCD(cd, layered.FlagOf)
 	if err != nil {
 		return cdConfigError(err)
 	}
@@ -120,14 +121,4 @@ func (o *Options) LogDerived(logger *slog.Logger) {
 
 // describe names a key as the user set it, for error messages: its flag, its environment variable,
 // or its key in the file.
-func (o *Options) describe(key string) string {
-	switch o.Source(key) {
-	case SourceFlag:
-		return flagOf(key)
-	case SourceEnv:
-		return "KVROUTER_" + strings.ToUpper(key)
-	case SourceFile:
-		return key + " (config file)"
-	}
-	return key + " (default)"
-}
+func (o *Options) describe(key string) string { return o.layers.Describe(key) }
