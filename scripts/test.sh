@@ -2,14 +2,15 @@
 # test.sh runs every test: the Go tests with the race detector, then the Python and TypeScript
 # clients' tests against real `kvrouter serve` processes. It installs what the tests need first: the
 # pinned grpcurl (the walkthrough tests replay grpcurl commands against a real kvrouter process),
-# redis-server (the Redis tests start private servers and a local cluster on free ports), and what
-# each client's own test script installs (Debian's Python gRPC packages; the pinned npm packages).
+# redis-server (the Redis tests start private servers and a local cluster on free ports), Debian's
+# python3-zmq and python3-msgpack (the engine stand-in of the bridge test), and what each
+# client's own test script installs (Debian's Python gRPC packages; the pinned npm packages).
 # Arguments go to `go test` (e.g. -run); the client suites run whatever they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
-scripts/need.sh redis-server=redis-server redis-cli=redis-server
+scripts/need.sh redis-server=redis-server redis-cli=redis-server py:zmq=python3-zmq py:msgpack=python3-msgpack
 go vet ./...
 go test -race -count=1 -timeout 10m ./... "$@"
 echo "== clients/python"

@@ -3,6 +3,7 @@
 // Usage:
 //
 //	kvrouter serve [flags]    serve gRPC on --listen (default :50051), /metrics on --metrics-listen
+//	kvrouter bridge [flags]   forward an engine's ZMQ KV event feed (vLLM, SGLang, TensorRT-LLM) to routers
 //
 // Every flag also reads from a KVROUTER_* environment variable and from the YAML file given with
 // --config; flags win over the environment, which wins over the file.
@@ -45,12 +46,16 @@ func main() {
 const usage = `kvrouter routes LLM inference requests by KV-cache overlap and load.
 
 Usage:
-  kvrouter serve [flags]   start the router (kvrouter serve -h lists the flags)
+  kvrouter serve [flags]    start the router (kvrouter serve -h lists the flags)
+  kvrouter bridge [flags]   forward an engine's KV event feed to the routers (kvrouter bridge -h)
 `
 
 // run executes the command line and returns the process exit code: 0 on a clean stop, 1 when
 // serving fails, 2 for a bad command line or configuration.
 func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+	if len(args) > 0 && args[0] == "bridge" {
+		return runBridge(ctx, args[1:], getenv, stderr)
+	}
 	if len(args) == 0 || args[0] != "serve" {
 		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help" || args[0] == "help") {
 			fmt.Fprint(stderr, usage)

@@ -1,0 +1,138 @@
+#!/usr/bin/python3
+"""A stand-in for vLLM's KV event publisher (vllm/distributed/kv_events.py, ZmqEventPublisher),
+written from the wire format with Debian's python3-zmq (libzmq) and python3-msgpack, for the bridge's
+end-to-end test. It is not vLLM's code: it writes what vLLM writes.
+
+- PUB socket bound at --endpoint; each batch is the multipart message
+  (topic, seq as 8 bytes big-endian, msgpack([ts, events, data_parallel_rank])).
+- ROUTER replay socket bound at --replay-endpoint (optional): a request [identity, b"", seq8] is
+  answered with every kept batch from seq on, as [identity, b"", topic, seq8, payload], then the end
+  marker [identity, b"", b"", (-1 as 8 bytes), b""].
+- Events are positional arrays with the tag first (--style arrays, vLLM before June 2026, every
+  field up to kv_cache_spec_sliding_window) or maps with the tag under "type" (--style maps).
+
+Commands come on stdin, one JSON object a line; after each, one line "ok <last seq>" on stdout:
+  {"op": "store", "first": 0, "n": 4, "parent": true}   blocks first..first+n-1 of the test prompt
+  {"op": "remove", "blocks": [6, 7]}
+  {"op": "clear"}
+  {"op": "ping"}                                           a batch without events
+  {"op": "raw", "hex": "c1"}                               a payload as given (malformed input)
+  {"op": "restart"}                                        the sequence starts again at 0
+Any command with "lost": true is kept for replay but not sent, as if the PUB socket had dropped it.
+"""
+
+import argparse
+import json
+import sys
+import threading
+import time
+
+import msgpack
+import zmq
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+
+
+def block_hash(i):
+    # vLLM's default hashes are the low 64 bits of a sha256 digest: large unsigned integers.
+    return (0x9E3779B97F4A7C15 * (i + 1)) & 0xFFFFFFFFFFFFFFFF
+
+
+def tokens(i, block_size):
+    return [i * block_size + k + 1 for k in range(block_size)]
+
+
+class Engine:
+    def __init__(self, args):
+        self.args = args
+        self.ctx = zmq.Context()
+        self.pub = self.ctx.socket(zmq.PUB)
+        self.pub.bind(args.endpoint)
+        self.topic = args.topic.encode()
+        self.seq = 0
+        self.buffer = []  # (seq, payload): every batch, sent or lost
+        self.lock = threading.Lock()
+        if args.replay_endpoint:
+            threading.Thread(target=self.serve_replay, daemon=True).start()
+
+    def serve_replay(self):
+        router = self.ctx.socket(zmq.ROUTER)
+        router.bind(self.args.replay_endpoint)
+        while True:
+            frames = router.recv_multipart()
+            if len(frames) != 3:
+                continue  # vLLM logs a warning and answers nothing
+            client, _, start = frames
+            start = int.from_bytes(start, "big")
+            with self.lock:
+                kept = list(self.buffer)
+            for seq, payload in kept:
+                if seq >= start:
+                    router.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
+            router.send_multipart((client, b"", b"", END_SEQ, b""))
+
+    def event(self, cmd):
+        bs = self.args.block_size
+        op = cmd["op"]
+        if op == "store":
+            first, n = cmd["first"], cmd["n"]
+            hashes = [block_hash(i) for i in range(first, first + n)]
+            parent = block_hash(first - 1) if cmd.get("parent") and first > 0 else None
+            toks = [t for i in range(first, first + n) for t in tokens(i, bs)]
+            fields = dict(block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=bs, lora_id=None,
+                          medium="GPU", lora_name=None, extra_keys=[None] * n, group_idx=0,
+                          kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+            return self.encode("BlockStored", fields)
+        if op == "remove":
+            fields = dict(block_hashes=[block_hash(i) for i in cmd["blocks"]], medium="GPU", group_idx=0)
+            return self.encode("BlockRemoved", fields)
+        if op == "clear":
+            return self.encode("AllBlocksCleared", {})
+        raise ValueError(f"unknown op {op}")
+
+    def encode(self, tag, fields):
+        if self.args.style == "arrays":
+            return [tag, *fields.values()]
+        # msgspec's omit_defaults leaves out the optional fields that hold None.
+        return {"type": tag, **{k: v for k, v in fields.items() if v is not None or k in ("parent_block_hash", "lora_id", "medium", "lora_name")}}
+
+    def handle(self, cmd):
+        op = cmd["op"]
+        if op == "restart":
+            with self.lock:
+                self.seq, self.buffer = 0, []
+            return
+        if op == "raw":
+            payload = bytes.fromhex(cmd["hex"])
+        else:
+            events = [] if op == "ping" else [self.event(cmd)]
+            payload = msgpack.packb([time.time(), events, self.args.dp_rank], use_bin_type=True)
+        with self.lock:
+            seq = self.seq
+            self.seq += 1
+            self.buffer.append((seq, payload))
+        if not cmd.get("lost"):
+            self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--endpoint", required=True)
+    ap.add_argument("--replay-endpoint", default="")
+    ap.add_argument("--topic", default="kv@test-pod@m")
+    ap.add_argument("--dp-rank", type=int, default=0)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--style", choices=("arrays", "maps"), default="arrays")
+    args = ap.parse_args()
+    engine = Engine(args)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        engine.handle(json.loads(line))
+        print(f"ok {engine.seq - 1}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
