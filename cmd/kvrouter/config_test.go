@@ -45,3 +45,36 @@ func TestUsage(t *testing.T) {
 		t.Errorf("run() with no command = %d, %q; want 2 and the usage", code, stderr.String())
 	}
 }
+
+// TestBadBridgeConfigExits2: kvrouter bridge refuses a configuration it cannot run with, before it
+// connects to anything, naming the setting as the user gave it.
+func TestBadBridgeConfigExits2(t *testing.T) {
+	required := []string{"--router-addrs", "127.0.0.1:1", "--worker-id", "7", "--model", "m", "--block-size", "16", "--total-kv-blocks", "1000"}
+	tests := []struct {
+		name string
+		args []string
+		env  map[string]string
+		want string
+	}{
+		{name: "no router", args: []string{"--worker-id", "7"}, want: "--router-addrs: must name at least one router"},
+		{name: "no worker id", args: required[:2], want: "--worker-id: must be set, and not 0"},
+		{name: "no block size", args: []string{"--router-addrs", "a:1", "--worker-id", "7", "--model", "m"}, want: "--block-size: must be set to the engine's block size (> 0)"},
+		{name: "bad role from env", args: required, env: map[string]string{"KVROUTER_ROLE": "encoder"}, want: `KVROUTER_ROLE: must be prefill, decode or aggregated (got "encoder")`},
+		{name: "bad extra keys", args: append(required, "--extra-keys", "hash"), want: `--extra-keys: must be skip or ignore (got "hash")`},
+		{name: "ranks need tcp", args: append(required, "--dp-ranks", "2", "--engine-endpoint", "ipc:///tmp/kv"), want: `ranks after 0 need a tcp:// endpoint`},
+		{name: "not an endpoint", args: append(required, "--engine-endpoint", "127.0.0.1:5557"), want: `--engine-endpoint: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got "127.0.0.1:5557")`},
+		{name: "negative worker id", args: []string{"--worker-id", "-3"}, want: `--worker-id: must be an unsigned integer (got "-3")`},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			var stderr bytes.Buffer
+			code := run(context.Background(), append([]string{"bridge"}, tt.args...), func(k string) string { return tt.env[k] }, &stderr)
+			if code != 2 {
+				t.Errorf("run() = %d, want 2; stderr:\n%s", code, stderr.String())
+			}
+			if got := stderr.String(); !strings.Contains(got, tt.want) {
+				t.Errorf("stderr = %q, want it to contain %q", got, tt.want)
+			}
+		})
+	}
+}
