@@ -45,7 +45,7 @@ type engine struct {
 	buffer []enginefeed.Message // every batch sent, for replay
 }
 
-func freeTCP(t *testing.T) string {
+func freeTCP(t testing.TB) string {
 	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -239,11 +239,17 @@ func (f *fixture) warmUp() {
 	})
 }
 
-// counter returns the value of a bridge metric of rank 0 with the given label (summed over the rest).
+// counter returns the value of a bridge metric with the given labels (summed over the others).
 func (f *fixture) counter(name string, labels ...string) float64 {
-	families, err := f.reg.Gather()
+	return metricValue(f.t, f.reg, name, labels...)
+}
+
+// metricValue sums the series of a counter or gauge of reg whose labels include the given pairs.
+func metricValue(t testing.TB, reg *prometheus.Registry, name string, labels ...string) float64 {
+	t.Helper()
+	families, err := reg.Gather()
 	if err != nil {
-		f.t.Fatal(err)
+		t.Fatal(err)
 	}
 	var sum float64
 	for _, fam := range families {
@@ -261,12 +267,7 @@ func (f *fixture) counter(name string, labels ...string) float64 {
 					continue metrics
 				}
 			}
-			switch {
-			case m.GetCounter() != nil:
-				sum += m.GetCounter().GetValue()
-			case m.GetGauge() != nil:
-				sum += m.GetGauge().GetValue()
-			}
+			sum += m.GetCounter().GetValue() + m.GetGauge().GetValue()
 		}
 	}
 	return sum
