@@ -28,6 +28,7 @@ func errorf(r Reason, format string, args ...any) *Error {
 type Decoder struct {
 	batch, event       *msgpack.Decoder
 	batchBuf, eventBuf bytes.Reader
+	payload            []byte // the payload being decoded
 }
 
 // NewDecoder returns a Decoder.
@@ -42,6 +43,8 @@ func NewDecoder() *Decoder {
 func (d *Decoder) Decode(payload []byte, b *Batch) error {
 	b.TS, b.DPRank, b.HasDPRank = 0, 0, false
 	b.Events, b.Skipped = b.Events[:0], b.Skipped[:0]
+	d.payload = payload
+	defer func() { d.payload = nil }()
 	d.batchBuf.Reset(payload)
 	d.batch.Reset(&d.batchBuf)
 	if err := d.decodeBatch(b); err != nil {
@@ -124,17 +127,20 @@ func batchError(err error, field string) error {
 }
 
 // decodeEvents reads the batch's event list: each event is read from its own bytes, so that one
-// of the wrong shape is skipped without losing the events after it.
+// of the wrong shape is skipped without losing the events after it. The bytes are found by skipping
+// the event and reading how far the payload's reader moved (the msgpack decoder reads a bytes.Reader
+// directly, without a buffer): no copy, unlike DecodeRaw, which cost a sixth of the bridge's CPU.
 func (d *Decoder) decodeEvents(b *Batch) error {
 	n, err := d.batch.DecodeArrayLen()
 	if err != nil || n < 0 {
 		return errorf(Malformed, "events is not an array")
 	}
 	for i := 0; i < n; i++ {
-		raw, err := d.batch.DecodeRaw()
-		if err != nil {
+		start := len(d.payload) - d.batchBuf.Len()
+		if err := d.batch.Skip(); err != nil {
 			return errorf(Malformed, "event %d: %v", i, err)
 		}
+		raw := d.payload[start : len(d.payload)-d.batchBuf.Len()]
 		ev := b.next()
 		if err := d.decodeEvent(raw, ev); err != nil {
 			b.Events = b.Events[:len(b.Events)-1]
