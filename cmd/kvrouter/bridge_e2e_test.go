@@ -27,6 +27,7 @@ import (
 // from Debian's packages, driven one command at a time.
 type pythonEngine struct {
 	t      *testing.T
+	cmd    *exec.Cmd
 	stdin  io.WriteCloser
 	stdout *bufio.Scanner
 	stderr *bytes.Buffer
@@ -49,20 +50,25 @@ func startPythonEngine(t *testing.T, args ...string) *pythonEngine {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e := &pythonEngine{t: t, stdin: stdin, stdout: bufio.NewScanner(stdout), stderr: &bytes.Buffer{}}
+	e := &pythonEngine{t: t, cmd: cmd, stdin: stdin, stdout: bufio.NewScanner(stdout), stderr: &bytes.Buffer{}}
 	cmd.Stderr = e.stderr
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {
 		stdin.Close()
-		_ = cmd.Process.Kill()
-		_ = cmd.Wait()
+		e.kill()
 	})
 	if !e.stdout.Scan() || e.stdout.Text() != "ready" {
 		t.Fatalf("the engine stand-in did not start: %s", e.stderr)
 	}
 	return e
+}
+
+// kill ends the engine process abruptly, as a crash would.
+func (e *pythonEngine) kill() {
+	_ = e.cmd.Process.Kill()
+	_ = e.cmd.Wait()
 }
 
 // do runs one command (see vllm_publisher.py) and returns the sequence number it used.
@@ -255,12 +261,18 @@ func TestBridgeFromVLLMFeed(t *testing.T) {
 		if got := b.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="gap"}`); got != 1 {
 			t.Errorf("resets for a gap = %v, want 1", got)
 		}
-		// An engine restart (its sequence back at 0) clears too.
-		engine.do(map[string]any{"op": "restart"})
+		// The engine process is killed and a new one starts on the same endpoint, its sequence
+		// back at 0 (and past the old one's by the time the bridge hears it): the bridge
+		// resubscribes and clears the worker.
+		engine.kill()
+		engine = startPythonEngine(t, "--endpoint", endpoint, "--style", "maps")
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+			engine.do(map[string]any{"op": "ping"})
+			return b.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="reconnect"}`) == 1
+		}) {
+			t.Fatalf("the bridge did not clear the worker after the engine restarted\n%s", b.logs)
+		}
 		engine.do(map[string]any{"op": "store", "first": 0, "n": 1})
 		waitOverlap("m2", 2, 4, 1, b)
-		if got := b.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="engine_restart"}`); got != 1 {
-			t.Errorf("resets for an engine restart = %v, want 1", got)
-		}
 	})
 }

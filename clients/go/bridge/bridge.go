@@ -8,7 +8,8 @@
 // filled from the engine's replay endpoint when there is one, and otherwise the worker's blocks are
 // cleared at the router (it then under-counts the cache until the engine stores blocks again,
 // which costs cache hits, never a wrong route to a block that is gone). A sequence that goes back
-// is an engine restart: a clear. The router's ResyncRequest is answered with the bridge's mirror of
+// is an engine restart: a clear; so is a lost connection to the engine, since the engine on the
+// other side may be a new process (its history is replayed after the clear). The router's ResyncRequest is answered with the bridge's mirror of
 // what it forwarded. Events that cannot be read or mapped are counted by reason and skipped.
 package bridge
 
@@ -272,6 +273,7 @@ func (r *rank) subscribe(ctx context.Context) error {
 		return err
 	}
 	r.connected.Store(true)
+	r.started = false // the next batch starts this subscription
 	r.b.metrics.connected.WithLabelValues(r.label).Set(1)
 	defer func() {
 		r.connected.Store(false)
@@ -302,9 +304,17 @@ func (r *rank) handle(ctx context.Context, frames [][]byte) error {
 	r.b.metrics.engineSeq.WithLabelValues(r.label).Set(float64(m.Seq))
 	switch {
 	case !r.started:
+		// The first batch of a subscription. After a lost connection nothing says whether this is
+		// the same engine process (its numbers may even have grown past ours) or a new one, so
+		// what was forwarded is cleared and rebuilt from the engine's history when it has one.
 		r.started = true
+		if r.next > 0 && r.mirror.blocks() > 0 {
+			r.log.Warn("resubscribed to the engine: clearing its blocks and rebuilding them from its history", "seq", m.Seq)
+			if err := r.reset(ctx, "reconnect"); err != nil {
+				return err
+			}
+		}
 		if m.Seq > 0 {
-			// The engine published before the bridge listened: its history, if it can be had.
 			if err := r.catchUp(ctx, 0, m.Seq, "joined the engine's stream after its start"); err != nil {
 				return err
 			}
