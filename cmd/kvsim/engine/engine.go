@@ -23,7 +23,8 @@ type Seq struct {
 	cached    int // prompt tokens found in the cache at admission
 	computed  int // prompt tokens in the cache or computed so far
 	generated int
-	allocated int // how many of Blocks (then of the output blocks) the cache holds for it
+	firstOut  bool // the first token was reported
+	allocated int  // how many of Blocks (then of the output blocks) the cache holds for it
 	outBlocks []uint64
 }
 
@@ -61,6 +62,8 @@ type Engine struct {
 	waiting []*Seq
 	running []*Seq
 
+	preemptions int
+
 	// scratch
 	chunks  []Chunk
 	stored  []uint64
@@ -92,7 +95,40 @@ func (e *Engine) Idle() bool { return len(e.waiting) == 0 && len(e.running) == 0
 
 // Step runs one forward pass starting at now and returns its duration; the tokens it produces come
 // out at now + duration. It returns 0 when there is nothing to run (or nothing that fits yet).
+// When every running sequence waits for a block the full cache cannot give, the last admitted one
+// is preempted, as vLLM does: its blocks are released and it goes back to the head of the queue,
+// to be prefilled again (mostly from the cache) when it fits.
 func (e *Engine) Step(now time.Duration) time.Duration {
+	for {
+		if d := e.step(now); d > 0 || !e.preempt() {
+			return d
+		}
+	}
+}
+
+// Preemptions returns how many times a running sequence was preempted for lack of blocks.
+func (e *Engine) Preemptions() int { return e.preemptions }
+
+// preempt moves the last admitted running sequence back to the head of the queue, releasing its
+// blocks; it reports false when nothing runs.
+func (e *Engine) preempt() bool {
+	if len(e.running) == 0 {
+		return false
+	}
+	s := e.running[len(e.running)-1]
+	e.running = e.running[:len(e.running)-1]
+	e.cache.Release(s.Blocks[:s.allocated])
+	if len(s.outBlocks) > 0 {
+		e.cache.Release(s.outBlocks)
+	}
+	s.allocated, s.outBlocks, s.computed = 0, nil, 0
+	s.Transferred = false // its KV is gone: it is computed here when it comes back
+	e.waiting = append([]*Seq{s}, e.waiting...)
+	e.preemptions++
+	return true
+}
+
+func (e *Engine) step(now time.Duration) time.Duration {
 	m := &e.Model
 	budget := m.MaxNumBatchedTokens
 	e.admit(&budget)
@@ -141,7 +177,8 @@ func (e *Engine) Step(now time.Duration) time.Duration {
 		}
 		s.generated++
 		switch {
-		case s.generated == 1:
+		case !s.firstOut:
+			s.firstOut = true
 			e.obs.FirstToken(e, s, end)
 		default:
 			e.obs.Token(e, s, end)

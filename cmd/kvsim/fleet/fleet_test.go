@@ -1,0 +1,93 @@
+package fleet
+
+import (
+	"context"
+	"os"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
+	"github.com/kvrouter/kvrouter/cmd/kvsim/trace"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// slice returns the first n requests of the Mooncake trace, or of a shared-prefix workload when
+// the trace is not on this machine.
+func slice(t *testing.T, n int) []trace.Request {
+	t.Helper()
+	if path, err := trace.Find("mooncake_conversation_trace.jsonl"); err == nil {
+		f, err := os.Open(path)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer f.Close()
+		reqs, err := trace.LoadMooncake(f, 16)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return reqs[:n]
+	}
+	return trace.SharedPrefix(8, n/8, 2048, 512, 128, 3, 1)[:n]
+}
+
+// TestReplayInvariants replays a slice of the trace through each kind of fleet and checks what must
+// hold whatever the policy: every request completes, in order of its own events; every booking is
+// freed; no cache ever holds more than its capacity; and after the run the router's view of each
+// worker's blocks equals the simulated engine's cache.
+func TestReplayInvariants(t *testing.T) {
+	reqs := slice(t, 150)
+	model := engine.Llama31_8B_H100()
+	model.TotalKVBlocks = 9000 // small caches (the longest prompt of the slice takes 7,576 blocks), so that eviction happens
+	cd := policy.DefaultConfig()
+	cd.ConditionalDisagg = policy.DefaultCDConfig()
+	cd.ConditionalDisagg.Enabled = true
+	var err error
+	if cd.ConditionalDisagg.Policy, err = policy.LookupCDPolicy("isl_bounding"); err != nil {
+		t.Fatal(err)
+	}
+	tests := []struct {
+		name string
+		cfg  Config
+	}{
+		{"aggregated, KV-aware", Config{Aggregated: 3, Router: policy.DefaultConfig()}},
+		{"disaggregated, KV-aware", Config{Prefill: 2, Decode: 2, Router: policy.DefaultConfig()}},
+		{"conditional disaggregation", Config{Prefill: 2, Decode: 2, Router: cd}},
+		{"disaggregated, round-robin", Config{Prefill: 2, Decode: 2, RoundRobin: true}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+			defer cancel()
+			cfg := tt.cfg
+			cfg.Model, cfg.TimeScale = model, 1
+			res, err := Run(ctx, cfg, reqs)
+			if err != nil {
+				t.Fatalf("Run() = %v", err)
+			}
+			modes := map[policy.Mode]int{}
+			for _, r := range res.Records {
+				modes[r.Mode]++
+				if r.FirstToken < r.Arrival || r.Done < r.FirstToken || r.Done == 0 {
+					t.Fatalf("request %s: arrived %v, first token %v, done %v", r.ID, r.Arrival, r.FirstToken, r.Done)
+				}
+				if r.CachedTokens > r.PromptTokens {
+					t.Fatalf("request %s: %d cached tokens of a %d-token prompt", r.ID, r.CachedTokens, r.PromptTokens)
+				}
+			}
+			if res.Bookings != 0 {
+				t.Errorf("%d bookings left after the run, want 0", res.Bookings)
+			}
+			for id, peak := range res.PeakBlocks {
+				if peak > uint64(model.TotalKVBlocks) {
+					t.Errorf("worker %d held %d blocks, capacity %d", id, peak, model.TotalKVBlocks)
+				}
+			}
+			for id, n := range res.EngineBlocks {
+				if res.RouterBlocks[id] != n {
+					t.Errorf("worker %d: the router holds %d blocks, the engine %d", id, res.RouterBlocks[id], n)
+				}
+			}
+			t.Logf("%d requests in %v virtual; modes %v; %d ITL samples", len(res.Records), res.Span, modes, len(res.ITL))
+		})
+	}
+}
