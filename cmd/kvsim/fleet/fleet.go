@@ -13,6 +13,8 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"math"
+	"slices"
 	"time"
 
 	"google.golang.org/grpc"
@@ -58,6 +60,8 @@ type Record struct {
 	PromptTokens, CachedTokens int
 	OutputTokens               int
 	Mode                       policy.Mode
+	// ITLP99 is the 99th percentile of the request's own gaps between tokens (0 with one token).
+	ITLP99 time.Duration
 }
 
 // TTFT returns the request's time to first token.
@@ -81,6 +85,8 @@ type Result struct {
 	RouterBlocks, EngineBlocks, PeakBlocks map[uint64]uint64
 	// Bookings is the number of bookings the router still holds after the run (0: every one freed).
 	Bookings int
+	// Preemptions counts sequences the engines preempted for lack of cache blocks.
+	Preemptions int
 }
 
 // worker is one simulated engine and its stream to the router.
@@ -103,6 +109,7 @@ type request struct {
 	prefill    *worker
 	decode     *worker
 	lastToken  time.Duration
+	gaps       []time.Duration
 	booked     bool
 	prefillSeq *engine.Seq
 }
@@ -238,6 +245,7 @@ func Run(ctx context.Context, cfg Config, reqs []trace.Request) (*Result, error)
 		s.res.Busy[w.role] += w.eng.Busy()
 		s.res.Workers[w.role]++
 		s.res.EngineBlocks[w.key.ID] = uint64(w.eng.Cache().Used())
+		s.res.Preemptions += w.eng.Preemptions()
 	}
 	if m := s.state.Model(ModelName); m != nil {
 		for _, w := range m.Workers() {
@@ -332,7 +340,9 @@ func (s *sim) handle(ev event) error {
 			}
 		}
 	case evToken:
-		s.res.ITL = append(s.res.ITL, float32(float64(s.now-r.lastToken)/float64(time.Millisecond)))
+		gap := s.now - r.lastToken
+		s.res.ITL = append(s.res.ITL, float32(float64(gap)/float64(time.Millisecond)))
+		r.gaps = append(r.gaps, gap)
 		r.lastToken = s.now
 	case evFinished:
 		if ev.w.role == kvstate.RolePrefill {
@@ -348,6 +358,8 @@ func (s *sim) handle(ev event) error {
 			return nil
 		}
 		r.rec.Done = s.now
+		r.rec.ITLP99 = percentile(r.gaps, 0.99)
+		r.gaps = nil
 		if r.booked {
 			if err := s.disp.Free(s.ctx, r.rec.ID); err != nil {
 				return fmt.Errorf("fleet: Free(%s): %w", r.rec.ID, err)
@@ -502,4 +514,14 @@ func (s *sim) publish(w *worker, ev *kvrouterv1.KvEvent) {
 		s.err = fmt.Errorf("fleet: worker %d's stream: %w", w.key.ID, err)
 	}
 	w.dirty = true
+}
+
+// percentile returns the q-quantile of ds (nearest rank), sorting ds; 0 for none.
+func percentile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	slices.Sort(ds)
+	i := int(math.Ceil(q*float64(len(ds)))) - 1
+	return ds[max(0, min(i, len(ds)-1))]
 }

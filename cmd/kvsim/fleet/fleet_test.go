@@ -87,7 +87,12 @@ func TestReplayInvariants(t *testing.T) {
 					t.Errorf("worker %d: the router holds %d blocks, the engine %d", id, res.RouterBlocks[id], n)
 				}
 			}
-			t.Logf("%d requests in %v virtual; modes %v; %d ITL samples", len(res.Records), res.Span, modes, len(res.ITL))
+			sum := res.Summarize()
+			if sum.Requests != len(reqs) || sum.TTFTP50 <= 0 || sum.TTFTP99 < sum.TTFTP50 || sum.ITLP99 < sum.ITLP50 || sum.Throughput <= 0 {
+				t.Errorf("Summarize() = %+v", sum)
+			}
+			t.Logf("%d requests in %v virtual; modes %v; TTFT p50 %v p99 %v, ITL p50 %v p99 %v, hit %.3f, bypass %.2f, goodput %.2f, util %.2f/%.2f, preemptions %d",
+				len(res.Records), res.Span, modes, sum.TTFTP50, sum.TTFTP99, sum.ITLP50, sum.ITLP99, sum.HitRatio, sum.Bypass, sum.Goodput, sum.PrefillUtil, sum.DecodeUtil, sum.Preemptions)
 		})
 	}
 }
