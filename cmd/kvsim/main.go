@@ -1,0 +1,264 @@
+// Binary kvsim replays request traces through a simulated fleet of inference engines and the real
+// router, on a virtual clock, and reports what each routing configuration does to time to first
+// token, inter-token latency, throughput and cache hits.
+//
+// Usage:
+//
+//	kvsim compare [flags]   one trace under several router configurations: report.md and CDF plots
+//	kvsim sweep [flags]     one conditional-disaggregation threshold over values: the trade-off curve
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/schollz/progressbar/v3"
+	"golang.org/x/term"
+
+	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
+	"github.com/kvrouter/kvrouter/cmd/kvsim/fleet"
+	"github.com/kvrouter/kvrouter/cmd/kvsim/report"
+	"github.com/kvrouter/kvrouter/cmd/kvsim/trace"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+const usage = `kvsim replays traces through a simulated fleet and the real router.
+
+Usage:
+  kvsim compare [flags]   one trace under several router configurations (kvsim compare -h)
+  kvsim sweep [flags]     one conditional-disaggregation threshold over values (kvsim sweep -h)
+`
+
+// options are the flags both commands share.
+type options struct {
+	trace      string
+	limit      int
+	timeScale  float64
+	prefill    int
+	decode     int
+	kvBlocks   int
+	out        string
+	configs    string
+	param      string
+	values     string
+	cdPolicy   string
+	isl, ratio float64
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	if len(args) == 0 || (args[0] != "compare" && args[0] != "sweep") {
+		fmt.Fprint(stderr, usage)
+		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
+			return 0
+		}
+		return 2
+	}
+	cmd := args[0]
+	var o options
+	fs := flag.NewFlagSet("kvsim "+cmd, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	fs.StringVar(&o.trace, "trace", "mooncake", "requests: mooncake, azure-code, azure-conv, shared-prefix or multi-turn")
+	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
+	fs.Float64Var(&o.timeScale, "time-scale", 1, "divide arrival times by this: 2 replays the trace twice as fast")
+	fs.IntVar(&o.prefill, "prefill", 4, "prefill workers (the aggregated configuration gets prefill + decode aggregated workers)")
+	fs.IntVar(&o.decode, "decode", 4, "decode workers")
+	fs.IntVar(&o.kvBlocks, "kv-blocks", 0, "override each worker's cache size in blocks (0: the cost model's)")
+	fs.StringVar(&o.out, "out", ".tmp/kvsim", "folder for report.md and the plots")
+	fs.StringVar(&o.cdPolicy, "cd-policy", "isl_bounding", "sweep: the conditional-disaggregation policy")
+	fs.Float64Var(&o.isl, "eff-isl-threshold", 2048, "conditional disaggregation's eff_isl_threshold (Dynamo's default 2048)")
+	fs.Float64Var(&o.ratio, "eff-isl-ratio-threshold", 0.7, "conditional disaggregation's eff_isl_ratio_threshold (Dynamo's default 0.7)")
+	if cmd == "compare" {
+		fs.StringVar(&o.configs, "configs", "rr-disagg,kv-disagg,cd:isl_bounding,cd:prefill_load,cd:isl_or_load,kv-agg",
+			"router configurations, comma-separated: rr-disagg, kv-disagg, kv-agg, cd:<policy>")
+	} else {
+		fs.StringVar(&o.param, "param", "eff_isl_threshold", "the threshold swept: eff_isl_threshold or eff_isl_ratio_threshold")
+		fs.StringVar(&o.values, "values", "256,512,1024,2048,4096,8192,16384", "its values, comma-separated")
+	}
+	if err := fs.Parse(args[1:]); err != nil {
+		return 2
+	}
+	if err := execute(ctx, cmd, &o, stdout, stderr); err != nil {
+		fmt.Fprintf(stderr, "kvsim: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+// loadTrace returns the requests of a named trace or generator.
+func loadTrace(name string, limit int) ([]trace.Request, error) {
+	file := map[string]string{"mooncake": "mooncake_conversation_trace.jsonl", "azure-code": "azure_llm_2023_code.csv", "azure-conv": "azure_llm_2023_conv.csv"}[name]
+	var reqs []trace.Request
+	switch name {
+	case "shared-prefix":
+		reqs = trace.SharedPrefix(64, 16, 2048, 128, 256, 4, 1) // SGLang's generated-shared-prefix 64x16, 2048/128/256
+	case "multi-turn":
+		reqs = trace.MultiTurn(32, 10, 1000, 100, 200, 4, 1)
+	case "mooncake", "azure-code", "azure-conv":
+		path, err := trace.Find(file)
+		if err != nil {
+			return nil, err
+		}
+		f, err := os.Open(path)
+		if err != nil {
+			return nil, err
+		}
+		defer f.Close()
+		if name == "mooncake" {
+			reqs, err = trace.LoadMooncake(f, 16)
+		} else {
+			reqs, err = trace.LoadAzure(f)
+		}
+		if err != nil {
+			return nil, err
+		}
+	default:
+		return nil, fmt.Errorf("--trace %q: want mooncake, azure-code, azure-conv, shared-prefix or multi-turn", name)
+	}
+	if limit > 0 && limit < len(reqs) {
+		reqs = reqs[:limit]
+	}
+	return reqs, nil
+}
+
+// fleetConfig returns the fleet of a named router configuration.
+func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config, error) {
+	cfg := fleet.Config{Model: model, TimeScale: o.timeScale, Prefill: o.prefill, Decode: o.decode, Router: policy.DefaultConfig()}
+	switch {
+	case name == "rr-disagg":
+		cfg.RoundRobin = true
+	case name == "kv-disagg":
+	case name == "kv-agg":
+		cfg.Prefill, cfg.Decode, cfg.Aggregated = 0, 0, o.prefill+o.decode
+	case strings.HasPrefix(name, "cd:"):
+		p, err := policy.LookupCDPolicy(strings.TrimPrefix(name, "cd:"))
+		if err != nil {
+			return cfg, fmt.Errorf("--configs %s: %w", name, err)
+		}
+		cd := policy.DefaultCDConfig()
+		cd.Enabled, cd.Policy, cd.EffISLThreshold, cd.EffISLRatioThreshold = true, p, uint64(o.isl), o.ratio
+		if p.NeedsPrefillBusy() {
+			busy := 1.0 // a prefill worker is busy past one batch of queued prefill tokens
+			cd.PrefillBusyThreshold = &busy
+		}
+		cfg.Router.ConditionalDisagg = cd
+	default:
+		return cfg, fmt.Errorf("--configs %q: want rr-disagg, kv-disagg, kv-agg or cd:<policy>", name)
+	}
+	return cfg, nil
+}
+
+func execute(ctx context.Context, cmd string, o *options, stdout, stderr io.Writer) error {
+	reqs, err := loadTrace(o.trace, o.limit)
+	if err != nil {
+		return err
+	}
+	model := engine.Llama31_8B_H100()
+	if o.kvBlocks > 0 {
+		model.TotalKVBlocks = o.kvBlocks
+	}
+	if err := os.MkdirAll(o.out, 0o755); err != nil {
+		return err
+	}
+	stats := trace.Stats(reqs, model.BlockSize)
+	replay := func(name string, cfg fleet.Config) (report.Run, error) {
+		bar := newBar(stderr, len(reqs), name)
+		cfg.Progress = func(done, _ int) { _ = bar.Set(done) }
+		start := time.Now()
+		res, err := fleet.Run(ctx, cfg, reqs)
+		_ = bar.Finish()
+		if err != nil {
+			return report.Run{}, fmt.Errorf("%s: %w", name, err)
+		}
+		r := report.Run{Name: name, Result: res, Summary: res.Summarize(), Wall: time.Since(start)}
+		fmt.Fprintf(stderr, "%s: %d requests, %v of trace in %v\n", name, len(reqs), res.Span.Round(time.Second), r.Wall.Round(time.Millisecond))
+		return r, nil
+	}
+	if cmd == "sweep" {
+		return sweep(o, model, reqs, replay, stdout)
+	}
+	var runs []report.Run
+	for _, name := range strings.Split(o.configs, ",") {
+		cfg, err := fleetConfig(strings.TrimSpace(name), o, model)
+		if err != nil {
+			return err
+		}
+		r, err := replay(strings.TrimSpace(name), cfg)
+		if err != nil {
+			return err
+		}
+		runs = append(runs, r)
+	}
+	f, err := os.Create(filepath.Join(o.out, "report.md"))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	w := io.MultiWriter(f, stdout)
+	fmt.Fprintf(w, "Trace %s: %d requests over %v (%.2f req/s at time scale %g), ideal token reuse %.3f.\n",
+		o.trace, stats.Requests, stats.Span.Round(time.Second), stats.Rate*o.timeScale, o.timeScale, stats.IdealTokenReuse)
+	fmt.Fprintf(w, "Fleet: %d prefill + %d decode workers (aggregated: %d); %s, %d blocks of %d tokens a worker.\n\n",
+		o.prefill, o.decode, o.prefill+o.decode, model.Name, model.TotalKVBlocks, model.BlockSize)
+	if err := report.Table(w, runs, stats.IdealTokenReuse); err != nil {
+		return err
+	}
+	return report.CDFs(runs, filepath.Join(o.out, "ttft-cdf.png"), filepath.Join(o.out, "itl-cdf.png"))
+}
+
+func sweep(o *options, model engine.CostModel, reqs []trace.Request, replay func(string, fleet.Config) (report.Run, error), stdout io.Writer) error {
+	var points []report.SweepPoint
+	for _, v := range strings.Split(o.values, ",") {
+		x, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+		if err != nil {
+			return fmt.Errorf("--values %q: %w", v, err)
+		}
+		so := *o
+		switch o.param {
+		case "eff_isl_threshold":
+			so.isl = x
+		case "eff_isl_ratio_threshold":
+			so.ratio = x
+		default:
+			return fmt.Errorf("--param %q: want eff_isl_threshold or eff_isl_ratio_threshold", o.param)
+		}
+		cfg, err := fleetConfig("cd:"+o.cdPolicy, &so, model)
+		if err != nil {
+			return err
+		}
+		r, err := replay(fmt.Sprintf("%s=%g", o.param, x), cfg)
+		if err != nil {
+			return err
+		}
+		points = append(points, report.SweepPoint{Value: x, Summary: r.Summary})
+	}
+	f, err := os.Create(filepath.Join(o.out, "sweep-"+o.param+".md"))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return report.Sweep(io.MultiWriter(f, stdout), o.param, points, filepath.Join(o.out, "sweep-"+o.param+".png"))
+}
+
+// newBar returns a progress bar on stderr when it is a terminal, and a silent one otherwise.
+func newBar(stderr io.Writer, total int, name string) *progressbar.ProgressBar {
+	if f, ok := stderr.(*os.File); !ok || !term.IsTerminal(int(f.Fd())) {
+		return progressbar.DefaultSilent(int64(total))
+	}
+	return progressbar.NewOptions(total, progressbar.OptionSetWriter(stderr), progressbar.OptionSetDescription(name),
+		progressbar.OptionShowCount(), progressbar.OptionSetPredictTime(true), progressbar.OptionClearOnFinish())
+}
+

@@ -1,0 +1,146 @@
+// Package report writes kvsim's results: the comparison table in Markdown, the TTFT and ITL
+// distributions of each router configuration as PNG plots, and a sweep's trade-off curve.
+package report
+
+import (
+	"fmt"
+	"io"
+	"math"
+	"slices"
+	"strings"
+	"time"
+
+	"gonum.org/v1/plot"
+	"gonum.org/v1/plot/plotter"
+	"gonum.org/v1/plot/plotutil"
+	"gonum.org/v1/plot/vg"
+
+	"github.com/kvrouter/kvrouter/cmd/kvsim/fleet"
+)
+
+// Run is one configuration's replay, named as the report shows it.
+type Run struct {
+	Name    string
+	Result  *fleet.Result
+	Summary fleet.Summary
+	// Wall is how long the replay took in real time.
+	Wall time.Duration
+}
+
+// Table writes the comparison table: one row per run. idealReuse is the trace's ideal token reuse
+// (one infinite cache), against which the hit ratios are read.
+func Table(w io.Writer, runs []Run, idealReuse float64) error {
+	var b strings.Builder
+	b.WriteString("| configuration | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p90 | output tok/s | goodput | hit ratio (of ideal) | bypass | prefill util | decode util |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range runs {
+		s := r.Summary
+		ofIdeal := "–"
+		if idealReuse > 0 {
+			ofIdeal = fmt.Sprintf("%.0f%%", 100*s.HitRatio/idealReuse)
+		}
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.1f%% | %.3f (%s) | %.1f%% | %.0f%% | %.0f%% |\n",
+			r.Name, secs(s.TTFTP50), secs(s.TTFTP90), secs(s.TTFTP99), millis(s.ITLP50), millis(s.ITLP99), secs(s.E2EP50), secs(s.E2EP90),
+			s.Throughput, 100*s.Goodput, s.HitRatio, ofIdeal, 100*s.Bypass, 100*s.PrefillUtil, 100*s.DecodeUtil)
+	}
+	_, err := io.WriteString(w, b.String())
+	return err
+}
+
+func secs(d time.Duration) string   { return fmt.Sprintf("%.2f s", d.Seconds()) }
+func millis(d time.Duration) string { return fmt.Sprintf("%.1f ms", float64(d)/float64(time.Millisecond)) }
+
+// CDFs writes two PNG plots: the distribution of TTFT (seconds) and of ITL (milliseconds), one
+// line per run, each on a logarithmic axis.
+func CDFs(runs []Run, ttftPath, itlPath string) error {
+	ttft := plot.New()
+	ttft.Title.Text = "Time to first token"
+	ttft.X.Label.Text = "TTFT (s)"
+	ttft.Y.Label.Text = "share of requests"
+	ttft.X.Scale, ttft.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+	itl := plot.New()
+	itl.Title.Text = "Inter-token latency"
+	itl.X.Label.Text = "gap between tokens (ms)"
+	itl.Y.Label.Text = "share of gaps"
+	itl.X.Scale, itl.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+	for i, r := range runs {
+		vals := make([]float64, 0, len(r.Result.Records))
+		for _, rec := range r.Result.Records {
+			vals = append(vals, max(rec.TTFT().Seconds(), 1e-3))
+		}
+		if err := addCDF(ttft, r.Name, i, vals); err != nil {
+			return err
+		}
+		gaps := make([]float64, 0, len(r.Result.ITL))
+		for _, g := range r.Result.ITL {
+			gaps = append(gaps, max(float64(g), 0.1))
+		}
+		if err := addCDF(itl, r.Name, i, gaps); err != nil {
+			return err
+		}
+	}
+	if err := ttft.Save(7*vg.Inch, 4.5*vg.Inch, ttftPath); err != nil {
+		return err
+	}
+	return itl.Save(7*vg.Inch, 4.5*vg.Inch, itlPath)
+}
+
+// addCDF adds the empirical distribution of vals as a line, thinned to at most 400 points.
+func addCDF(p *plot.Plot, name string, i int, vals []float64) error {
+	if len(vals) == 0 {
+		return nil
+	}
+	slices.Sort(vals)
+	step := max(1, len(vals)/400)
+	var pts plotter.XYs
+	for j := 0; j < len(vals); j += step {
+		pts = append(pts, plotter.XY{X: vals[j], Y: float64(j+1) / float64(len(vals))})
+	}
+	pts = append(pts, plotter.XY{X: vals[len(vals)-1], Y: 1})
+	line, err := plotter.NewLine(pts)
+	if err != nil {
+		return err
+	}
+	line.Color = plotutil.Color(i)
+	line.Dashes = plotutil.Dashes(i / len(plotutil.DefaultColors))
+	line.Width = vg.Points(1.5)
+	p.Add(line)
+	p.Legend.Add(name, line)
+	p.Legend.Top, p.Legend.Left = false, false
+	return nil
+}
+
+// SweepPoint is one value of a swept threshold and its replay's summary.
+type SweepPoint struct {
+	Value   float64
+	Summary fleet.Summary
+}
+
+// Sweep writes the trade-off curve of a swept threshold: TTFT p50 (seconds, left) and ITL p99
+// (milliseconds, scaled onto the same axis) against the threshold, as a PNG, and the points as a
+// Markdown table.
+func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error {
+	fmt.Fprintf(w, "| %s | TTFT p50 | TTFT p99 | ITL p99 | bypass | goodput |\n|---:|---:|---:|---:|---:|---:|\n", param)
+	var ttft, itl plotter.XYs
+	for _, pt := range points {
+		s := pt.Summary
+		fmt.Fprintf(w, "| %g | %s | %s | %s | %.1f%% | %.1f%% |\n", pt.Value, secs(s.TTFTP50), secs(s.TTFTP99), millis(s.ITLP99), 100*s.Bypass, 100*s.Goodput)
+		ttft = append(ttft, plotter.XY{X: pt.Value, Y: s.TTFTP50.Seconds()})
+		itl = append(itl, plotter.XY{X: pt.Value, Y: float64(s.ITLP99) / float64(time.Millisecond)})
+	}
+	p := plot.New()
+	p.Title.Text = "Conditional disaggregation: " + param
+	p.X.Label.Text = param
+	p.Y.Label.Text = "TTFT p50 (s) and ITL p99 (ms / 100)"
+	scaled := make(plotter.XYs, len(itl))
+	for i, pt := range itl {
+		scaled[i] = plotter.XY{X: pt.X, Y: pt.Y / 100}
+	}
+	if err := plotutil.AddLinePoints(p, "TTFT p50 (s)", ttft, "ITL p99 (ms / 100)", scaled); err != nil {
+		return err
+	}
+	if !math.IsNaN(p.Y.Min) {
+		p.Y.Min = 0
+	}
+	return p.Save(7*vg.Inch, 4.5*vg.Inch, pngPath)
+}
