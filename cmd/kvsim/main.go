@@ -261,4 +261,3 @@ func newBar(stderr io.Writer, total int, name string) *progressbar.ProgressBar {
 	return progressbar.NewOptions(total, progressbar.OptionSetWriter(stderr), progressbar.OptionSetDescription(name),
 		progressbar.OptionShowCount(), progressbar.OptionSetPredictTime(true), progressbar.OptionClearOnFinish())
 }
-

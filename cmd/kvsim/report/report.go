@@ -47,8 +47,10 @@ func Table(w io.Writer, runs []Run, idealReuse float64) error {
 	return err
 }
 
-func secs(d time.Duration) string   { return fmt.Sprintf("%.2f s", d.Seconds()) }
-func millis(d time.Duration) string { return fmt.Sprintf("%.1f ms", float64(d)/float64(time.Millisecond)) }
+func secs(d time.Duration) string { return fmt.Sprintf("%.2f s", d.Seconds()) }
+func millis(d time.Duration) string {
+	return fmt.Sprintf("%.1f ms", float64(d)/float64(time.Millisecond))
+}
 
 // CDFs writes two PNG plots: the distribution of TTFT (seconds) and of ITL (milliseconds), one
 // line per run, each on a logarithmic axis.
