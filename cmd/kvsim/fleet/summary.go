@@ -21,7 +21,7 @@ type Summary struct {
 	Requests                  int
 	Span                      time.Duration
 	TTFTP50, TTFTP90, TTFTP99 time.Duration
-	ITLP50, ITLP99            time.Duration // over every gap between tokens of every request
+	ITLP50, ITLP99, ITLP999   time.Duration // over every gap between tokens of every request
 	E2EP50, E2EP90            time.Duration
 	// Throughput is output tokens per second of the span.
 	Throughput float64
@@ -69,7 +69,7 @@ func (r *Result) Summarize() Summary {
 		i := max(0, int(math.Ceil(q*float64(len(itl))))-1)
 		return time.Duration(float64(itl[i]) * float64(time.Millisecond))
 	}
-	s.ITLP50, s.ITLP99 = ms(0.5), ms(0.99)
+	s.ITLP50, s.ITLP99, s.ITLP999 = ms(0.5), ms(0.99), ms(0.999)
 	if n := float64(len(r.Records)); n > 0 {
 		s.Goodput, s.Bypass = float64(good)/n, float64(bypass)/n
 	}

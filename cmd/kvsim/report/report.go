@@ -31,16 +31,16 @@ type Run struct {
 // (one infinite cache), against which the hit ratios are read.
 func Table(w io.Writer, runs []Run, idealReuse float64) error {
 	var b strings.Builder
-	b.WriteString("| configuration | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | E2E p50 | E2E p90 | output tok/s | goodput | hit ratio (of ideal) | bypass | prefill util | decode util |\n")
-	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	b.WriteString("| configuration | TTFT p50 | TTFT p90 | TTFT p99 | ITL p50 | ITL p99 | ITL p99.9 | E2E p50 | E2E p90 | output tok/s | goodput | hit ratio (of ideal) | bypass | prefill util | decode util |\n")
+	b.WriteString("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n")
 	for _, r := range runs {
 		s := r.Summary
 		ofIdeal := "–"
 		if idealReuse > 0 {
 			ofIdeal = fmt.Sprintf("%.0f%%", 100*s.HitRatio/idealReuse)
 		}
-		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.1f%% | %.3f (%s) | %.1f%% | %.0f%% | %.0f%% |\n",
-			r.Name, secs(s.TTFTP50), secs(s.TTFTP90), secs(s.TTFTP99), millis(s.ITLP50), millis(s.ITLP99), secs(s.E2EP50), secs(s.E2EP90),
+		fmt.Fprintf(&b, "| %s | %s | %s | %s | %s | %s | %s | %s | %s | %.0f | %.1f%% | %.3f (%s) | %.1f%% | %.0f%% | %.0f%% |\n",
+			r.Name, secs(s.TTFTP50), secs(s.TTFTP90), secs(s.TTFTP99), millis(s.ITLP50), millis(s.ITLP99), millis(s.ITLP999), secs(s.E2EP50), secs(s.E2EP90),
 			s.Throughput, 100*s.Goodput, s.HitRatio, ofIdeal, 100*s.Bypass, 100*s.PrefillUtil, 100*s.DecodeUtil)
 	}
 	_, err := io.WriteString(w, b.String())
@@ -52,8 +52,9 @@ func millis(d time.Duration) string {
 	return fmt.Sprintf("%.1f ms", float64(d)/float64(time.Millisecond))
 }
 
-// CDFs writes two PNG plots: the distribution of TTFT (seconds) and of ITL (milliseconds), one
-// line per run, each on a logarithmic axis.
+// CDFs writes two PNG plots, one line per run: the distribution of TTFT (seconds, log axis), and
+// the tail of ITL (milliseconds): the share of gaps longer than x, both axes logarithmic, where
+// the prefill chunks that stall decoding show.
 func CDFs(runs []Run, ttftPath, itlPath string) error {
 	ttft := plot.New()
 	ttft.Title.Text = "Time to first token"
@@ -61,23 +62,24 @@ func CDFs(runs []Run, ttftPath, itlPath string) error {
 	ttft.Y.Label.Text = "share of requests"
 	ttft.X.Scale, ttft.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
 	itl := plot.New()
-	itl.Title.Text = "Inter-token latency"
+	itl.Title.Text = "Inter-token latency: the tail"
 	itl.X.Label.Text = "gap between tokens (ms)"
-	itl.Y.Label.Text = "share of gaps"
+	itl.Y.Label.Text = "share of gaps longer"
 	itl.X.Scale, itl.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+	itl.Y.Scale, itl.Y.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
 	for i, r := range runs {
 		vals := make([]float64, 0, len(r.Result.Records))
 		for _, rec := range r.Result.Records {
 			vals = append(vals, max(rec.TTFT().Seconds(), 1e-3))
 		}
-		if err := addCDF(ttft, r.Name, i, vals); err != nil {
+		if err := addCDF(ttft, r.Name, i, vals, false); err != nil {
 			return err
 		}
 		gaps := make([]float64, 0, len(r.Result.ITL))
 		for _, g := range r.Result.ITL {
 			gaps = append(gaps, max(float64(g), 0.1))
 		}
-		if err := addCDF(itl, r.Name, i, gaps); err != nil {
+		if err := addCDF(itl, r.Name, i, gaps, true); err != nil {
 			return err
 		}
 	}
@@ -87,18 +89,31 @@ func CDFs(runs []Run, ttftPath, itlPath string) error {
 	return itl.Save(7*vg.Inch, 4.5*vg.Inch, itlPath)
 }
 
-// addCDF adds the empirical distribution of vals as a line, thinned to at most 400 points.
-func addCDF(p *plot.Plot, name string, i int, vals []float64) error {
+// addCDF adds the empirical distribution of vals as a line: the share at or below x, or with
+// tail, the share above x (down to one value in 10^5); thinned to a few hundred points, denser in
+// the tail.
+func addCDF(p *plot.Plot, name string, i int, vals []float64, tail bool) error {
 	if len(vals) == 0 {
 		return nil
 	}
 	slices.Sort(vals)
-	step := max(1, len(vals)/400)
+	n := float64(len(vals))
 	var pts plotter.XYs
-	for j := 0; j < len(vals); j += step {
-		pts = append(pts, plotter.XY{X: vals[j], Y: float64(j+1) / float64(len(vals))})
+	for j := 0; j < len(vals); {
+		y := float64(j+1) / n
+		if tail {
+			y = 1 - y
+			if y < 1e-5 {
+				break
+			}
+		}
+		pts = append(pts, plotter.XY{X: vals[j], Y: y})
+		// Steps shrink with what is left above j, so that the tail keeps its shape.
+		j += max(1, min(len(vals)/400, (len(vals)-j)/50))
 	}
-	pts = append(pts, plotter.XY{X: vals[len(vals)-1], Y: 1})
+	if !tail {
+		pts = append(pts, plotter.XY{X: vals[len(vals)-1], Y: 1})
+	}
 	line, err := plotter.NewLine(pts)
 	if err != nil {
 		return err
@@ -122,11 +137,11 @@ type SweepPoint struct {
 // (milliseconds, scaled onto the same axis) against the threshold, as a PNG, and the points as a
 // Markdown table.
 func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error {
-	fmt.Fprintf(w, "| %s | TTFT p50 | TTFT p99 | ITL p99 | bypass | goodput |\n|---:|---:|---:|---:|---:|---:|\n", param)
+	fmt.Fprintf(w, "| %s | TTFT p50 | TTFT p99 | ITL p99 | ITL p99.9 | bypass | goodput |\n|---:|---:|---:|---:|---:|---:|---:|\n", param)
 	var ttft, itl plotter.XYs
 	for _, pt := range points {
 		s := pt.Summary
-		fmt.Fprintf(w, "| %g | %s | %s | %s | %.1f%% | %.1f%% |\n", pt.Value, secs(s.TTFTP50), secs(s.TTFTP99), millis(s.ITLP99), 100*s.Bypass, 100*s.Goodput)
+		fmt.Fprintf(w, "| %g | %s | %s | %s | %s | %.1f%% | %.1f%% |\n", pt.Value, secs(s.TTFTP50), secs(s.TTFTP99), millis(s.ITLP99), millis(s.ITLP999), 100*s.Bypass, 100*s.Goodput)
 		ttft = append(ttft, plotter.XY{X: pt.Value, Y: s.TTFTP50.Seconds()})
 		itl = append(itl, plotter.XY{X: pt.Value, Y: float64(s.ITLP99) / float64(time.Millisecond)})
 	}
