@@ -16,6 +16,8 @@ import (
 	"os"
 	"os/signal"
 	"path/filepath"
+	"runtime"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"syscall"
@@ -58,6 +60,7 @@ type options struct {
 	values     string
 	cdPolicy   string
 	isl, ratio float64
+	memProfile string
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -82,6 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&o.cdPolicy, "cd-policy", "isl_bounding", "sweep: the conditional-disaggregation policy")
 	fs.Float64Var(&o.isl, "eff-isl-threshold", 2048, "conditional disaggregation's eff_isl_threshold (Dynamo's default 2048)")
 	fs.Float64Var(&o.ratio, "eff-isl-ratio-threshold", 0.7, "conditional disaggregation's eff_isl_ratio_threshold (Dynamo's default 0.7)")
+	fs.StringVar(&o.memProfile, "memprofile", "", "write a heap profile here after the replays (go tool pprof)")
 	if cmd == "compare" {
 		fs.StringVar(&o.configs, "configs", "rr-disagg,kv-disagg,cd:isl_bounding,cd:prefill_load,cd:isl_or_load,kv-agg",
 			"router configurations, comma-separated: rr-disagg, kv-disagg, kv-agg, cd:<policy>")
@@ -95,6 +99,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := execute(ctx, cmd, &o, stdout, stderr); err != nil {
 		fmt.Fprintf(stderr, "kvsim: %v\n", err)
 		return 1
+	}
+	if o.memProfile != "" {
+		if err := writeHeapProfile(o.memProfile); err != nil {
+			fmt.Fprintf(stderr, "kvsim: --memprofile: %v\n", err)
+			return 1
+		}
 	}
 	return 0
 }
@@ -251,6 +261,18 @@ func sweep(o *options, model engine.CostModel, reqs []trace.Request, replay func
 	}
 	defer f.Close()
 	return report.Sweep(io.MultiWriter(f, stdout), o.param, points, filepath.Join(o.out, "sweep-"+o.param+".png"))
+}
+
+// writeHeapProfile writes the heap as it is now, after a collection.
+func writeHeapProfile(path string) error {
+	f, err := os.Create(path)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	runtime.GC()
+	runtime.GC() // the profile shows the frees of the collection before the last one
+	return pprof.WriteHeapProfile(f)
 }
 
 // newBar returns a progress bar on stderr when it is a terminal, and a silent one otherwise.
