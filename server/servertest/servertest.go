@@ -1,5 +1,6 @@
-// Package servertest serves kvrouter's gRPC server in the test's own process on a loopback TCP port,
-// for the tests of the clients that talk to it (a real server and a real connection, no mock).
+// Package servertest serves kvrouter's gRPC server in the caller's own process on a loopback TCP
+// port: for the tests of the clients that talk to it (a real server and a real connection, no
+// mock), and for kvsim, which runs the router beside its simulated fleet.
 package servertest
 
 import (
