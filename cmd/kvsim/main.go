@@ -6,10 +6,12 @@
 //
 //	kvsim compare [flags]   one trace under several router configurations: report.md and CDF plots
 //	kvsim sweep [flags]     one conditional-disaggregation threshold over values: the trade-off curve
+//	kvsim replicas [flags]  1, 2, 4 and 8 router replicas, sharing a Redis and not: hit ratio and precision
 package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
 	"io"
@@ -44,6 +46,7 @@ const usage = `kvsim replays traces through a simulated fleet and the real route
 Usage:
   kvsim compare [flags]   one trace under several router configurations (kvsim compare -h)
   kvsim sweep [flags]     one conditional-disaggregation threshold over values (kvsim sweep -h)
+  kvsim replicas [flags]  1, 2, 4 and 8 router replicas, sharing a Redis and not (kvsim replicas -h)
 `
 
 // options are the flags both commands share.
@@ -61,10 +64,12 @@ type options struct {
 	cdPolicy   string
 	isl, ratio float64
 	memProfile string
+	redisAddr  string
+	counts     string
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 || (args[0] != "compare" && args[0] != "sweep") {
+	if len(args) == 0 || (args[0] != "compare" && args[0] != "sweep" && args[0] != "replicas") {
 		fmt.Fprint(stderr, usage)
 		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
 			return 0
@@ -86,10 +91,15 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&o.isl, "eff-isl-threshold", 2048, "conditional disaggregation's eff_isl_threshold (Dynamo's default 2048)")
 	fs.Float64Var(&o.ratio, "eff-isl-ratio-threshold", 0.7, "conditional disaggregation's eff_isl_ratio_threshold (Dynamo's default 0.7)")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write a heap profile here after the replays (go tool pprof)")
-	if cmd == "compare" {
+	switch cmd {
+	case "replicas":
+		fs.StringVar(&o.redisAddr, "redis-addr", "", "the Redis the shared replicas use (host:port; required)")
+		fs.StringVar(&o.counts, "counts", "1,2,4,8", "replica counts, comma-separated")
+		fs.StringVar(&o.configs, "configs", "kv-disagg", "the router configuration")
+	case "compare":
 		fs.StringVar(&o.configs, "configs", "rr-disagg,kv-disagg,cd:isl_bounding,cd:prefill_load,cd:isl_or_load,kv-agg",
 			"router configurations, comma-separated: rr-disagg, kv-disagg, kv-agg, cd:<policy>")
-	} else {
+	default:
 		fs.StringVar(&o.param, "param", "eff_isl_threshold", "the threshold swept: eff_isl_threshold or eff_isl_ratio_threshold")
 		fs.StringVar(&o.values, "values", "256,512,1024,2048,4096,8192,16384", "its values, comma-separated")
 	}
@@ -198,8 +208,11 @@ func execute(ctx context.Context, cmd string, o *options, stdout, stderr io.Writ
 		fmt.Fprintf(stderr, "%s: %d requests, %v of trace in %v\n", name, len(reqs), res.Span.Round(time.Second), r.Wall.Round(time.Millisecond))
 		return r, nil
 	}
-	if cmd == "sweep" {
+	switch cmd {
+	case "sweep":
 		return sweep(o, model, reqs, replay, stdout)
+	case "replicas":
+		return replicas(o, model, replay, stdout)
 	}
 	var runs []report.Run
 	for _, name := range strings.Split(o.configs, ",") {
@@ -261,6 +274,47 @@ func sweep(o *options, model engine.CostModel, reqs []trace.Request, replay func
 	}
 	defer f.Close()
 	return report.Sweep(io.MultiWriter(f, stdout), o.param, points, filepath.Join(o.out, "sweep-"+o.param+".png"))
+}
+
+// replicas replays the trace against each replica count, sharing state through Redis and not, and
+// writes the hit ratio, routing precision and latency of each.
+func replicas(o *options, model engine.CostModel, replay func(string, fleet.Config) (report.Run, error), stdout io.Writer) error {
+	if o.redisAddr == "" {
+		return errors.New("--redis-addr: the shared replicas need a Redis (redis-server --port 6390 --save '' --appendonly no)")
+	}
+	cfg, err := fleetConfig(o.configs, o, model)
+	if err != nil {
+		return err
+	}
+	var rows []report.ReplicaRow
+	for _, c := range strings.Split(o.counts, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(c))
+		if err != nil || n < 1 {
+			return fmt.Errorf("--counts %q: want positive integers", c)
+		}
+		for _, shared := range []bool{true, false} {
+			if n == 1 && !shared {
+				continue // one replica shares with nobody
+			}
+			rc := cfg
+			rc.Replicas = n
+			name := fmt.Sprintf("%d not sharing", n)
+			if shared {
+				rc.RedisAddr, name = o.redisAddr, fmt.Sprintf("%d sharing Redis", n)
+			}
+			r, err := replay(name, rc)
+			if err != nil {
+				return err
+			}
+			rows = append(rows, report.ReplicaRow{Replicas: n, Shared: shared, Summary: r.Summary, Wall: r.Wall})
+		}
+	}
+	f, err := os.Create(filepath.Join(o.out, "replicas.md"))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return report.Replicas(io.MultiWriter(f, stdout), rows)
 }
 
 // writeHeapProfile writes the heap as it is now, after a collection.

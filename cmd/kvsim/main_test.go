@@ -7,6 +7,8 @@ import (
 	"path/filepath"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
 // TestCompareAndSweep runs both commands on a small generated workload and checks what they write:
@@ -45,5 +47,32 @@ func TestCompareAndSweep(t *testing.T) {
 	if code := run(context.Background(), []string{"compare", "--configs", "cd:nope", "--limit", "1", "--out", out}, &stdout, &stderr); code != 1 ||
 		!strings.Contains(stderr.String(), "cd:nope") {
 		t.Errorf("an unknown policy: exit %d, stderr %q", code, stderr.String())
+	}
+}
+
+// TestReplicas runs kvsim replicas against a private Redis on a small workload: one row per replica
+// count and sharing mode (fleet's TestReplicasShareState checks the figures), and a clear error
+// without a Redis.
+func TestReplicas(t *testing.T) {
+	out := t.TempDir()
+	r := redistest.Start(t)
+	var stdout, stderr bytes.Buffer
+	args := []string{"replicas", "--trace", "shared-prefix", "--limit", "80", "--prefill", "1", "--decode", "2", "--counts", "1,2",
+		"--redis-addr", r.Addr, "--out", out}
+	if code := run(context.Background(), args, &stdout, &stderr); code != 0 {
+		t.Fatalf("kvsim replicas = %d\n%s", code, stderr.String())
+	}
+	table, err := os.ReadFile(filepath.Join(out, "replicas.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, row := range []string{"| 1 | shared through Redis |", "| 2 | shared through Redis |", "| 2 | own (every worker streams to each) |"} {
+		if !strings.Contains(string(table), row) {
+			t.Errorf("replicas.md has no row %q:\n%s", row, table)
+		}
+	}
+	if code := run(context.Background(), []string{"replicas", "--limit", "1", "--out", out}, &stdout, &stderr); code != 1 ||
+		!strings.Contains(stderr.String(), "--redis-addr") {
+		t.Errorf("without --redis-addr: exit %d, stderr %q", code, stderr.String())
 	}
 }

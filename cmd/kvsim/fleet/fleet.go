@@ -17,8 +17,10 @@ import (
 	"slices"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
@@ -26,6 +28,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/dispatch"
@@ -49,6 +52,14 @@ type Config struct {
 	RoundRobin bool
 	// TimeScale divides the trace's arrival times: 2 replays it twice as fast (twice the load).
 	TimeScale float64
+	// Replicas is the number of router replicas (default 1); requests go to them in turn, and each
+	// request is marked and freed on the replica that routed it. With RedisAddr they share state
+	// through that Redis, as `kvrouter serve --redis-addr` does: every worker streams to one
+	// replica, and before each routing decision the fleet waits until every replica has applied
+	// the whole log. Without it, several replicas do not share: each keeps its own state, every
+	// worker streams its events to each of them, and each replica sees only its own bookings.
+	Replicas  int
+	RedisAddr string
 	// Progress, when set, is told how many requests finished, as they do.
 	Progress func(done, total int)
 }
@@ -62,6 +73,9 @@ type Record struct {
 	Mode                       policy.Mode
 	// ITLP99 is the 99th percentile of the request's own gaps between tokens (0 with one token).
 	ITLP99 time.Duration
+	// Precise says the worker chosen to prefill the request held the longest prefix of its prompt
+	// that any worker of that role held at that moment (in the engines' caches, not the router's).
+	Precise bool
 }
 
 // TTFT returns the request's time to first token.
@@ -94,9 +108,9 @@ type worker struct {
 	key      kvstate.WorkerKey
 	role     kvstate.Role
 	eng      *engine.Engine
-	pub      *kvclient.Publisher
-	stepping bool // a step end is scheduled
-	dirty    bool // events published since the last flush
+	pubs     []*kvclient.Publisher // to its replica, or to every replica when they do not share
+	stepping bool                  // a step end is scheduled
+	dirty    bool                  // events published since the last flush
 }
 
 // request is a trace request in flight.
@@ -111,7 +125,17 @@ type request struct {
 	lastToken  time.Duration
 	gaps       []time.Duration
 	booked     bool
+	rep        *replica // the replica that routed (and booked) it
 	prefillSeq *engine.Seq
+}
+
+// replica is one router replica: its state, log, orchestration and gRPC server.
+type replica struct {
+	state *kvstate.State
+	log   kvstate.Log
+	redis *redislog.Log // nil when the replica's log is in process
+	disp  *dispatch.Dispatcher
+	conn  *grpc.ClientConn
 }
 
 type eventKind int
@@ -150,23 +174,23 @@ func (h *eventHeap) Pop() any {
 
 // sim is one replay in progress.
 type sim struct {
-	ctx     context.Context
-	cfg     Config
-	state   *kvstate.State
-	disp    *dispatch.Dispatcher
-	workers []*worker
-	byName  map[string]*worker
-	events  eventHeap
-	nextSeq uint64
-	now     time.Duration
-	epoch   time.Time
-	rr      [2]int // round-robin cursors: prefill, decode
-	res     *Result
-	done    int
-	total   int
-	byEng   map[*engine.Engine]*worker
-	reqOf   map[*engine.Seq]*request
-	err     error // the first failure inside an engine callback
+	ctx      context.Context
+	cfg      Config
+	replicas []*replica
+	routed   int // requests routed, for the replica turn
+	workers  []*worker
+	byName   map[string]*worker
+	events   eventHeap
+	nextSeq  uint64
+	now      time.Duration
+	epoch    time.Time
+	rr       [2]int // round-robin cursors: prefill, decode
+	res      *Result
+	done     int
+	total    int
+	byEng    map[*engine.Engine]*worker
+	reqOf    map[*engine.Seq]*request
+	err      error // the first failure inside an engine callback
 }
 
 // Run replays reqs through the fleet and returns what happened to each. It fails when the router
@@ -181,33 +205,26 @@ func Run(ctx context.Context, cfg Config, reqs []trace.Request) (*Result, error)
 	if cfg.Router.QueueThreshold != nil {
 		return nil, errors.New("fleet: router_queue_threshold must be unset: the router's queue waits in real time, the fleet runs on a virtual clock")
 	}
-	s := &sim{ctx: ctx, cfg: cfg, state: kvstate.NewState(), byName: map[string]*worker{}, byEng: map[*engine.Engine]*worker{},
+	if cfg.Replicas < 1 {
+		cfg.Replicas = 1
+	}
+	s := &sim{ctx: ctx, cfg: cfg, byName: map[string]*worker{}, byEng: map[*engine.Engine]*worker{},
 		reqOf: map[*engine.Seq]*request{}, epoch: time.Unix(1_800_000_000, 0), total: len(reqs)}
 	s.res = &Result{Config: cfg, Busy: map[kvstate.Role]time.Duration{}, Workers: map[kvstate.Role]int{},
 		RouterBlocks: map[uint64]uint64{}, EngineBlocks: map[uint64]uint64{}, PeakBlocks: map[uint64]uint64{}}
-	log := kvstate.NewMemLog(s.state)
-	s.disp = dispatch.New(s.state, log, policy.NewKernel(s.state, cfg.Router))
-	s.disp.Now = func() time.Time { return s.epoch.Add(s.now) }
-	srv, lis, err := servertest.Serve(s.state, log, 1<<22, func(o *server.Options) {
-		o.Dispatcher = s.disp
-		o.MaxRecvMsgBytes = 64 << 20
-		o.Logger = slog.New(slog.NewTextHandler(io.Discard, nil))
-	})
+	stop, err := s.startReplicas()
+	defer stop()
 	if err != nil {
 		return nil, err
 	}
-	defer srv.Stop()
-	conn, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return nil, err
-	}
-	defer conn.Close()
-	if err := s.startWorkers(conn); err != nil {
+	if err := s.startWorkers(); err != nil {
 		return nil, err
 	}
 	defer func() {
 		for _, w := range s.workers {
-			_ = w.pub.Close(context.Background())
+			for _, p := range w.pubs {
+				_ = p.Close(context.Background())
+			}
 		}
 	}()
 
@@ -247,34 +264,104 @@ func Run(ctx context.Context, cfg Config, reqs []trace.Request) (*Result, error)
 		s.res.EngineBlocks[w.key.ID] = uint64(w.eng.Cache().Used())
 		s.res.Preemptions += w.eng.Preemptions()
 	}
-	if m := s.state.Model(ModelName); m != nil {
+	if m := s.replicas[0].state.Model(ModelName); m != nil {
 		for _, w := range m.Workers() {
 			c := m.Index.BlockCounts(w.Slot)
 			s.res.RouterBlocks[w.Info.Key.ID] = c.Total()
 		}
 	}
-	s.res.Bookings = s.state.Load().Bookings()
+	for _, rep := range s.replicas {
+		s.res.Bookings += rep.state.Load().Bookings()
+	}
 	return s.res, nil
 }
 
-// startWorkers creates the engines and registers each with the router through its Publisher.
-func (s *sim) startWorkers(conn grpc.ClientConnInterface) error {
+// startReplicas starts the router replicas, each with its gRPC server on loopback; the returned
+// function stops them.
+func (s *sim) startReplicas() (stop func(), err error) {
+	var stops []func()
+	stop = func() {
+		for i := len(stops) - 1; i >= 0; i-- {
+			stops[i]()
+		}
+	}
+	var rdb *redis.Client
+	prefix := fmt.Sprintf("kvsim:{%d}", time.Now().UnixNano())
+	runCtx, cancel := context.WithCancel(context.Background())
+	stops = append(stops, cancel)
+	if s.cfg.RedisAddr != "" {
+		rdb = redis.NewClient(&redis.Options{Addr: s.cfg.RedisAddr})
+		stops = append(stops, func() {
+			// The run's keys: a stream and a few more under its prefix.
+			if keys, err := rdb.Keys(context.Background(), prefix+"*").Result(); err == nil && len(keys) > 0 {
+				rdb.Del(context.Background(), keys...)
+			}
+			rdb.Close()
+		})
+	}
+	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for k := range s.cfg.Replicas {
+		rep := &replica{state: kvstate.NewState()}
+		if rdb != nil {
+			rep.redis = redislog.New(rdb, rep.state, redislog.Options{Prefix: prefix, Replica: fmt.Sprintf("sim-%d", k), Logger: quiet})
+			rep.log = rep.redis
+			done := make(chan struct{})
+			go func() { _ = rep.redis.Run(runCtx); close(done) }()
+			stops = append(stops, func() { cancel(); <-done })
+			select {
+			case <-rep.redis.Ready():
+			case <-time.After(30 * time.Second):
+				return stop, fmt.Errorf("fleet: replica %d did not join the shared log at %s", k, s.cfg.RedisAddr)
+			}
+		} else {
+			rep.log = kvstate.NewMemLog(rep.state)
+		}
+		rep.disp = dispatch.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router))
+		rep.disp.Now = func() time.Time { return s.epoch.Add(s.now) }
+		srv, lis, err := servertest.Serve(rep.state, rep.log, 1<<22, func(o *server.Options) {
+			o.Dispatcher = rep.disp
+			o.MaxRecvMsgBytes = 64 << 20
+			o.Logger = quiet
+		})
+		if err != nil {
+			return stop, err
+		}
+		stops = append(stops, srv.Stop)
+		if rep.conn, err = grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials())); err != nil {
+			return stop, err
+		}
+		stops = append(stops, func() { rep.conn.Close() })
+		s.replicas = append(s.replicas, rep)
+	}
+	return stop, nil
+}
+
+// startWorkers creates the engines and registers each with the router through its Publisher: with
+// one replica, or replicas sharing state, each worker streams to one replica (in turn); replicas
+// that do not share get a stream from every worker.
+func (s *sim) startWorkers() error {
 	m := &s.cfg.Model
 	add := func(role kvstate.Role, n int, name string, protoRole kvrouterv1.WorkerRole) error {
 		for i := range n {
 			w := &worker{key: kvstate.WorkerKey{ID: uint64(len(s.workers) + 1)}, role: role}
 			label := fmt.Sprintf("%s-%d", name, i)
 			w.eng = engine.New(label, *m, (*observer)(s))
-			pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{
-				Hello: &kvrouterv1.WorkerHello{WorkerId: w.key.ID, Model: ModelName, Role: protoRole, BlockSize: uint32(m.BlockSize),
-					TotalKvBlocks: uint64(m.TotalKVBlocks), MaxNumBatchedTokens: uint64(m.MaxNumBatchedTokens), Endpoint: label,
-					SupportsBypass: role == kvstate.RoleDecode, KvEventsEnabled: true, FreshStart: true},
-				Conns: []grpc.ClientConnInterface{conn}, MaxBatchEvents: 1024, FlushInterval: 100 * time.Microsecond,
-			})
-			if err != nil {
-				return err
+			targets := s.replicas[int(w.key.ID-1)%len(s.replicas) : int(w.key.ID-1)%len(s.replicas)+1]
+			if s.cfg.RedisAddr == "" {
+				targets = s.replicas
 			}
-			w.pub = pub
+			for _, rep := range targets {
+				pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{
+					Hello: &kvrouterv1.WorkerHello{WorkerId: w.key.ID, Model: ModelName, Role: protoRole, BlockSize: uint32(m.BlockSize),
+						TotalKvBlocks: uint64(m.TotalKVBlocks), MaxNumBatchedTokens: uint64(m.MaxNumBatchedTokens), Endpoint: label,
+						SupportsBypass: role == kvstate.RoleDecode, KvEventsEnabled: true, FreshStart: true},
+					Conns: []grpc.ClientConnInterface{rep.conn}, MaxBatchEvents: 1024, FlushInterval: 100 * time.Microsecond,
+				})
+				if err != nil {
+					return err
+				}
+				w.pubs = append(w.pubs, pub)
+			}
 			s.workers = append(s.workers, w)
 			s.byName[label] = w
 			s.byEng[w.eng] = w
@@ -290,10 +377,16 @@ func (s *sim) startWorkers(conn grpc.ClientConnInterface) error {
 	if err := add(kvstate.RoleAggregated, s.cfg.Aggregated, "agg", kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED); err != nil {
 		return err
 	}
-	// Registered: every worker is in the router's state.
+	// Registered: every worker is in every replica's state.
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		if m := s.state.Model(ModelName); m != nil && len(m.Workers()) == len(s.workers) {
+		all := true
+		for _, rep := range s.replicas {
+			if m := rep.state.Model(ModelName); m == nil || len(m.Workers()) != len(s.workers) {
+				all = false
+			}
+		}
+		if all {
 			return nil
 		}
 		if time.Now().After(deadline) {
@@ -315,12 +408,41 @@ func (s *sim) flushAll() error {
 		if !w.dirty {
 			continue
 		}
-		if err := w.pub.Flush(s.ctx); err != nil {
-			return fmt.Errorf("fleet: worker %d: %w", w.key.ID, err)
+		for _, p := range w.pubs {
+			if err := p.Flush(s.ctx); err != nil {
+				return fmt.Errorf("fleet: worker %d: %w", w.key.ID, err)
+			}
 		}
 		w.dirty = false
 	}
-	return nil
+	return s.syncReplicas()
+}
+
+// syncReplicas waits, when replicas share a log, until every one has applied all of it: no
+// replica has a change of its own still on its way, and all have read as far. Nothing appends
+// meanwhile (the workers' events are acked, and the simulation waits), so equal positions mean
+// the end of the log.
+func (s *sim) syncReplicas() error {
+	if len(s.replicas) < 2 || s.replicas[0].redis == nil {
+		return nil
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		synced, first := true, s.replicas[0].redis.Position()
+		for _, rep := range s.replicas {
+			if rep.redis.Pending() > 0 || rep.redis.Position() != first {
+				synced = false
+				break
+			}
+		}
+		if synced {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return errors.New("fleet: the replicas did not catch up with the shared log within 30 s")
+		}
+		time.Sleep(20 * time.Microsecond)
+	}
 }
 
 func (s *sim) handle(ev event) error {
@@ -335,7 +457,7 @@ func (s *sim) handle(ev event) error {
 		r.rec.FirstToken = s.now
 		r.lastToken = s.now
 		if r.mode != policy.ModeDisaggregated && r.booked {
-			if err := s.disp.PrefillComplete(s.ctx, r.rec.ID); err != nil {
+			if err := r.rep.disp.PrefillComplete(s.ctx, r.rec.ID); err != nil {
 				return fmt.Errorf("fleet: MarkPrefillComplete(%s): %w", r.rec.ID, err)
 			}
 		}
@@ -348,7 +470,7 @@ func (s *sim) handle(ev event) error {
 		if ev.w.role == kvstate.RolePrefill {
 			// The prompt is computed: its KV moves to the decode worker.
 			if r.booked {
-				if err := s.disp.PrefillComplete(s.ctx, r.rec.ID); err != nil {
+				if err := r.rep.disp.PrefillComplete(s.ctx, r.rec.ID); err != nil {
 					return fmt.Errorf("fleet: MarkPrefillComplete(%s): %w", r.rec.ID, err)
 				}
 			}
@@ -361,7 +483,7 @@ func (s *sim) handle(ev event) error {
 		r.rec.ITLP99 = percentile(r.gaps, 0.99)
 		r.gaps = nil
 		if r.booked {
-			if err := s.disp.Free(s.ctx, r.rec.ID); err != nil {
+			if err := r.rep.disp.Free(s.ctx, r.rec.ID); err != nil {
 				return fmt.Errorf("fleet: Free(%s): %w", r.rec.ID, err)
 			}
 		}
@@ -388,6 +510,7 @@ func (s *sim) arrive(r *request) error {
 		return err
 	}
 	r.rec.Mode = r.mode
+	r.rec.Precise = s.precise(r)
 	if r.mode == policy.ModeDisaggregated {
 		r.prefillSeq = &engine.Seq{ID: r.rec.ID, Prompt: r.tokens, Blocks: r.blocks, OutputTokens: 1, PrefillOnly: true}
 		s.submit(r.prefill, r, r.prefillSeq)
@@ -398,11 +521,29 @@ func (s *sim) arrive(r *request) error {
 	return nil
 }
 
+// precise reports whether the worker that prefills r holds, in its engine's cache, as long a prefix
+// of r's prompt as any worker of its role.
+func (s *sim) precise(r *request) bool {
+	chosen := r.decode
+	if r.mode == policy.ModeDisaggregated {
+		chosen = r.prefill
+	}
+	have, best := chosen.eng.Cache().Lookup(r.blocks), 0
+	for _, w := range s.workers {
+		if w.role == chosen.role {
+			best = max(best, w.eng.Cache().Lookup(r.blocks))
+		}
+	}
+	return have == best
+}
+
 func (s *sim) route(r *request) error {
 	if err := s.flushAll(); err != nil {
 		return err
 	}
-	dec, err := s.disp.Route(s.ctx, &dispatch.Request{Request: policy.Request{ID: r.rec.ID, Model: ModelName, Tokens: r.tokens}, SessionID: r.src.Session})
+	r.rep = s.replicas[s.routed%len(s.replicas)]
+	s.routed++
+	dec, err := r.rep.disp.Route(s.ctx, &dispatch.Request{Request: policy.Request{ID: r.rec.ID, Model: ModelName, Tokens: r.tokens}, SessionID: r.src.Session})
 	if err != nil {
 		return fmt.Errorf("fleet: Route(%s): %w", r.rec.ID, err)
 	}
@@ -454,7 +595,9 @@ func (s *sim) kick(w *worker) {
 	}
 	d := w.eng.Step(s.now)
 	s.res.PeakBlocks[w.key.ID] = max(s.res.PeakBlocks[w.key.ID], uint64(w.eng.Cache().Used()))
-	w.pub.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: uint64(w.eng.Cache().Referenced()), WaitingRequests: uint64(w.eng.Waiting())})
+	for _, p := range w.pubs {
+		p.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: uint64(w.eng.Cache().Referenced()), WaitingRequests: uint64(w.eng.Waiting())})
+	}
 	if d == 0 {
 		return // nothing fits until a request finishes on this worker
 	}
@@ -510,8 +653,13 @@ func (o *observer) Finished(e *engine.Engine, seq *engine.Seq, at time.Duration)
 }
 
 func (s *sim) publish(w *worker, ev *kvrouterv1.KvEvent) {
-	if err := w.pub.Publish(s.ctx, ev); err != nil && s.err == nil {
-		s.err = fmt.Errorf("fleet: worker %d's stream: %w", w.key.ID, err)
+	for i, p := range w.pubs {
+		if i > 0 {
+			ev = proto.Clone(ev).(*kvrouterv1.KvEvent) // each publisher owns (and numbers) its events
+		}
+		if err := p.Publish(s.ctx, ev); err != nil && s.err == nil {
+			s.err = fmt.Errorf("fleet: worker %d's stream: %w", w.key.ID, err)
+		}
 	}
 	w.dirty = true
 }

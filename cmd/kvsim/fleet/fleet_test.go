@@ -8,6 +8,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
 	"github.com/kvrouter/kvrouter/cmd/kvsim/trace"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
@@ -94,5 +95,53 @@ func TestReplayInvariants(t *testing.T) {
 			t.Logf("%d requests in %v virtual; modes %v; TTFT p50 %v p99 %v, ITL p50 %v p99 %v, hit %.3f, bypass %.2f, goodput %.2f, util %.2f/%.2f, preemptions %d",
 				len(res.Records), res.Span, modes, sum.TTFTP50, sum.TTFTP99, sum.ITLP50, sum.ITLP99, sum.HitRatio, sum.Bypass, sum.Goodput, sum.PrefillUtil, sum.DecodeUtil, sum.Preemptions)
 		})
+	}
+}
+
+// TestReplicasShareState replays the slice through one router replica, four replicas sharing a
+// private Redis, and four that do not share: every replica's bookings end freed, and the shared
+// replicas route as precisely, and find as many cache hits, as one replica.
+func TestReplicasShareState(t *testing.T) {
+	reqs := slice(t, 120)
+	model := engine.Llama31_8B_H100()
+	model.TotalKVBlocks = 9000
+	redis := redistest.Start(t)
+	tests := []struct {
+		name      string
+		replicas  int
+		redisAddr string
+	}{
+		{"one replica", 1, ""},
+		{"four sharing Redis", 4, redis.Addr},
+		{"four not sharing", 4, ""},
+	}
+	sums := map[string]Summary{}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+			defer cancel()
+			res, err := Run(ctx, Config{Model: model, TimeScale: 1, Prefill: 2, Decode: 2, Router: policy.DefaultConfig(),
+				Replicas: tt.replicas, RedisAddr: tt.redisAddr}, reqs)
+			if err != nil {
+				t.Fatalf("Run() = %v", err)
+			}
+			if res.Bookings != 0 {
+				t.Errorf("%d bookings left over the replicas, want 0", res.Bookings)
+			}
+			for id, n := range res.EngineBlocks {
+				if res.RouterBlocks[id] != n {
+					t.Errorf("worker %d: the router holds %d blocks, the engine %d", id, res.RouterBlocks[id], n)
+				}
+			}
+			sums[tt.name] = res.Summarize()
+			t.Logf("hit ratio %.4f, precision %.3f, TTFT p50 %v", sums[tt.name].HitRatio, sums[tt.name].Precision, sums[tt.name].TTFTP50)
+		})
+	}
+	one, shared := sums["one replica"], sums["four sharing Redis"]
+	if d := shared.HitRatio - one.HitRatio; d < -0.02 || d > 0.02 {
+		t.Errorf("hit ratio: one replica %.4f, four sharing %.4f: want within 2 points", one.HitRatio, shared.HitRatio)
+	}
+	if d := shared.Precision - one.Precision; d < -0.02 || d > 0.02 {
+		t.Errorf("routing precision: one replica %.3f, four sharing %.3f: want within 2 points", one.Precision, shared.Precision)
 	}
 }

@@ -32,6 +32,9 @@ type Summary struct {
 	HitRatio float64
 	// Bypass is the share of requests the router sent to a decode worker to prefill itself.
 	Bypass float64
+	// Precision is the share of requests whose prefill ran on a worker holding the longest cached
+	// prefix of the prompt among the workers of its role.
+	Precision float64
 	// PrefillUtil and DecodeUtil are the busy share of the prefill workers and of the decode (or
 	// aggregated) workers over the span.
 	PrefillUtil, DecodeUtil float64
@@ -43,7 +46,7 @@ func (r *Result) Summarize() Summary {
 	s := Summary{Requests: len(r.Records), Span: r.Span}
 	ttft := make([]time.Duration, 0, len(r.Records))
 	e2e := make([]time.Duration, 0, len(r.Records))
-	var out, prompt, cached, good, bypass int
+	var out, prompt, cached, good, bypass, precise int
 	for i := range r.Records {
 		rec := &r.Records[i]
 		ttft = append(ttft, rec.TTFT())
@@ -56,6 +59,9 @@ func (r *Result) Summarize() Summary {
 		}
 		if rec.Mode == policy.ModeBypass {
 			bypass++
+		}
+		if rec.Precise {
+			precise++
 		}
 	}
 	s.TTFTP50, s.TTFTP90, s.TTFTP99 = percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(ttft, 0.99)
@@ -71,7 +77,7 @@ func (r *Result) Summarize() Summary {
 	}
 	s.ITLP50, s.ITLP99, s.ITLP999 = ms(0.5), ms(0.99), ms(0.999)
 	if n := float64(len(r.Records)); n > 0 {
-		s.Goodput, s.Bypass = float64(good)/n, float64(bypass)/n
+		s.Goodput, s.Bypass, s.Precision = float64(good)/n, float64(bypass)/n, float64(precise)/n
 	}
 	if r.Span > 0 {
 		s.Throughput = float64(out) / r.Span.Seconds()

@@ -161,3 +161,41 @@ func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error
 	}
 	return p.Save(7*vg.Inch, 4.5*vg.Inch, pngPath)
 }
+
+// ReplicaRow is one replica count's replay, sharing state or not.
+type ReplicaRow struct {
+	Replicas int
+	Shared   bool
+	Summary  fleet.Summary
+	Wall     time.Duration
+}
+
+// Replicas writes the replica table: hit ratio and routing precision, and what they cost in latency,
+// per replica count; the difference to one replica is in points.
+func Replicas(w io.Writer, rows []ReplicaRow) error {
+	var base *fleet.Summary
+	for i := range rows {
+		if rows[i].Replicas == 1 {
+			base = &rows[i].Summary
+		}
+	}
+	fmt.Fprintf(w, "| replicas | state | hit ratio | vs 1 | routing precision | vs 1 | TTFT p50 | TTFT p99 | goodput | replay time |\n")
+	fmt.Fprintf(w, "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|\n")
+	for _, r := range rows {
+		s := r.Summary
+		state := "own (every worker streams to each)"
+		if r.Shared {
+			state = "shared through Redis"
+		}
+		dHit, dPrec := "–", "–"
+		if base != nil {
+			dHit = fmt.Sprintf("%+.1f pt", 100*(s.HitRatio-base.HitRatio))
+			dPrec = fmt.Sprintf("%+.1f pt", 100*(s.Precision-base.Precision))
+		}
+		if _, err := fmt.Fprintf(w, "| %d | %s | %.3f | %s | %.1f%% | %s | %s | %s | %.1f%% | %s |\n", r.Replicas, state, s.HitRatio, dHit,
+			100*s.Precision, dPrec, secs(s.TTFTP50), secs(s.TTFTP99), 100*s.Goodput, r.Wall.Round(time.Second)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
