@@ -1,30 +1,39 @@
 #!/usr/bin/env bash
 # loadtest.sh measures Route over gRPC on loopback. It builds kvrouter and kvload into .tmp/loadtest,
-# starts kvrouter on a free 127.0.0.1 port, and for each mode seeds it with kvload (fresh workers each
-# time) and runs ghz (pinned in scripts/tools.sh; it finds the method by reflection, no proto files)
-# bounded by -n and -c. It prints ghz's summaries and the CPU time kvrouter spent per request (ghz
-# shares the machine's cores), keeps them in .tmp/loadtest, and stops every process it started, also
+# starts kvrouter on a free 127.0.0.1 port, and for each mode runs kvload, which seeds it (fresh
+# workers each time), then drives Route itself and prints its report: calls, errors by code,
+# requests/s, latency percentiles, and the CPU per call of kvload and of kvrouter (read from
+# /proc/<pid>/stat around the measured calls; both share the machine's cores). kvload sends
+# requests marshaled once, so it costs far less CPU per call than ghz. The reports are kept in
+# .tmp/loadtest (kvload-<mode>.txt and .json), and every process the script started is stopped, also
 # on failure or Ctrl-C.
 #
 # Usage: scripts/loadtest.sh [query|book ...]     (default: query book)
 #   query: query_only requests (a preview; nothing is booked)
-#   book:  every request books load under its own request id (bookings are never freed: they pile up
-#          for the whole run, as if no request finished). ghz fills the id in from a template, which
-#          makes it parse the 2k-token JSON again for every call: on 2 cores that client work, not
-#          kvrouter, limits this mode's requests/s (compare the CPU figures printed).
-# Environment (defaults in brackets): N requests per ghz run [20000], C concurrent calls [8], SKIP
-# first responses left out of the statistics [1000], WORKERS [64], PREFILL workers [0: all
-# aggregated], BLOCKS published [1000000], PROMPT_BLOCKS per published prompt [512], ROOTS [100],
-# ROUTE_TOKENS of the routed prompt [2048].
+#   book:  every request books load under its own request id, and kvload frees each booking once
+#          Route returns (FREE=0 keeps them: they pile up for the whole run, as if no request ended)
+# Environment (defaults in brackets):
+#   N measured requests [20000], or DURATION of the measured run (e.g. 30s) instead; WARMUP requests
+#   first, left out of the figures [1000]; C concurrent callers of the closed loop [8]; RATE: an
+#   open loop at RATE requests/s instead (latency counted from each call's due time), with at most
+#   MAX_INFLIGHT in flight [256]; CONNS gRPC connections [2]; PROMPTS distinct prompts cycled [16];
+#   FREE [1]; WORKERS [64]; PREFILL workers [0: all aggregated]; BLOCKS published [1000000];
+#   PROMPT_BLOCKS per published prompt [512]; ROOTS [100]; ROUTE_TOKENS of the routed prompts [2048].
+#   GHZ=1 drives with ghz instead (pinned in scripts/tools.sh; it finds the method by reflection), as
+#   this script did before kvload drove, for comparison: -n N -c C --skipFirst WARMUP, one prompt,
+#   and bookings never freed (ghz fills each request id in from a template, which makes it parse the
+#   JSON request again per call). It prints ghz's summary, ghz's CPU time from bash's `time`, and
+#   kvrouter's CPU per request.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-N=${N:-20000} C=${C:-8} SKIP=${SKIP:-1000}
+N=${N:-20000} DURATION=${DURATION:-} WARMUP=${WARMUP:-1000} C=${C:-8} RATE=${RATE:-0}
+MAX_INFLIGHT=${MAX_INFLIGHT:-256} CONNS=${CONNS:-2} PROMPTS=${PROMPTS:-16} FREE=${FREE:-1}
 WORKERS=${WORKERS:-64} PREFILL=${PREFILL:-0} BLOCKS=${BLOCKS:-1000000}
-PROMPT_BLOCKS=${PROMPT_BLOCKS:-512} ROOTS=${ROOTS:-100} ROUTE_TOKENS=${ROUTE_TOKENS:-2048}
+PROMPT_BLOCKS=${PROMPT_BLOCKS:-512} ROOTS=${ROOTS:-100} ROUTE_TOKENS=${ROUTE_TOKENS:-2048} GHZ=${GHZ:-0}
 modes=("$@")
 [ ${#modes[@]} -eq 0 ] && modes=(query book)
 
-scripts/tools.sh ghz
+[ "$GHZ" = 1 ] && scripts/tools.sh ghz
 out=.tmp/loadtest
 mkdir -p "$out"
 go build -o "$out/kvrouter" ./cmd/kvrouter
@@ -48,16 +57,62 @@ trap 'exit 130' INT TERM
 
 # Port 0: the kernel picks a free port, and kvrouter logs the address it got.
 "$out/kvrouter" serve --listen 127.0.0.1:0 --metrics-listen '' 2>"$out/kvrouter.log" &
-pids+=($!)
+router=$!
+pids+=("$router")
 addr=
 for _ in $(seq 100); do
   addr=$(sed -n 's/.*"msg":"serving gRPC","addr":"\([^"]*\)".*/\1/p' "$out/kvrouter.log")
   [ -n "$addr" ] && break
-  kill -0 "${pids[0]}" 2>/dev/null || { cat "$out/kvrouter.log" >&2; exit 1; }
+  kill -0 "$router" 2>/dev/null || { cat "$out/kvrouter.log" >&2; exit 1; }
   sleep 0.1
 done
 [ -n "$addr" ] || { echo "kvrouter did not start; see $out/kvrouter.log" >&2; exit 1; }
-echo "kvrouter serving on $addr ($(go version | cut -d' ' -f3), $(nproc) cores)"
+echo "kvrouter serving on $addr ($(go version | cut -d' ' -f3), $(nproc) cores, load average $(cut -d' ' -f1-3 /proc/loadavg))"
+
+seed_flags=(--addr "$addr" --workers "$WORKERS" --prefill-workers "$PREFILL" --blocks "$BLOCKS"
+  --prompt-blocks "$PROMPT_BLOCKS" --roots "$ROOTS" --route-tokens "$ROUTE_TOKENS")
+
+# run_ghz seeds with kvload, which writes the request and holds the worker streams open, and runs
+# ghz against it.
+run_ghz() {
+  local mode=$1 query_only=$2 request="$out/route-$1.json"
+  rm -f "$request"
+  "$out/kvload" "${seed_flags[@]}" --query-only="$query_only" --out "$request" --hold 1h &
+  local kvload=$!
+  pids+=("$kvload")
+  # kvload writes the request once every event is acked, and keeps the worker streams open.
+  until [ -f "$request" ]; do
+    kill -0 "$kvload" 2>/dev/null || { echo "kvload failed" >&2; exit 1; }
+    sleep 0.2
+  done
+  echo "== ghz: mode=$mode, $N requests (first $WARMUP left out), concurrency $C, $ROUTE_TOKENS-token prompt, $WORKERS workers ($PREFILL prefill), $BLOCKS blocks published"
+  local before used
+  before=$(cpu_ticks "$router")
+  TIMEFORMAT="ghz CPU: %U s user, %S s system, %R s wall"
+  { time .tmp/bin/ghz --insecure --call kvrouter.v1.RouterService/Route -D "$request" \
+    -n "$N" -c "$C" --skipFirst "$WARMUP" "$addr" >"$out/ghz-$mode.txt" 2>&1; } 2>>"$out/ghz-$mode.txt"
+  used=$(($(cpu_ticks "$router") - before))
+  cat "$out/ghz-$mode.txt"
+  {
+    echo "kvrouter CPU: $(awk -v t="$used" -v hz="$hz" -v n="$N" 'BEGIN { printf "%.2f s, %.0f µs per request", t / hz, t / hz / n * 1e6 }')"
+    echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
+  } | tee -a "$out/ghz-$mode.txt"
+  kill "$kvload"
+  wait "$kvload" 2>/dev/null || true
+}
+
+# run_kvload seeds and drives with kvload, which prints its report.
+run_kvload() {
+  local mode=$1 query_only=$2 amount=(--requests "$N") loop=(--concurrency "$C")
+  [ -n "$DURATION" ] && amount=(--duration "$DURATION")
+  [ "$RATE" != 0 ] && loop=(--rate "$RATE" --max-inflight "$MAX_INFLIGHT")
+  local free=true
+  [ "$FREE" = 1 ] || free=false
+  echo "== kvload: mode=$mode, ${amount[*]} (after $WARMUP warmup), ${loop[*]}, $CONNS conns, $PROMPTS prompts of $ROUTE_TOKENS tokens, $WORKERS workers ($PREFILL prefill), $BLOCKS blocks published"
+  "$out/kvload" "${seed_flags[@]}" --query-only="$query_only" --free="$free" "${amount[@]}" "${loop[@]}" \
+    --warmup "$WARMUP" --conns "$CONNS" --prompts "$PROMPTS" --server-pid "$router" \
+    --json "$out/kvload-$mode.json" 2>&1 | tee "$out/kvload-$mode.txt"
+}
 
 for mode in "${modes[@]}"; do
   case $mode in
@@ -65,27 +120,9 @@ for mode in "${modes[@]}"; do
     book) query_only=false ;;
     *) echo "unknown mode $mode (want query or book)" >&2; exit 2 ;;
   esac
-  request="$out/route-$mode.json"
-  rm -f "$request"
-  "$out/kvload" --addr "$addr" --workers "$WORKERS" --prefill-workers "$PREFILL" --blocks "$BLOCKS" \
-    --prompt-blocks "$PROMPT_BLOCKS" --roots "$ROOTS" --route-tokens "$ROUTE_TOKENS" \
-    --query-only="$query_only" --out "$request" --hold 1h &
-  kvload=$!
-  pids+=("$kvload")
-  # kvload writes the request once every event is acked, and keeps the worker streams open.
-  until [ -f "$request" ]; do
-    kill -0 "$kvload" 2>/dev/null || { echo "kvload failed" >&2; exit 1; }
-    sleep 0.2
-  done
-  echo "== ghz: mode=$mode, $N requests (first $SKIP left out), concurrency $C, $ROUTE_TOKENS-token prompt, $WORKERS workers ($PREFILL prefill), $BLOCKS blocks published"
-  before=$(cpu_ticks "${pids[0]}")
-  TIMEFORMAT="ghz CPU: %U s user, %S s system, %R s wall"
-  { time .tmp/bin/ghz --insecure --call kvrouter.v1.RouterService/Route -D "$request" \
-    -n "$N" -c "$C" --skipFirst "$SKIP" "$addr" >"$out/ghz-$mode.txt" 2>&1; } 2>>"$out/ghz-$mode.txt"
-  used=$(($(cpu_ticks "${pids[0]}") - before))
-  cat "$out/ghz-$mode.txt"
-  echo "kvrouter CPU: $(awk -v t="$used" -v hz="$hz" -v n="$N" 'BEGIN { printf "%.2f s, %.0f µs per request", t / hz, t / hz / n * 1e6 }')" |
-    tee -a "$out/ghz-$mode.txt"
-  kill "$kvload"
-  wait "$kvload" 2>/dev/null || true
+  if [ "$GHZ" = 1 ]; then
+    run_ghz "$mode" "$query_only"
+  else
+    run_kvload "$mode" "$query_only"
+  fi
 done

@@ -2,44 +2,32 @@ package main
 
 import (
 	"context"
-	"io"
-	"log/slog"
-	"net"
 	"os"
 	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/encoding/protojson"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/servertest"
 )
 
 const defaultTestTimeout = 10 * time.Second
 
-// startRouter serves a kvrouter on a loopback port and returns its address and state.
+// startRouter serves a kvrouter on a loopback port (servertest.Serve) and returns its address and
+// state.
 func startRouter(t *testing.T) (string, *kvstate.State) {
 	t.Helper()
 	state := kvstate.NewState()
-	log := kvstate.NewMemLog(state)
-	srv := server.New(server.Options{
-		State: state, Log: log, Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
-		Logger: slog.New(slog.NewTextHandler(io.Discard, nil)), Registry: prometheus.NewRegistry(),
-		MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 100,
-	})
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	srv, lis, err := servertest.Serve(state, kvstate.NewMemLog(state), 1<<16)
 	if err != nil {
-		t.Fatalf("net.Listen() = %v", err)
+		t.Fatalf("servertest.Serve() = %v", err)
 	}
-	go srv.Serve(lis)
 	t.Cleanup(func() {
 		ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
 		defer cancel()
@@ -144,11 +132,15 @@ func TestKvloadSeedsAndWritesRequest(t *testing.T) {
 
 func TestKvloadRejectsBadFlags(t *testing.T) {
 	for _, args := range [][]string{
-		{},                               // no --out
+		{},                               // no --out and no calls to drive
 		{"--out", "x", "--workers", "0"}, // no workers
 		{"--out", "x", "--prefill-workers", "64"},
 		{"--out", "x", "--shared-max", "1"}, // prompts would have no new block
 		{"--out", "x", "extra"},
+		{"--requests", "10", "--duration", "1s"},
+		{"--requests", "10", "--conns", "0"},
+		{"--requests", "10", "--rate", "-1"},
+		{"--requests", "10", "--server-pid", "1", "--server-metrics", "http://x/metrics"},
 	} {
 		var stderr strings.Builder
 		if code := run(context.Background(), args, &stderr); code != 2 {
