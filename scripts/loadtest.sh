@@ -20,10 +20,10 @@
 #   FREE [1]; WORKERS [64]; PREFILL workers [0: all aggregated]; BLOCKS published [1000000];
 #   PROMPT_BLOCKS per published prompt [512]; ROOTS [100]; ROUTE_TOKENS of the routed prompts [2048].
 #   GHZ=1 drives with ghz instead (pinned in scripts/tools.sh; it finds the method by reflection), as
-#   this script did before kvload drove, for comparison: -n N -c C --skipFirst WARMUP, one prompt,
-#   and bookings never freed (ghz fills each request id in from a template, which makes it parse the
-#   JSON request again per call). It prints ghz's summary, ghz's CPU time from bash's `time`, and
-#   kvrouter's CPU per request.
+#   this script did before kvload drove, for comparison: -n N -c C --connections CONNS --skipFirst
+#   WARMUP, one prompt, and bookings never freed (ghz fills each request id in from a template, which
+#   makes it parse the JSON request again per call). It prints ghz's summary, ghz's CPU time from
+#   bash's `time`, and ghz's and kvrouter's CPU per request (over all N, warmup included).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 N=${N:-20000} DURATION=${DURATION:-} WARMUP=${WARMUP:-1000} C=${C:-8} RATE=${RATE:-0}
@@ -85,15 +85,16 @@ run_ghz() {
     kill -0 "$kvload" 2>/dev/null || { echo "kvload failed" >&2; exit 1; }
     sleep 0.2
   done
-  echo "== ghz: mode=$mode, $N requests (first $WARMUP left out), concurrency $C, $ROUTE_TOKENS-token prompt, $WORKERS workers ($PREFILL prefill), $BLOCKS blocks published"
+  echo "== ghz: mode=$mode, $N requests (first $WARMUP left out), concurrency $C, $CONNS conns, $ROUTE_TOKENS-token prompt, $WORKERS workers ($PREFILL prefill), $BLOCKS blocks published"
   local before used
   before=$(cpu_ticks "$router")
   TIMEFORMAT="ghz CPU: %U s user, %S s system, %R s wall"
   { time .tmp/bin/ghz --insecure --call kvrouter.v1.RouterService/Route -D "$request" \
-    -n "$N" -c "$C" --skipFirst "$WARMUP" "$addr" >"$out/ghz-$mode.txt" 2>&1; } 2>>"$out/ghz-$mode.txt"
+    -n "$N" -c "$C" --connections "$CONNS" --skipFirst "$WARMUP" "$addr" >"$out/ghz-$mode.txt" 2>&1; } 2>>"$out/ghz-$mode.txt"
   used=$(($(cpu_ticks "$router") - before))
   cat "$out/ghz-$mode.txt"
   {
+    awk -v n="$N" '/^ghz CPU:/ { printf "ghz CPU per request: %.0f µs\n", ($3 + $6) / n * 1e6 }' "$out/ghz-$mode.txt"
     echo "kvrouter CPU: $(awk -v t="$used" -v hz="$hz" -v n="$N" 'BEGIN { printf "%.2f s, %.0f µs per request", t / hz, t / hz / n * 1e6 }')"
     echo "load average: $(cut -d' ' -f1-3 /proc/loadavg)"
   } | tee -a "$out/ghz-$mode.txt"
