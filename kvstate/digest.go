@@ -65,17 +65,17 @@ func (ix *Index) digest(keyOf func(uint32) WorkerKey) uint64 {
 	for slot, wb := range ix.workers {
 		k := keyOf(slot)
 		for t, m := range wb.byHash {
-			for h, n := range m {
-				sum += hashFields(0x62, k.ID, uint64(k.Rank), uint64(t), h, n.key)
-			}
+			m.all(func(h uint64, key *uint64) {
+				sum += hashFields(0x62, k.ID, uint64(k.Rank), uint64(t), h, *key)
+			})
 		}
 	}
-	for key, n := range ix.nodes {
-		for _, r := range n.refs {
-			k := keyOf(r.slot())
-			sum += hashFields(0x6e, key, k.ID, uint64(k.Rank), uint64(r.tier()))
-		}
-	}
+	ix.nodes.all(func(key uint64, hs *holderSet) {
+		ix.extra.each(hs, func(slot uint32, tier Tier) {
+			k := keyOf(slot)
+			sum += hashFields(0x6e, key, k.ID, uint64(k.Rank), uint64(tier))
+		})
+	})
 	return sum
 }
 

@@ -2,6 +2,7 @@ package kvstate
 
 import (
 	"errors"
+	"math/bits"
 	"sync"
 
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
@@ -16,92 +17,79 @@ var (
 	ErrInvalidBlockSequence = errors.New("stored blocks contain their own parent hash")
 )
 
-// ref is one (worker slot, tier) membership of a node, packed as slot<<2 | tier.
-type ref uint32
-
-func makeRef(slot uint32, tier Tier) ref { return ref(slot<<2 | uint32(tier)) }
-func (r ref) slot() uint32               { return uint32(r >> 2) }
-func (r ref) tier() Tier                 { return Tier(r & 3) }
-
-// node is one block position in the prefix tree: the chain of local hashes from the root, keyed by
-// its sequence hash, with the workers (and tiers) holding it.
-type node struct {
-	key  uint64
-	refs []ref
-}
-
-func (n *node) has(r ref) bool {
-	for _, x := range n.refs {
-		if x == r {
-			return true
-		}
-	}
-	return false
-}
-
-func (n *node) drop(r ref) bool {
-	for i, x := range n.refs {
-		if x == r {
-			last := len(n.refs) - 1
-			n.refs[i] = n.refs[last]
-			n.refs = n.refs[:last]
-			return true
-		}
-	}
-	return false
-}
-
-// workerBlocks maps one worker's engine block hashes to nodes, per tier. It resolves parents and
-// removals, which name blocks by the engine's hash, not by position.
+// workerBlocks maps one worker's engine block hashes to the sequence hashes of the blocks, per tier.
+// It resolves parents and removals, which name blocks by the engine's hash, not by position.
 type workerBlocks struct {
-	byHash [NumTiers]map[uint64]*node
+	byHash [NumTiers]*flatMap[uint64]
 }
 
-func (w *workerBlocks) lookup(tier Tier, hash uint64) *node {
-	if n := w.byHash[tier][hash]; n != nil {
-		return n
+func newWorkerBlocks() *workerBlocks {
+	w := &workerBlocks{}
+	for t := range w.byHash {
+		w.byHash[t] = newFlatMap[uint64]()
 	}
-	// A block offloaded to a slower tier may chain onto a parent still held in another tier.
+	return w
+}
+
+// lookup returns the sequence hash of the worker's block with engine hash in tier, or failing that
+// in another tier: a block offloaded to a slower tier may chain onto a parent still held in another.
+func (w *workerBlocks) lookup(tier Tier, hash uint64) (key uint64, ok bool) {
+	if k := w.byHash[tier].get(hash); k != nil {
+		return *k, true
+	}
 	for t := range w.byHash {
 		if Tier(t) != tier {
-			if n := w.byHash[t][hash]; n != nil {
-				return n
+			if k := w.byHash[t].get(hash); k != nil {
+				return *k, true
 			}
 		}
 	}
-	return nil
+	return 0, false
 }
 
-// probeBatch is how many map probes the index's hot loops issue back to back before using them.
+// probeBatch is how many table probes the index's hot loops issue back to back before using them.
 //
-// Profile lesson (docs/BENCHMARKS.md, "Profiles"): at 1M blocks the maps are far larger than the
-// CPU caches, and 50-60% of the time of Overlaps and Store went to the first touch of each probed
-// map group (runtime maps.ctrlGroup.matchH2): one cache miss per block. The misses came one at a
-// time because the work between two probes (following the node pointer, data-dependent branches
-// over its refs) kept the CPU from starting the next one early. Probing a few independent keys in a
-// tight loop first lets their misses overlap: lookups got about 40% faster and stores about 25%,
-// with the same results. (Remove gained nothing measurable from it, so it probes one at a time.)
+// Profile lesson (docs/BENCHMARKS.md, "Profiles"): at 1M blocks the tables are far larger than the
+// CPU caches, and most of the time of Overlaps and Store goes to the first touch of each probed
+// slot: one cache miss per block. The misses came one at a time while the work between two probes
+// (data-dependent branches over the holders) kept the CPU from starting the next one early. Probing
+// a few independent keys in a tight loop first lets their misses overlap.
 const probeBatch = 8
+
+// walkBatch is probeBatch for the overlap walk, whose probes are cheaper to issue (a touch of the
+// home slot, nothing written): in one interleaved run of the peer lookup benchmark, batches of 32
+// took a 512-block hit lookup from 33 µs to 29 µs against batches of 8 (16: 31 µs); partial lookups
+// did not change.
+const walkBatch = 32
+
+// storeChunk is how many blocks of a stored event are applied under one hold of the write lock. A
+// 512-block event takes about 100 µs; between chunks, overlap queries waiting for the lock get
+// their turn, so a Route never waits behind a whole large event. Readers may see a prefix of the
+// event's chain applied, which is a state the worker could have reported with smaller events.
+const storeChunk = 64
 
 // Index is the prefix index of one model: which worker holds which prompt prefix, in which tier.
 //
-// The tree is stored flat: a node's identity is the chained sequence hash of the local hashes on its
-// path (blockhash.Chain), so a node is found by one map probe and a prompt's overlap is a walk over its
-// sequence hashes with no pointer chasing. Semantics follow Dynamo's radix tree (§4.3): a store chains
-// onto its parent or starts at the root, a removal takes the worker off one node, and a worker's
-// overlap ends at the first block it does not hold.
+// The tree is stored flat: a block's identity is the chained sequence hash of the local hashes on its
+// path (blockhash.Chain), so a block is found by one table probe and a prompt's overlap is a walk over
+// its sequence hashes with no pointer chasing. Each block's holders are bitsets over worker slots
+// (holderSet), so a step of the walk is a few word operations. Semantics follow Dynamo's radix tree
+// (§4.3): a store chains onto its parent or starts at the root, a removal takes the worker off one
+// block, and a worker's overlap ends at the first block it does not hold.
 //
-// Index is safe for concurrent use. Overlap queries take a read lock; each applied event takes the
-// write lock for the duration of that one event.
+// Index is safe for concurrent use. Overlap queries take a read lock; an applied event takes the
+// write lock (a large stored event once per storeChunk blocks).
 type Index struct {
 	mu      sync.RWMutex
-	nodes   map[uint64]*node
+	nodes   *flatMap[holderSet] // by sequence hash
+	extra   extraWords
 	workers map[uint32]*workerBlocks // by slot
+	warm    uint64                   // sink of touch: a load whose value nobody uses is compiled away
 }
 
 // NewIndex returns an empty index.
 func NewIndex() *Index {
-	return &Index{nodes: make(map[uint64]*node), workers: make(map[uint32]*workerBlocks)}
+	return &Index{nodes: newFlatMap[holderSet](), workers: make(map[uint32]*workerBlocks)}
 }
 
 // Store applies a stored event for the worker in slot: the blocks form a chain continuing the
@@ -109,15 +97,20 @@ func NewIndex() *Index {
 // It returns the number of blocks that were already held, or an error and no change at all.
 func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, blocks []Block) (duplicates int, err error) {
 	ix.mu.Lock()
-	defer ix.mu.Unlock()
+	locked := true
+	defer func() {
+		if locked {
+			ix.mu.Unlock()
+		}
+	}()
 	wb := ix.workers[slot]
 	var key uint64
 	if hasParent {
-		var pn *node
+		var ok bool
 		if wb != nil {
-			pn = wb.lookup(tier, parent)
+			key, ok = wb.lookup(tier, parent)
 		}
-		if pn == nil {
+		if !ok {
 			return 0, ErrParentNotFound
 		}
 		for _, b := range blocks {
@@ -125,20 +118,20 @@ func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, bl
 				return 0, ErrInvalidBlockSequence
 			}
 		}
-		key = pn.key
 	}
 	if wb == nil {
-		wb = &workerBlocks{}
+		wb = newWorkerBlocks()
 		ix.workers[slot] = wb
 	}
+	// Nothing below can fail, so releasing the lock between chunks never exposes a half-applied
+	// error. Only this worker's stream changes its blocks, and it is applying this event.
 	byHash := wb.byHash[tier]
-	if byHash == nil {
-		byHash = make(map[uint64]*node)
-		wb.byHash[tier] = byHash
-	}
-	r := makeRef(slot, tier)
 	var keys [probeBatch]uint64
 	for start := 0; start < len(blocks); start += probeBatch {
+		if start > 0 && start%storeChunk == 0 {
+			ix.mu.Unlock()
+			ix.mu.Lock()
+		}
 		chunk := blocks[start:min(start+probeBatch, len(blocks))]
 		for j, b := range chunk {
 			if start+j == 0 && !hasParent {
@@ -148,31 +141,26 @@ func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, bl
 			}
 			keys[j] = key
 		}
-		// Warm the cache with the chunk's probes (see probeBatch; a discarded map lookup is still
-		// made). The loop below probes again, from cache, since applying one block may change what
-		// the next one finds.
+		// Warm the cache with the chunk's probes (see probeBatch). The loop below probes again, from
+		// cache, since applying one block may change what the next one finds.
 		for j, b := range chunk {
-			_ = ix.nodes[keys[j]]
-			_ = byHash[b.Hash]
+			ix.warm ^= ix.nodes.touch(keys[j]) ^ byHash.touch(b.Hash)
 		}
 		for j, b := range chunk {
-			n := ix.nodes[keys[j]]
-			if n == nil {
-				n = &node{key: keys[j], refs: make([]ref, 0, 1)}
-				ix.nodes[keys[j]] = n
-			}
-			if old := byHash[b.Hash]; old != nil && old != n {
+			held, existed := byHash.upsert(b.Hash)
+			if existed && *held != keys[j] {
 				// The engine reused a hash for other content: the old block is gone.
-				ix.dropRef(old, r)
+				ix.dropHolder(*held, slot, tier)
 			}
-			if n.has(r) {
+			*held = keys[j]
+			hs, _ := ix.nodes.upsert(keys[j])
+			if !ix.extra.add(hs, slot, tier) {
 				duplicates++
-			} else {
-				n.refs = append(n.refs, r)
 			}
-			byHash[b.Hash] = n
 		}
 	}
+	locked = false
+	ix.mu.Unlock()
 	return duplicates, nil
 }
 
@@ -182,19 +170,19 @@ func (ix *Index) Remove(slot uint32, tier Tier, hashes []uint64) (unknown int) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
 	wb := ix.workers[slot]
-	if wb == nil || wb.byHash[tier] == nil {
+	if wb == nil {
 		return len(hashes)
 	}
 	byHash := wb.byHash[tier]
-	r := makeRef(slot, tier)
 	for _, h := range hashes {
-		n := byHash[h]
-		if n == nil {
+		k := byHash.get(h)
+		if k == nil {
 			unknown++
 			continue
 		}
-		delete(byHash, h)
-		ix.dropRef(n, r)
+		key := *k
+		byHash.delete(h)
+		ix.dropHolder(key, slot, tier)
 	}
 	return unknown
 }
@@ -221,16 +209,20 @@ func (ix *Index) clearLocked(slot uint32, tier Tier) {
 	if wb == nil {
 		return
 	}
-	r := makeRef(slot, tier)
-	for _, n := range wb.byHash[tier] {
-		ix.dropRef(n, r)
-	}
-	wb.byHash[tier] = nil
+	wb.byHash[tier].all(func(_ uint64, key *uint64) { ix.dropHolder(*key, slot, tier) })
+	wb.byHash[tier].clear()
 }
 
-func (ix *Index) dropRef(n *node, r ref) {
-	if n.drop(r) && len(n.refs) == 0 {
-		delete(ix.nodes, n.key)
+// dropHolder takes the worker off the block with sequence hash key, and the block off the index once
+// nobody holds it.
+func (ix *Index) dropHolder(key uint64, slot uint32, tier Tier) {
+	hs := ix.nodes.get(key)
+	if hs == nil || !ix.extra.remove(hs, slot, tier) {
+		return
+	}
+	if hs.bits == 0 {
+		ix.extra.release(hs)
+		ix.nodes.delete(key)
 	}
 }
 
@@ -241,7 +233,7 @@ func (ix *Index) BlockCounts(slot uint32) TierCounts {
 	var c TierCounts
 	if wb := ix.workers[slot]; wb != nil {
 		for t, m := range wb.byHash {
-			c[t] = uint64(len(m))
+			c[t] = uint64(m.len())
 		}
 	}
 	return c
@@ -251,54 +243,145 @@ func (ix *Index) BlockCounts(slot uint32) TierCounts {
 func (ix *Index) Len() int {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
-	return len(ix.nodes)
+	return ix.nodes.len()
 }
 
 // Overlaps fills o with every worker's overlap with the prompt whose sequence hashes are seq. The walk
 // never stops early, so every score is exact (Dynamo's early exit only gives a lower bound, §10.10).
 func (ix *Index) Overlaps(seq []uint64, o *Overlaps) {
 	o.reset()
+	if len(seq) == 0 {
+		return
+	}
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
-	var batch [probeBatch]*node
+	var batch [walkBatch]*holderSet
 	for i := range seq {
-		j := i % probeBatch
+		j := i % walkBatch
 		if j == 0 {
-			// Look the next blocks up together (see probeBatch). Those past the first missing
+			// Look the next blocks up together (see walkBatch). Those past the first missing
 			// block are looked up in vain; the walk stops there all the same.
-			for k, h := range seq[i:min(i+probeBatch, len(seq))] {
-				batch[k] = ix.nodes[h]
+			next := seq[i:min(i+walkBatch, len(seq))]
+			for _, h := range next {
+				o.warm ^= ix.nodes.touch(h)
+			}
+			for k, h := range next {
+				batch[k] = ix.nodes.get(h)
 			}
 		}
-		n := batch[j]
-		if n == nil {
+		hs := batch[j]
+		if hs == nil {
+			o.finish(uint32(i))
 			return
 		}
-		depth := uint32(i)
-		advanced := false
-		for _, r := range n.refs {
-			d := o.entry(r.slot())
-			// A worker's run in tier t (counting every tier at least as fast) continues only if it
-			// reached this block without a break.
-			for t := r.tier(); t < NumTiers; t++ {
-				if d[t] == depth {
-					d[t] = depth + 1
-					advanced = true
-				}
-			}
-		}
-		if !advanced {
+		if i == 0 {
+			o.start(hs, ix.extra.words(hs))
+		} else if !o.step(hs, ix.extra.words(hs), uint32(i)) {
 			return
 		}
 	}
+	o.finish(uint32(len(seq)))
 }
 
 // Overlaps holds per-worker overlap depths of one prompt. It is scratch space reused across queries:
 // clearing it costs nothing because entries are stamped with the query they belong to.
 type Overlaps struct {
-	epoch uint32
-	stamp []uint32
-	depth [][NumTiers]uint32
+	epoch  uint32
+	stamp  []uint32
+	depth  [][NumTiers]uint32
+	active []activeWord // the index walk's workers still running, by word of slots
+	warm   uint64       // sink of touch (see Index.warm)
+}
+
+// activeWord is the state of the index walk for the workers in one word of slots.
+type activeWord struct {
+	word uint32
+	runs [NumTiers]uint64 // runs[t]: workers whose run in tier t, or a faster one, is unbroken
+	seen [NumTiers]uint64 // the current block's holders in this word, each counted in its tier and slower ones
+}
+
+// start begins the walk at the prompt's first block with its holders.
+func (o *Overlaps) start(hs *holderSet, extra []holderWord) {
+	o.active = o.active[:0]
+	o.startWord(hs.first())
+	for _, w := range extra {
+		o.startWord(w)
+	}
+}
+
+func (o *Overlaps) startWord(w holderWord) {
+	a := o.find(w.word())
+	if a == nil {
+		o.active = append(o.active, activeWord{word: w.word()})
+		a = &o.active[len(o.active)-1]
+	}
+	for t := w.tier(); t < NumTiers; t++ {
+		a.runs[t] |= w.bits
+	}
+}
+
+func (o *Overlaps) find(word uint32) *activeWord {
+	for i := range o.active {
+		if o.active[i].word == word {
+			return &o.active[i]
+		}
+	}
+	return nil
+}
+
+// step moves the walk to the block at depth, held by hs: a worker's run in a tier ends where it does
+// not hold the block in that tier or a faster one, and its depth there is recorded. It reports
+// whether any worker is still running.
+func (o *Overlaps) step(hs *holderSet, extra []holderWord, depth uint32) bool {
+	for i := range o.active {
+		o.active[i].seen = [NumTiers]uint64{}
+	}
+	o.see(hs.first())
+	for _, w := range extra {
+		o.see(w)
+	}
+	kept := o.active[:0]
+	for _, a := range o.active {
+		alive := false
+		for t := range a.runs {
+			still := a.runs[t] & a.seen[t]
+			if ended := a.runs[t] &^ still; ended != 0 {
+				o.record(a.word, Tier(t), ended, depth)
+			}
+			a.runs[t] = still
+			alive = alive || still != 0
+		}
+		if alive {
+			kept = append(kept, a)
+		}
+	}
+	o.active = kept
+	return len(kept) > 0
+}
+
+func (o *Overlaps) see(w holderWord) {
+	if a := o.find(w.word()); a != nil {
+		for t := w.tier(); t < NumTiers; t++ {
+			a.seen[t] |= w.bits
+		}
+	}
+}
+
+// finish ends the walk after depth blocks: every worker still running reached it.
+func (o *Overlaps) finish(depth uint32) {
+	for _, a := range o.active {
+		for t, run := range a.runs {
+			o.record(a.word, Tier(t), run, depth)
+		}
+	}
+	o.active = o.active[:0]
+}
+
+// record sets the depth in tier of the workers of word whose bits are set.
+func (o *Overlaps) record(word uint32, tier Tier, set uint64, depth uint32) {
+	for ; set != 0; set &= set - 1 {
+		o.entry(word<<6 | uint32(bits.TrailingZeros64(set)))[tier] = depth
+	}
 }
 
 func (o *Overlaps) reset() {

@@ -66,23 +66,23 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 		b = binary.AppendUvarint(b, uint64(m.BlockSize))
 		ix := m.Index
 		ix.mu.RLock()
-		b = binary.AppendUvarint(b, uint64(len(ix.nodes)))
-		for key, n := range ix.nodes {
+		b = binary.AppendUvarint(b, uint64(ix.nodes.len()))
+		ix.nodes.all(func(key uint64, hs *holderSet) {
 			b = binary.LittleEndian.AppendUint64(b, key)
-			b = binary.AppendUvarint(b, uint64(len(n.refs)))
-			for _, r := range n.refs {
-				b = binary.AppendUvarint(b, index[r.slot()]<<2|uint64(r.tier()))
-			}
-		}
+			b = binary.AppendUvarint(b, uint64(ix.extra.count(hs)))
+			ix.extra.each(hs, func(slot uint32, tier Tier) {
+				b = binary.AppendUvarint(b, index[slot]<<2|uint64(tier))
+			})
+		})
 		b = binary.AppendUvarint(b, uint64(len(ix.workers)))
 		for slot, wb := range ix.workers {
 			b = binary.AppendUvarint(b, index[slot])
 			for _, byHash := range wb.byHash {
-				b = binary.AppendUvarint(b, uint64(len(byHash)))
-				for h, n := range byHash {
+				b = binary.AppendUvarint(b, uint64(byHash.len()))
+				byHash.all(func(h uint64, key *uint64) {
 					b = binary.LittleEndian.AppendUint64(b, h)
-					b = binary.LittleEndian.AppendUint64(b, n.key)
-				}
+					b = binary.LittleEndian.AppendUint64(b, *key)
+				})
 			}
 		}
 		ix.mu.RUnlock()
@@ -221,34 +221,39 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 		m := &Model{Name: r.string(), BlockSize: r.u32(), Index: NewIndex()}
 		nn := r.count(9)
 		for range nn {
-			n := &node{key: r.u64()}
+			key := r.u64()
 			nr := r.count(1)
-			n.refs = make([]ref, 0, nr)
+			hs, _ := m.Index.nodes.upsert(key)
 			for range nr {
 				v := r.uvarint()
 				if r.err == nil && v>>2 >= uint64(len(workers)) {
 					r.fail("ref to worker %d of %d", v>>2, len(workers))
 				}
-				n.refs = append(n.refs, makeRef(uint32(v>>2), Tier(v&3)))
+				if r.err != nil {
+					break
+				}
+				m.Index.extra.add(hs, uint32(v>>2), Tier(v&3))
 			}
-			m.Index.nodes[n.key] = n
+			if r.err == nil && hs.bits == 0 {
+				r.fail("block %#x without holders", key)
+			}
 		}
 		nwb := r.count(NumTiers)
 		for range nwb {
 			w := worker()
-			wb := &workerBlocks{}
+			wb := newWorkerBlocks()
 			for t := range wb.byHash {
 				nh := r.count(16)
-				if nh > 0 {
-					wb.byHash[t] = make(map[uint64]*node, nh)
-				}
 				for range nh {
 					h, key := r.u64(), r.u64()
-					if n := m.Index.nodes[key]; n != nil {
-						wb.byHash[t][h] = n
-					} else if r.err == nil {
-						r.fail("block of an unknown node")
+					if m.Index.nodes.get(key) == nil {
+						if r.err == nil {
+							r.fail("block of an unknown node")
+						}
+						break
 					}
+					v, _ := wb.byHash[t].upsert(h)
+					*v = key
 				}
 			}
 			if w != nil {
