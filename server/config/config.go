@@ -33,6 +33,7 @@ type Options struct {
 	// Serving.
 	Listen               string        // gRPC address
 	MetricsListen        string        // HTTP address of /metrics ("" = off)
+	Pprof                bool          // serve /debug/pprof/ on the metrics listener
 	LogLevel             string        // debug, info, warn, error
 	MaxPromptTokens      int           // longest accepted prompt
 	MaxRecvMsgBytes      int           // largest accepted gRPC message

@@ -111,6 +111,8 @@ func TestBadConfig(t *testing.T) {
 			want: "KVROUTER_MAX_PUBLISH_MSG_BYTES: must be at most --max-recv-msg-bytes 2097152 (got 4194304)"},
 		{name: "zero batch blocks", args: []string{"--max-batch-blocks", "0"},
 			want: "--max-batch-blocks: must be >= 1 (got 0)"},
+		{name: "pprof without a metrics listener", args: []string{"--pprof", "--metrics-listen", ""},
+			want: "--pprof: needs --metrics-listen, where the profiler is served"},
 		{name: "unknown flag", args: []string{"--no-such-flag"}, want: "flag provided but not defined: -no-such-flag"},
 		{name: "missing config file", args: []string{"--config", "/nonexistent/kvrouter.yaml"}, want: "no such file or directory"},
 	}

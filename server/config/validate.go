@@ -45,6 +45,9 @@ func (o *Options) Validate() error {
 	if o.Listen == "" {
 		return fmt.Errorf("%s: must not be empty", o.describe("listen"))
 	}
+	if o.Pprof && o.MetricsListen == "" {
+		return fmt.Errorf("%s: needs %s, where the profiler is served", o.describe("pprof"), o.describe("metrics_listen"))
+	}
 	if o.RedisAddr != "" && o.RedisClusterAddrs != "" {
 		return fmt.Errorf("%s and %s: set one, not both", o.describe("redis_addr"), o.describe("redis_cluster_addrs"))
 	}
