@@ -41,7 +41,8 @@ type publishFrame struct {
 }
 
 // limitingCodec is the server's codec: the standard protobuf codec, except that a publishFrame is
-// sized and counted before it is decoded.
+// sized and counted before it is decoded, and a RouteRequest's token ids are decoded by a fast path
+// (unmarshalRoute).
 type limitingCodec struct{ base encoding.CodecV2 }
 
 func newLimitingCodec() limitingCodec {
@@ -52,6 +53,11 @@ func (c limitingCodec) Name() string                           { return c.base.N
 func (c limitingCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.Marshal(v) }
 
 func (c limitingCodec) Unmarshal(data mem.BufferSlice, v any) error {
+	if m, ok := v.(*kvrouterv1.RouteRequest); ok {
+		buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
+		defer buf.Free()
+		return unmarshalRoute(buf.ReadOnlyData(), m)
+	}
 	f, ok := v.(*publishFrame)
 	if !ok {
 		return c.base.Unmarshal(data, v)

@@ -1,0 +1,142 @@
+package server
+
+import (
+	"math/rand/v2"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"google.golang.org/protobuf/encoding/protowire"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/testing/protocmp"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+)
+
+// TestUnmarshalRouteMatchesProto: unmarshalRoute decodes every encoding of a RouteRequest the way
+// proto.Unmarshal does, token ids of every varint length included, and fails where it fails.
+func TestUnmarshalRouteMatchesProto(t *testing.T) {
+	full := &kvrouterv1.RouteRequest{
+		RequestId: "r-1", Model: "llama", TokenIds: []uint32{0, 1, 127, 128, 16383, 16384, 2097151, 2097152, 1<<28 - 1, 1 << 28, 1<<32 - 1},
+		LoraName: "lora", CacheNamespace: "ns", QueryOnly: true, Annotations: []string{"a", "b"}, Explain: true, SessionId: "s",
+		Hints: &kvrouterv1.RoutingHints{AllowedWorkerIds: []uint64{1, 2}},
+	}
+	packed, err := proto.Marshal(full)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tokens := func(ids ...uint32) []byte { // one packed token_ids field
+		var v []byte
+		for _, id := range ids {
+			v = protowire.AppendVarint(v, uint64(id))
+		}
+		b := protowire.AppendTag(nil, routeTokenField, protowire.BytesType)
+		return protowire.AppendBytes(b, v)
+	}
+	unpacked := func(ids ...uint64) []byte {
+		var b []byte
+		for _, id := range ids {
+			b = protowire.AppendTag(b, routeTokenField, protowire.VarintType)
+			b = protowire.AppendVarint(b, id)
+		}
+		return b
+	}
+	model := func(s string) []byte {
+		return protowire.AppendString(protowire.AppendTag(nil, 2, protowire.BytesType), s)
+	}
+	cat := func(parts ...[]byte) []byte {
+		var b []byte
+		for _, p := range parts {
+			b = append(b, p...)
+		}
+		return b
+	}
+	r := rand.New(rand.NewPCG(5, 6))
+	var many []uint32
+	for range 5000 {
+		many = append(many, uint32(r.Uint64()>>r.IntN(64)))
+	}
+	tests := []struct {
+		name string
+		wire []byte
+	}{
+		{"empty", nil},
+		{"every field", packed},
+		{"many tokens of every length", tokens(many...)},
+		{"token fields split and interleaved with others, last model wins", cat(tokens(1, 2), model("a"), tokens(300), unpacked(4, 5), model("b"), tokens())},
+		{"unpacked, with a 64-bit varint truncated to 32 bits", unpacked(7, 1<<40|9)},
+		{"unknown field kept", cat(tokens(1), protowire.AppendVarint(protowire.AppendTag(nil, 99, protowire.VarintType), 5))},
+		{"truncated packed varint", cat(protowire.AppendTag(nil, routeTokenField, protowire.BytesType), []byte{2, 0x80, 0x80})},
+		{"packed length past the end", cat(protowire.AppendTag(nil, routeTokenField, protowire.BytesType), []byte{9, 1})},
+		{"truncated tag", []byte{0x80}},
+		{"truncated other field", model("abc")[:3]},
+		{"bad UTF-8 in a string", model("\xff")},
+		{"wrong wire type for model", protowire.AppendVarint(protowire.AppendTag(nil, 2, protowire.VarintType), 1)},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			want := &kvrouterv1.RouteRequest{}
+			wantErr := proto.Unmarshal(tc.wire, want)
+			got := &kvrouterv1.RouteRequest{}
+			gotErr := unmarshalRoute(tc.wire, got)
+			if (gotErr != nil) != (wantErr != nil) {
+				t.Fatalf("unmarshalRoute error = %v, proto.Unmarshal error = %v", gotErr, wantErr)
+			}
+			if wantErr != nil {
+				return
+			}
+			if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
+				t.Errorf("unmarshalRoute differs from proto.Unmarshal (-proto +ours):\n%s", diff)
+			}
+		})
+	}
+}
+
+// FuzzUnmarshalRoute: on any bytes, unmarshalRoute agrees with proto.Unmarshal.
+func FuzzUnmarshalRoute(f *testing.F) {
+	b, _ := proto.Marshal(&kvrouterv1.RouteRequest{Model: "m", TokenIds: []uint32{1, 200, 70000, 1 << 30}, QueryOnly: true})
+	f.Add(b)
+	f.Add([]byte{0x1a, 0x02, 0x80, 0x01})
+	f.Fuzz(func(t *testing.T, wire []byte) {
+		want := &kvrouterv1.RouteRequest{}
+		wantErr := proto.Unmarshal(wire, want)
+		got := &kvrouterv1.RouteRequest{}
+		gotErr := unmarshalRoute(wire, got)
+		if (gotErr != nil) != (wantErr != nil) {
+			t.Fatalf("unmarshalRoute error = %v, proto.Unmarshal error = %v", gotErr, wantErr)
+		}
+		if wantErr == nil && !proto.Equal(want, got) {
+			t.Fatalf("unmarshalRoute = %v, proto.Unmarshal = %v", got, want)
+		}
+	})
+}
+
+// BenchmarkUnmarshalRoute decodes a 2,048-token request with ids like a 128k-token vocabulary's:
+// proto.Unmarshal against unmarshalRoute.
+func BenchmarkUnmarshalRoute(b *testing.B) {
+	r := rand.New(rand.NewPCG(1, 2))
+	req := &kvrouterv1.RouteRequest{Model: "bench", QueryOnly: true}
+	for range 2048 {
+		req.TokenIds = append(req.TokenIds, uint32(r.IntN(128256)))
+	}
+	wire, err := proto.Marshal(req)
+	if err != nil {
+		b.Fatal(err)
+	}
+	for _, tc := range []struct {
+		name string
+		f    func([]byte, *kvrouterv1.RouteRequest) error
+	}{
+		{"proto", func(w []byte, m *kvrouterv1.RouteRequest) error { return proto.Unmarshal(w, m) }},
+		{"unmarshalRoute", unmarshalRoute},
+	} {
+		b.Run(tc.name, func(b *testing.B) {
+			b.SetBytes(int64(len(wire)))
+			b.ReportAllocs()
+			for b.Loop() {
+				if err := tc.f(wire, &kvrouterv1.RouteRequest{}); err != nil {
+					b.Fatal(err)
+				}
+			}
+		})
+	}
+}
