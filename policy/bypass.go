@@ -19,7 +19,11 @@ type CDOverride struct {
 // EffectiveCD returns the conditional-disaggregation configuration for a request with override o,
 // checked by the rules of the startup configuration (ResolveCD), whose messages name the router's
 // configuration keys.
-func (c Config) EffectiveCD(o CDOverride) (CDConfig, error) {
+func (c Config) EffectiveCD(o CDOverride) (CDConfig, error) { return c.effectiveCD(o) }
+
+// effectiveCD is EffectiveCD without copying the configuration: the routing path calls it, where
+// stack frame size matters (see noEligibleWorker).
+func (c *Config) effectiveCD(o CDOverride) (CDConfig, error) {
 	cd := c.ConditionalDisagg
 	if o.Enabled != nil {
 		cd.Enabled = *o.Enabled

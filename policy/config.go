@@ -176,7 +176,10 @@ type Weights struct {
 // Weights returns the effective weights for a request with override o. The deprecated
 // overlap_score_weight w, when present, sets prefill_load_scale to w, and w == 0 also sets the
 // credit to 0; a request's own weight wins over the configured one (§3.1).
-func (c Config) Weights(o Override) Weights {
+func (c Config) Weights(o Override) Weights { return c.weights(o) }
+
+// weights is Weights without copying the configuration (see effectiveCD).
+func (c *Config) weights(o Override) Weights {
 	w := Weights{
 		Credit: c.OverlapScoreCredit, Decay: c.OverlapScoreCreditDecay, PrefillLoadScale: c.PrefillLoadScale,
 		DecodeActiveRequestWeight: c.DecodeActiveRequestWeight,

@@ -169,7 +169,7 @@ type routeCtx struct {
 // workers (Decision.Load). It fails with ErrAllWorkersOverloaded when router_queue_threshold leaves
 // no worker for a hop; the caller may queue the request and decide again when capacity changes.
 func (r *Kernel) Decide(req *Request) (*Decision, error) {
-	cd, err := r.Config.EffectiveCD(req.CDOverride)
+	cd, err := r.Config.effectiveCD(req.CDOverride)
 	if err != nil {
 		return nil, err
 	}
@@ -207,7 +207,7 @@ func (r *Kernel) Decide(req *Request) (*Decision, error) {
 		}
 	}
 	prefillPool, decodePool := sc.prefill, sc.decode
-	weights := r.Config.Weights(req.Override)
+	weights := r.Config.weights(req.Override)
 	dec := rc.dec
 	// The decode hop goes to the explicit pin, else to the session's decode worker if it is still here.
 	affinity, affinityStale := sessionTarget(req, decodePool)
@@ -301,14 +301,8 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 		sc.slots = append(sc.slots, wk.Slot)
 	}
 	sc.eligible = eligible
-	switch {
-	case len(eligible) > 0:
-	case pin != nil:
-		return Choice{}, fmt.Errorf("%w: %s hop has no worker %s", ErrPinnedWorkerNotFound, hop, pin)
-	case len(req.AllowedWorkers) > 0:
-		return Choice{}, fmt.Errorf("%w: %s hop: none of allowed_worker_ids %v serves model %q", ErrNoEligibleWorkers, hop, req.AllowedWorkers, req.Model)
-	default:
-		return Choice{}, fmt.Errorf("%w: model %q has no %s workers", ErrNoWorkers, req.Model, hopRole(hop))
+	if len(eligible) == 0 {
+		return Choice{}, noEligibleWorker(req, hop, pin)
 	}
 	sc.loads = r.View.Load().Slots(sc.loads[:0], sc.slots)
 
@@ -334,10 +328,7 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 		sc.cands = append(sc.cands, c)
 	}
 	if len(sc.cands) == 0 {
-		if pin != nil && overloaded == 1 {
-			return Choice{}, fmt.Errorf("%w: %s hop, worker %s", ErrPinnedWorkerOverloaded, hop, pin)
-		}
-		return Choice{}, fmt.Errorf("%w: %s hop, %d workers over router_queue_threshold", ErrAllWorkersOverloaded, hop, overloaded)
+		return Choice{}, allOverloaded(hop, pin, overloaded)
 	}
 	h := &sc.hop
 	*h = Hop{Name: hop, Request: req, Prompt: p, Weights: w, MinActivePrefill: minActive}
@@ -345,7 +336,7 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 		n := len(sc.cands)
 		sc.cands = slices.DeleteFunc(sc.cands, func(c Candidate) bool { return !f.Keep(h, &c) })
 		if len(sc.cands) == 0 {
-			return Choice{}, fmt.Errorf("%w: %s hop: filter %s dropped all %d workers", ErrNoEligibleWorkers, hop, f, n)
+			return Choice{}, filteredOut(hop, f, n)
 		}
 	}
 	r.scorer().Score(h, sc.cands)
@@ -361,6 +352,37 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	}
 	chosen := sc.cands[best]
 	return Choice{Candidate: chosen, CachedTokens: w.CachedTokens(chosen.Overlap, p.BlockSize)}, nil
+}
+
+// The errors of choose are built out of line: their fmt.Errorf arguments would otherwise take
+// several hundred bytes of choose's stack frame on every call. Frames matter on this path: a
+// gRPC handler's goroutine starts with an 8 KB stack, and the Route path used to overflow it, so
+// every call paid for copying its stack to a larger one (9% of the server's CPU per call;
+// docs/BENCHMARKS.md, "Route over gRPC").
+
+//go:noinline
+func noEligibleWorker(req *Request, hop string, pin *Pin) error {
+	switch {
+	case pin != nil:
+		return fmt.Errorf("%w: %s hop has no worker %s", ErrPinnedWorkerNotFound, hop, pin)
+	case len(req.AllowedWorkers) > 0:
+		return fmt.Errorf("%w: %s hop: none of allowed_worker_ids %v serves model %q", ErrNoEligibleWorkers, hop, req.AllowedWorkers, req.Model)
+	default:
+		return fmt.Errorf("%w: model %q has no %s workers", ErrNoWorkers, req.Model, hopRole(hop))
+	}
+}
+
+//go:noinline
+func allOverloaded(hop string, pin *Pin, overloaded int) error {
+	if pin != nil && overloaded == 1 {
+		return fmt.Errorf("%w: %s hop, worker %s", ErrPinnedWorkerOverloaded, hop, pin)
+	}
+	return fmt.Errorf("%w: %s hop, %d workers over router_queue_threshold", ErrAllWorkersOverloaded, hop, overloaded)
+}
+
+//go:noinline
+func filteredOut(hop string, f Filter, n int) error {
+	return fmt.Errorf("%w: %s hop: filter %s dropped all %d workers", ErrNoEligibleWorkers, hop, f, n)
 }
 
 func (r *Kernel) scorer() Scorer {

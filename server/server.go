@@ -99,18 +99,13 @@ func New(o Options) *Server {
 		o.Logger.Error("recovered from panic in handler", "panic", p, "stack", string(debug.Stack()))
 		return status.Error(codes.Internal, "internal error")
 	})
-	callLog := logging.WithLevels(func(c codes.Code) logging.Level {
-		if c == codes.OK {
-			return logging.LevelDebug // a line per routed request would cost more than routing it
-		}
-		return logging.DefaultServerCodeToLevel(c)
-	})
+	callLog := logging.WithLevels(func(c codes.Code) logging.Level { return logging.Level(callLevel(c)) })
 	logger := interceptorLogger(o.Logger)
 	s := &Server{
 		grpc: grpc.NewServer(
 			grpc.ChainUnaryInterceptor(
 				grpcMetrics.UnaryServerInterceptor(),
-				logging.UnaryServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.FinishCall)),
+				unaryCallLog(o.Logger),
 				recovery.UnaryServerInterceptor(recover),
 			),
 			grpc.ChainStreamInterceptor(

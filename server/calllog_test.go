@@ -1,0 +1,80 @@
+package server
+
+import (
+	"bytes"
+	"log/slog"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+)
+
+// lockedBuffer is a log destination the server's goroutines may write while the test reads it.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) lines(msg string) []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	var out []string
+	for _, line := range strings.Split(l.b.String(), "\n") {
+		if strings.Contains(line, "msg=\""+msg+"\"") {
+			out = append(out, line)
+		}
+	}
+	return out
+}
+
+// TestUnaryCallLog: a finished unary call is logged at debug when it succeeds and at the
+// middleware's level for its code when it fails, with the middleware's fields; below the logger's
+// level nothing is logged.
+func TestUnaryCallLog(t *testing.T) {
+	ok := func(e *testEnv) { e.admin.ListWorkers(e.ctx, &kvrouterv1.ListWorkersRequest{}) }                //nolint:errcheck // the log line is checked
+	invalid := func(e *testEnv) { e.router.Route(e.ctx, &kvrouterv1.RouteRequest{TokenIds: []uint32{1}}) } //nolint:errcheck // as above
+	tests := []struct {
+		name      string
+		level     slog.Level
+		call      func(*testEnv)
+		wantLines int
+		wantParts []string
+	}{
+		{"success at debug", slog.LevelDebug, ok, 1,
+			[]string{"level=DEBUG", "grpc.service=kvrouter.v1.AdminService", "grpc.method=ListWorkers", "grpc.method_type=unary", "grpc.code=OK"}},
+		{"success below debug is dropped", slog.LevelInfo, ok, 0, nil},
+		{"invalid argument at info", slog.LevelInfo, invalid, 1,
+			[]string{"level=INFO", "grpc.method=Route", "grpc.code=InvalidArgument", "grpc.error=", "peer.address=", "grpc.time_ms="}},
+	}
+	for _, tc := range tests {
+		t.Run(tc.name, func(t *testing.T) {
+			out := &lockedBuffer{}
+			env := newTestEnv(t, func(o *Options) {
+				o.Logger = slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{Level: tc.level}))
+			})
+			tc.call(env)
+			lines := out.lines("finished call")
+			if len(lines) != tc.wantLines {
+				t.Fatalf("%d finished-call lines, want %d:\n%s", len(lines), tc.wantLines, strings.Join(lines, "\n"))
+			}
+			var missing []string
+			for _, part := range tc.wantParts {
+				if !strings.Contains(lines[0], part) {
+					missing = append(missing, part)
+				}
+			}
+			if diff := cmp.Diff([]string(nil), missing); diff != "" {
+				t.Errorf("log line %q lacks (-want +got):\n%s", lines[0], diff)
+			}
+		})
+	}
+}
