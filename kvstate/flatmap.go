@@ -202,6 +202,19 @@ func (m *flatMap[V]) delete(key uint64) bool {
 	return true
 }
 
+// clone returns a copy of the table: its segments' slots are copied as they are (they hold no
+// pointers), so copying costs about a memory copy of the table.
+func (m *flatMap[V]) clone() *flatMap[V] {
+	c := &flatMap[V]{seed: m.seed, depth: m.depth, n: m.n, hasZero: m.hasZero, zero: m.zero,
+		dir: make([]dirEntry[V], len(m.dir)), segs: make([]*segment[V], len(m.segs))}
+	for i, s := range m.segs {
+		cs := &segment[V]{depth: s.depth, prefix: s.prefix, n: s.n, slots: append([]flatEntry[V](nil), s.slots...)}
+		c.segs[i] = cs
+		c.point(cs)
+	}
+	return c
+}
+
 // clear removes every key.
 func (m *flatMap[V]) clear() { *m = *newFlatMap[V]() }
 

@@ -226,6 +226,26 @@ func (ix *Index) dropHolder(key uint64, slot uint32, tier Tier) {
 	}
 }
 
+// clone returns a private copy of the index (for a snapshot; see State.Freeze).
+func (ix *Index) clone() *Index {
+	ix.mu.RLock()
+	defer ix.mu.RUnlock()
+	c := &Index{nodes: ix.nodes.clone(), workers: make(map[uint32]*workerBlocks, len(ix.workers))}
+	c.extra.lists = make([][]holderWord, len(ix.extra.lists))
+	for i, l := range ix.extra.lists {
+		c.extra.lists[i] = append([]holderWord(nil), l...)
+	}
+	c.extra.free = append([]uint32(nil), ix.extra.free...)
+	for slot, wb := range ix.workers {
+		cw := &workerBlocks{}
+		for t, m := range wb.byHash {
+			cw.byHash[t] = m.clone()
+		}
+		c.workers[slot] = cw
+	}
+	return c
+}
+
 // BlockCounts returns how many blocks the worker holds per tier.
 func (ix *Index) BlockCounts(slot uint32) TierCounts {
 	ix.mu.RLock()

@@ -12,9 +12,9 @@ const SnapshotVersion = 2
 
 // DefaultSnapshotEvery is how many applied changes a shared log lets pass between two snapshots
 // unless configured otherwise (kvrouter serve's snapshot_every). A cold start replays about this
-// many block events after the snapshot it loads at most, while a snapshot of a 1M-block state holds
-// its writer's tailer for 0.5-2 s of encoding and writing (docs/BENCHMARKS.md): so snapshots are
-// coarse.
+// many block events after the snapshot it loads at most, while a snapshot of a 1M-block state costs
+// its writer about half a second of a core to encode and 40 MB written to Redis (docs/BENCHMARKS.md):
+// so snapshots are coarse.
 const DefaultSnapshotEvery = 1_000_000
 
 // SnapshotHeader is what a snapshot says of itself: the log position it reflects (a stream id) and
@@ -29,15 +29,43 @@ type SnapshotHeader struct {
 
 // EncodeSnapshot appends the replicated state, with its header, to dst. The caller must keep the
 // state still while it runs: no change applied (the log tailer is the caller) and no booking applied
-// locally (the caller holds whatever lock keeps them out).
+// locally (the caller holds whatever lock keeps them out). Freeze does the same in two steps, the
+// long one without any lock.
 func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
+	return s.Freeze(h).Encode(dst)
+}
+
+// FrozenState is a copy of the replicated state taken by Freeze, to be encoded as a snapshot later.
+type FrozenState struct {
+	head   []byte // header and workers, encoded
+	models []frozenModel
+	tail   []byte   // bookings, sessions and the bookkeeping of replicated apply, encoded
+	index  []uint64 // worker slot -> position in the snapshot's worker list
+}
+
+type frozenModel struct {
+	name      string
+	blockSize uint32
+	index     *Index // a private copy
+}
+
+// Freeze copies the replicated state for a snapshot, under the same conditions as EncodeSnapshot
+// (the caller keeps changes and local bookings out while it runs), and returns it to be encoded
+// without holding anything.
+//
+// Why: encoding a 1M-block state takes 0.5-0.9 s, and the replica writing a snapshot used to hold
+// its local bookings (Route calls that book) off for all of it. The indexes are flat, pointer-free
+// tables (flatMap), so copying one is a few memory copies, tens of milliseconds per million blocks;
+// everything else in the state is small and is encoded here at once. The copy costs the index's
+// memory once more until it is encoded.
+func (s *State) Freeze(h SnapshotHeader) *FrozenState {
 	s.mu.RLock()
 	defer s.mu.RUnlock()
-	b := append(dst, SnapshotVersion)
+	f := &FrozenState{}
+	b := append([]byte(nil), SnapshotVersion)
 	b = putString(b, h.Position)
 	b = putString(b, h.Generation)
 	b = binary.AppendUvarint(b, h.Entry)
-
 	// Workers in slot order: restoring them in this order gives the same slots.
 	var workers []*Worker
 	for _, w := range s.slots {
@@ -45,10 +73,10 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 			workers = append(workers, w)
 		}
 	}
-	index := make(map[uint32]uint64, len(workers)) // slot -> position in the snapshot's worker list
+	f.index = make([]uint64, len(s.slots)) // slot -> position in the snapshot's worker list
 	b = binary.AppendUvarint(b, uint64(len(workers)))
 	for i, w := range workers {
-		index[w.Slot] = uint64(i)
+		f.index[w.Slot] = uint64(i)
 		st := w.Status()
 		b = putInfo(b, w.Info)
 		b = binary.AppendUvarint(b, st.Epoch)
@@ -59,36 +87,16 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 		b = binary.AppendUvarint(b, st.WaitingRequests)
 	}
 
-	// Indexes: every node with its holders, then each worker's engine hashes per tier.
-	b = binary.AppendUvarint(b, uint64(len(s.models)))
+	f.head = b
+
+	// Indexes: copied here, encoded by Encode.
 	for _, m := range s.models {
-		b = putString(b, m.Name)
-		b = binary.AppendUvarint(b, uint64(m.BlockSize))
-		ix := m.Index
-		ix.mu.RLock()
-		b = binary.AppendUvarint(b, uint64(ix.nodes.len()))
-		ix.nodes.all(func(key uint64, hs *holderSet) {
-			b = binary.LittleEndian.AppendUint64(b, key)
-			b = binary.AppendUvarint(b, uint64(ix.extra.count(hs)))
-			ix.extra.each(hs, func(slot uint32, tier Tier) {
-				b = binary.AppendUvarint(b, index[slot]<<2|uint64(tier))
-			})
-		})
-		b = binary.AppendUvarint(b, uint64(len(ix.workers)))
-		for slot, wb := range ix.workers {
-			b = binary.AppendUvarint(b, index[slot])
-			for _, byHash := range wb.byHash {
-				b = binary.AppendUvarint(b, uint64(byHash.len()))
-				byHash.all(func(h uint64, key *uint64) {
-					b = binary.LittleEndian.AppendUint64(b, h)
-					b = binary.LittleEndian.AppendUint64(b, *key)
-				})
-			}
-		}
-		ix.mu.RUnlock()
+		f.models = append(f.models, frozenModel{name: m.Name, blockSize: m.BlockSize, index: m.Index.clone()})
 	}
+	index := f.index
 
 	// Bookings.
+	b = nil
 	l := s.load
 	l.mu.RLock()
 	b = binary.AppendUvarint(b, uint64(len(l.bookings)))
@@ -124,7 +132,20 @@ func (s *State) EncodeSnapshot(dst []byte, h SnapshotHeader) []byte {
 		b = binary.AppendVarint(b, t.at)
 	}
 	s.rep.mu.Unlock()
-	return b
+	f.tail = b
+	return f
+}
+
+// Encode appends the snapshot of the frozen state to dst. It takes no lock.
+func (f *FrozenState) Encode(dst []byte) []byte {
+	b := append(dst, f.head...)
+	b = binary.AppendUvarint(b, uint64(len(f.models)))
+	for _, m := range f.models {
+		b = putString(b, m.name)
+		b = binary.AppendUvarint(b, uint64(m.blockSize))
+		b = m.index.encode(b, f.index)
+	}
+	return append(b, f.tail...)
 }
 
 // Restore replaces the state with a snapshot and returns its header. A stream registered at an
@@ -324,4 +345,29 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 		return nil, SnapshotHeader{}, r.err
 	}
 	return s, h, nil
+}
+
+// encode appends every node with its holders, then each worker's engine hashes per tier; index maps
+// slots to positions in the snapshot's worker list. The caller owns ix (a clone): no lock is taken.
+func (ix *Index) encode(b []byte, index []uint64) []byte {
+	b = binary.AppendUvarint(b, uint64(ix.nodes.len()))
+	ix.nodes.all(func(key uint64, hs *holderSet) {
+		b = binary.LittleEndian.AppendUint64(b, key)
+		b = binary.AppendUvarint(b, uint64(ix.extra.count(hs)))
+		ix.extra.each(hs, func(slot uint32, tier Tier) {
+			b = binary.AppendUvarint(b, index[slot]<<2|uint64(tier))
+		})
+	})
+	b = binary.AppendUvarint(b, uint64(len(ix.workers)))
+	for slot, wb := range ix.workers {
+		b = binary.AppendUvarint(b, index[slot])
+		for _, byHash := range wb.byHash {
+			b = binary.AppendUvarint(b, uint64(byHash.len()))
+			byHash.all(func(h uint64, key *uint64) {
+				b = binary.LittleEndian.AppendUint64(b, h)
+				b = binary.LittleEndian.AppendUint64(b, *key)
+			})
+		}
+	}
+	return b
 }

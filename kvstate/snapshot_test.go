@@ -68,6 +68,35 @@ func TestSnapshotRestoresTheSameState(t *testing.T) {
 	}
 }
 
+// TestFreezeIsACopy: what Freeze captured is what Encode writes, whatever changes the state takes in
+// between: stores, removals, bookings, frees and a worker's removal.
+func TestFreezeIsACopy(t *testing.T) {
+	src := richState(t)
+	want := src.Digest()
+	frozen := src.Freeze(SnapshotHeader{Position: "1-0"})
+	for _, c := range []Change{
+		Freed{RequestID: "r1"},
+		KVEvents{Worker: w0r0, Events: []Event{storedAfter(2, lb, lx)}},
+		KVDump{Worker: w1, ThroughEventID: 5, Events: []Event{stored(0, la)}},
+		Booked{Booking: Booking{RequestID: "late", At: 40, Hops: []HopBooking{{Worker: w1}}}},
+		WorkerRemoved{Key: w0r0},
+	} {
+		if _, err := src.ApplyReplicated(c); err != nil {
+			t.Fatalf("ApplyReplicated(%T) = %v", c, err)
+		}
+	}
+	if src.Digest() == want {
+		t.Fatal("the changes after Freeze changed nothing; the test would prove nothing")
+	}
+	dst := NewState()
+	if _, err := dst.Restore(frozen.Encode(nil)); err != nil {
+		t.Fatalf("Restore(frozen) = %v", err)
+	}
+	if got := dst.Digest(); got != want {
+		t.Errorf("digest of the frozen snapshot = %x, want the state's at Freeze %x", got, want)
+	}
+}
+
 // TestSnapshotVersion1: a snapshot written before generations (version 1: no generation after the
 // position) restores, with an empty generation.
 func TestSnapshotVersion1(t *testing.T) {

@@ -217,7 +217,7 @@ func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (lo
 	}
 	l := redislog.New(rdb, state, redislog.Options{
 		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
-		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second),
+		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second), SnapshotChunkBytes: cfg.SnapshotChunkBytes,
 		ReseedWindow: cfg.RedisReseedWindow,
 	})
 	// Workers whose replica died are removed by whichever replica sees their lease run out.

@@ -264,11 +264,18 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 	l.localMu.Lock()
 	defer l.localMu.Unlock()
 	data := l.state.EncodeSnapshot(nil, kvstate.SnapshotHeader{Position: "0-0", Generation: g})
+	// A reseed is rare (the log was lost) and writes its snapshot whole, in the script that replaces
+	// the generation; the pieces of a snapshot it replaces are expired after.
+	old, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return false, err
+	}
 	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.SeqKey()}
 	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds(), rewoundBehind).Int()
 	if err != nil || ok != 1 {
 		return false, err
 	}
+	l.expireSnapshotPieces(ctx, old)
 	l.switchGeneration(g, "0-0", 0, false)
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
@@ -280,10 +287,7 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 // loadGeneration makes generation g this replica's: it loads g's snapshot (or starts empty when g
 // has none yet) and replays g's stream from the snapshot's position.
 func (l *Log) loadGeneration(ctx context.Context, g string) error {
-	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
-	if errors.Is(err, redis.Nil) {
-		data, err = nil, nil
-	}
+	data, err := l.readSnapshot(ctx)
 	if err != nil {
 		return err
 	}

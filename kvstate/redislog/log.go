@@ -29,6 +29,9 @@ type Options struct {
 	// bounded by about two snapshot periods of changes.
 	SnapshotEvery    uint64
 	SnapshotInterval time.Duration
+	// SnapshotChunkBytes is the size of the pieces a snapshot is written in (one key each), so that
+	// no single Redis command holds the server for long; zero means 1 MiB.
+	SnapshotChunkBytes int
 	// ReadBlock is how long one tail read blocks waiting for new entries.
 	ReadBlock time.Duration
 	// ReadCount is the most entries one tail read returns.
@@ -52,6 +55,11 @@ func (o Options) Stream() string { return o.Prefix + ":log" }
 
 // SnapshotKey holds the latest snapshot, which names the stream id it covers.
 func (o Options) SnapshotKey() string { return o.Prefix + ":snapshot" }
+
+// SnapshotChunkKey holds piece i of the snapshot written under id (see snapshotManifest).
+func (o Options) SnapshotChunkKey(id string, i int) string {
+	return fmt.Sprintf("%s:snapshot:%s:%d", o.Prefix, id, i)
+}
 
 // SnapshotLeaseKey says which replica writes the next snapshot.
 func (o Options) SnapshotLeaseKey() string { return o.Prefix + ":snapshot-lease" }
@@ -120,6 +128,12 @@ type Log struct {
 	// Snapshot bookkeeping, owned by the tailer goroutine.
 	sinceSnapshot uint64
 	lastSnapshot  time.Time
+	// A snapshot is encoded and written by a goroutine of its own (snapshot.go): writing says one
+	// is under way, snapshotFailed that the last one failed (the next is tried at once), snapshots
+	// tracks the goroutine so Run returns only after it.
+	writing        atomic.Bool
+	snapshotFailed atomic.Bool
+	snapshots      sync.WaitGroup
 
 	// Stats for metrics.
 	SnapshotBytes   atomic.Int64 // size of the last snapshot written or loaded
@@ -216,6 +230,9 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 	}
 	if opts.SnapshotInterval <= 0 {
 		opts.SnapshotInterval = 5 * time.Minute
+	}
+	if opts.SnapshotChunkBytes <= 0 {
+		opts.SnapshotChunkBytes = 1 << 20
 	}
 	if opts.MaxBuffered <= 0 {
 		opts.MaxBuffered = 100_000

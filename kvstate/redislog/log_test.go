@@ -425,15 +425,15 @@ func caughtUp(ctx context.Context, rdb redis.UniversalClient, stream string, rs 
 	return true
 }
 
-// TestSnapshotColdStart: after 100,000 events through replicas A and B, with snapshots written and
-// the stream trimmed behind them, a new replica C loads the snapshot, replays the tail, and reaches
-// the same digest as A and B.
+// TestSnapshotColdStart: after 100,000 events through replicas A and B, with snapshots written (in
+// pieces of 4 KiB) and the stream trimmed behind them, a new replica C loads the snapshot, replays
+// the tail, and reaches the same digest as A and B.
 func TestSnapshotColdStart(t *testing.T) { onEveryRedis(t, testSnapshotColdStart) }
 
 func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
 	defer cancel()
-	snapEvery := func(o *redislog.Options) { o.SnapshotEvery = 200 }
+	snapEvery := func(o *redislog.Options) { o.SnapshotEvery, o.SnapshotChunkBytes = 200, 4096 }
 	rs := startReplicas(t, rdb, 2, snapEvery)
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 
@@ -488,6 +488,7 @@ func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 	if n, err := rdb.XLen(ctx, stream).Result(); err != nil || uint64(n) >= rs[0].log.Position() {
 		t.Fatalf("the stream holds %d entries of the %d A applied: not trimmed behind the snapshots (%v)", n, rs[0].log.Position(), err)
 	}
+	checkSnapshotPieces(ctx, t, rdb, fmt.Sprintf("kvr:{%s}", t.Name()))
 
 	c := startReplicasNamed(t, rdb, "c", 1, snapEvery)[0]
 	eventually(t, "C to catch up", func() bool { return caughtUp(ctx, rdb, stream, append(rs, c)...) })
@@ -497,6 +498,36 @@ func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 	da, db, dc := rs[0].state.Digest(), rs[1].state.Digest(), c.state.Digest()
 	if da != db || db != dc {
 		t.Errorf("digests A %x, B %x, C %x; want all equal", da, db, dc)
+	}
+}
+
+// checkSnapshotPieces checks that the snapshot under prefix is stored in several pieces, each kept
+// for good (no expiry), and that they add up to the size the manifest gives.
+func checkSnapshotPieces(ctx context.Context, t *testing.T, rdb redis.UniversalClient, prefix string) {
+	t.Helper()
+	manifest, err := rdb.Get(ctx, prefix+":snapshot").Result()
+	if err != nil {
+		t.Fatalf("GET the snapshot manifest: %v", err)
+	}
+	var id string
+	var pieces, size int
+	if n, err := fmt.Sscanf(manifest, "KVRCHUNKS1 %s %d %d", &id, &pieces, &size); n != 3 || err != nil || pieces < 2 {
+		t.Fatalf("snapshot manifest %q: want KVRCHUNKS1 <id> <pieces> <bytes> with several pieces (%v)", manifest, err)
+	}
+	total := 0
+	for i := range pieces {
+		key := fmt.Sprintf("%s:snapshot:%s:%d", prefix, id, i)
+		n, err := rdb.StrLen(ctx, key).Result()
+		if err != nil || n == 0 {
+			t.Fatalf("piece %s: %d bytes, %v", key, n, err)
+		}
+		if ttl, err := rdb.PTTL(ctx, key).Result(); err != nil || ttl != -1 {
+			t.Errorf("piece %s expires (PTTL %v, %v); a committed snapshot's pieces must not", key, ttl, err)
+		}
+		total += int(n)
+	}
+	if total != size {
+		t.Errorf("the pieces hold %d bytes, the manifest says %d", total, size)
 	}
 }
 
@@ -563,5 +594,88 @@ func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
 	da, db, dc := rs[0].state.Digest(), rs[1].state.Digest(), c.state.Digest()
 	if da != db || db != dc {
 		t.Errorf("digests A %x, B %x, C %x; want all equal", da, db, dc)
+	}
+}
+
+// TestSnapshotPiecesLostAndReplaced: a snapshot replaced by a newer one keeps its pieces for a while
+// (an expiry is set), for replicas still loading it. A replica cold-starting while a piece of the
+// current snapshot is gone (deleted by hand) fails to load it, says so, and loads the next snapshot
+// once one is written, reaching the writer's digest.
+func TestSnapshotPiecesLostAndReplaced(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
+	defer cancel()
+	small := func(o *redislog.Options) { o.SnapshotEvery, o.SnapshotChunkBytes = 100, 512 }
+	a := startReplicas(t, rdb, 1, small)[0]
+	prefix := fmt.Sprintf("kvr:{%s}", t.Name())
+	stream := prefix + ":log"
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("Append(WorkerUp) = %v", err)
+	}
+	next := uint64(0)
+	publish := func(n int) { // n stored events of one block each, a chain
+		for range n {
+			ev := kvstate.Event{ID: next, Kind: kvstate.EventStored, Blocks: []kvstate.Block{{Hash: next + 1, Local: next + 1}}}
+			if next > 0 {
+				ev.HasParent, ev.Parent = true, next
+			}
+			if _, err := a.log.Append(ctx, kvstate.KVEvents{Worker: wk, Events: []kvstate.Event{ev}}); err != nil {
+				t.Fatalf("Append(KVEvents) = %v", err)
+			}
+			next++
+		}
+	}
+	manifest := func() string {
+		m, err := rdb.Get(ctx, prefix+":snapshot").Result()
+		if err != nil {
+			return ""
+		}
+		return m
+	}
+	publish(300)
+	eventually(t, "a first snapshot", func() bool { return manifest() != "" })
+	first := manifest()
+	var id string
+	var pieces int
+	if n, _ := fmt.Sscanf(first, "KVRCHUNKS1 %s %d", &id, &pieces); n != 2 || pieces < 2 {
+		t.Fatalf("manifest %q: want several pieces", first)
+	}
+	publish(300)
+	eventually(t, "a newer snapshot", func() bool { m := manifest(); return m != "" && m != first })
+	for i := range pieces {
+		key := fmt.Sprintf("%s:snapshot:%s:%d", prefix, id, i)
+		if ttl, err := rdb.PTTL(ctx, key).Result(); err != nil || ttl <= 0 {
+			t.Errorf("replaced piece %s: PTTL %v, %v; want an expiry", key, ttl, err)
+		}
+	}
+
+	// An operator deletes a piece of the current snapshot; a new replica cannot load it. (A is
+	// idle once caught up: it writes no snapshot until more is published.)
+	eventually(t, "A to catch up", func() bool { return caughtUp(ctx, rdb, stream, a) })
+	current := manifest()
+	eventually(t, "A's last snapshot to be written", func() bool { // snapshots are written in the background
+		m := manifest()
+		time.Sleep(150 * time.Millisecond)
+		stable := m == manifest()
+		current = m
+		return stable
+	})
+	if _, err := fmt.Sscanf(current, "KVRCHUNKS1 %s", &id); err != nil {
+		t.Fatal(err)
+	}
+	if err := rdb.Del(ctx, fmt.Sprintf("%s:snapshot:%s:0", prefix, id)).Err(); err != nil {
+		t.Fatal(err)
+	}
+	c := startReplicasNamed(t, rdb, "c", 1, small)[0]
+	time.Sleep(300 * time.Millisecond)
+	if c.log.SnapshotLoads.Load() != 0 {
+		t.Fatalf("C loaded a snapshot with a piece missing")
+	}
+	publish(300) // A writes a newer, whole snapshot
+	eventually(t, "C to load the newer snapshot and catch up", func() bool {
+		return c.log.SnapshotLoads.Load() == 1 && caughtUp(ctx, rdb, stream, a, c)
+	})
+	if da, dc := a.state.Digest(), c.state.Digest(); da != dc {
+		t.Errorf("digests A %x, C %x; want equal", da, dc)
 	}
 }

@@ -80,6 +80,7 @@ func (l *Log) Run(ctx context.Context) error {
 	// The publisher and the probe are Run's: it returns once they have.
 	var helpers sync.WaitGroup
 	defer helpers.Wait()
+	defer l.snapshots.Wait() // a snapshot being written ends with ctx
 	helpers.Go(func() { l.publish(ctx) })
 	helpers.Go(func() { l.probe(ctx) })
 	l.lastSnapshot = time.Now()
@@ -199,12 +200,12 @@ func (l *Log) catchUp(ctx context.Context) error {
 		return nil // the stream still holds everything after last
 	}
 	// Entries between last and first may have been trimmed; the snapshot covers them.
-	data, err := l.rdb.Get(ctx, l.opts.SnapshotKey()).Bytes()
-	if errors.Is(err, redis.Nil) {
-		return nil // no snapshot: the stream was never trimmed
-	}
+	data, err := l.readSnapshot(ctx)
 	if err != nil {
 		return err
+	}
+	if data == nil {
+		return nil // no snapshot: the stream was never trimmed
 	}
 	h, err := kvstate.ReadSnapshotHeader(data)
 	if err != nil {

@@ -47,14 +47,15 @@ type Options struct {
 	ShutdownTimeout      time.Duration // graceful stop deadline
 
 	// Shared state (Redis mode); both addresses empty means the embedded, in-process log.
-	RedisAddr         string        // one Redis server
-	RedisClusterAddrs string        // comma-separated Redis Cluster seed nodes
-	RedisPrefix       string        // key prefix; its hash tag keeps the layout on one cluster slot
-	ReplicaID         string        // this replica's name in the log (default: hostname-pid)
-	RedisMaxBuffered  int           // worker changes kept locally during a Redis outage
-	SnapshotEvery     int           // applied changes between snapshot attempts
-	SnapshotInterval  time.Duration // longest time between snapshots
-	RedisReseedWindow time.Duration // how long a fresh shared log may be reseeded by a replica with state
+	RedisAddr          string        // one Redis server
+	RedisClusterAddrs  string        // comma-separated Redis Cluster seed nodes
+	RedisPrefix        string        // key prefix; its hash tag keeps the layout on one cluster slot
+	ReplicaID          string        // this replica's name in the log (default: hostname-pid)
+	RedisMaxBuffered   int           // worker changes kept locally during a Redis outage
+	SnapshotEvery      int           // applied changes between snapshot attempts
+	SnapshotInterval   time.Duration // longest time between snapshots
+	SnapshotChunkBytes int           // size of the pieces a snapshot is stored in
+	RedisReseedWindow  time.Duration // how long a fresh shared log may be reseeded by a replica with state
 
 	// Routing. Router.ConditionalDisagg is derived by Validate from the two settings below it.
 	Router                  policy.Config
@@ -91,6 +92,7 @@ func New() *Options {
 		RedisMaxBuffered:     100_000,
 		SnapshotEvery:        kvstate.DefaultSnapshotEvery,
 		SnapshotInterval:     5 * time.Minute,
+		SnapshotChunkBytes:   1 << 20,
 		RedisReseedWindow:    10 * time.Second,
 		Router:               policy.DefaultConfig(),
 		layers:               layered.New(settings),

@@ -60,6 +60,7 @@ var settings = []setting{
 	layered.String("redis_prefix", "prefix of every Redis key, with the hash tag that keeps them on one cluster slot", func(o *Options) *string { return &o.RedisPrefix }),
 	layered.Int("redis_max_buffered", "worker changes a replica keeps while Redis is unreachable; past it, workers are asked to resync when Redis returns", func(o *Options) *int { return &o.RedisMaxBuffered }, 1),
 	layered.Int("snapshot_every", "changes (one per block event of KV batches) applied between two snapshots of the shared state; one replica at a time writes them", func(o *Options) *int { return &o.SnapshotEvery }, 1),
+	layered.Int("snapshot_chunk_bytes", "size of the pieces (one Redis key each) a snapshot of the shared state is stored in; smaller pieces hold Redis for less time per command", func(o *Options) *int { return &o.SnapshotChunkBytes }, 64<<10),
 	layered.Duration("snapshot_interval", "longest time between two snapshots of the shared state", func(o *Options) *time.Duration { return &o.SnapshotInterval }),
 	layered.Duration("redis_reseed_window", "after Redis lost its data, how long a fresh shared log started by a replica without state may still be replaced by a running replica's state (its SharedState health is NOT_SERVING meanwhile)", func(o *Options) *time.Duration { return &o.RedisReseedWindow }),
 	layered.String("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
