@@ -82,6 +82,22 @@ func newFlatMap[V any]() *flatMap[V] {
 	return m
 }
 
+// newFlatMapSized returns an empty table with room for n keys: enough segments, each 60% full at n,
+// so that filling it rebuilds nothing (restoring a snapshot, whose counts are known).
+func newFlatMapSized[V any](n int) *flatMap[V] {
+	m := &flatMap[V]{seed: rand.Uint64()}
+	for m.depth < 24 && roomFor(n>>m.depth) > maxSegmentSlots*3/4 {
+		m.depth++
+	}
+	m.dir = make([]dirEntry[V], 1<<m.depth)
+	for p := range uint64(len(m.dir)) {
+		s := &segment[V]{depth: m.depth, prefix: p, slots: make([]flatEntry[V], roomFor(n>>m.depth))}
+		m.segs = append(m.segs, s)
+		m.point(s)
+	}
+	return m
+}
+
 func (m *flatMap[V]) len() int { return m.n }
 
 func (m *flatMap[V]) dirIndex(h uint64) int { return int(h >> (63 - m.depth) >> 1) }

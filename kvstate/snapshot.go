@@ -3,6 +3,7 @@ package kvstate
 import (
 	"encoding/binary"
 	"fmt"
+	"slices"
 )
 
 // SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
@@ -138,7 +139,20 @@ func (s *State) Freeze(h SnapshotHeader) *FrozenState {
 
 // Encode appends the snapshot of the frozen state to dst. It takes no lock.
 func (f *FrozenState) Encode(dst []byte) []byte {
-	b := append(dst, f.head...)
+	// Room for it all at once: growing a 40 MB buffer by doubling spent a fifth of the encode
+	// copying. A block takes its key and a holder count, a (block, worker) pair its engine hash,
+	// its key and its holder entry (a varint of a byte or two).
+	size := len(f.head) + len(f.tail)
+	for _, m := range f.models {
+		size += len(m.name) + 16 + m.index.nodes.len()*10
+		for _, wb := range m.index.workers {
+			for _, t := range wb.byHash {
+				size += t.len() * 18
+			}
+		}
+	}
+	b := slices.Grow(dst, size)
+	b = append(b, f.head...)
 	b = binary.AppendUvarint(b, uint64(len(f.models)))
 	for _, m := range f.models {
 		b = putString(b, m.name)
@@ -241,6 +255,7 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 	for range nm {
 		m := &Model{Name: r.string(), BlockSize: r.u32(), Index: NewIndex()}
 		nn := r.count(9)
+		m.Index.nodes = newFlatMapSized[holderSet](nn)
 		for range nn {
 			key := r.u64()
 			nr := r.count(1)
@@ -262,9 +277,10 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 		nwb := r.count(NumTiers)
 		for range nwb {
 			w := worker()
-			wb := newWorkerBlocks()
+			wb := &workerBlocks{}
 			for t := range wb.byHash {
 				nh := r.count(16)
+				wb.byHash[t] = newFlatMapSized[uint64](nh)
 				for range nh {
 					h, key := r.u64(), r.u64()
 					if m.Index.nodes.get(key) == nil {
