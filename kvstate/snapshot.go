@@ -256,39 +256,72 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 		m := &Model{Name: r.string(), BlockSize: r.u32(), Index: NewIndex()}
 		nn := r.count(9)
 		m.Index.nodes = newFlatMapSized[holderSet](nn)
-		for range nn {
-			key := r.u64()
-			nr := r.count(1)
-			hs, _ := m.Index.nodes.upsert(key)
-			for range nr {
-				v := r.uvarint()
-				if r.err == nil && v>>2 >= uint64(len(workers)) {
-					r.fail("ref to worker %d of %d", v>>2, len(workers))
+		// A worker holds a block in a tier through at least one of its engine hashes, so it has at
+		// least as many engine hashes in the tier as the holders counted here. (It may have more,
+		// and some may name a block the index no longer has: two engine hashes can name the same
+		// block, and removing one drops the worker from it.) Checking each engine hash's block
+		// against the index instead took a random read of the index per (block, worker): most of
+		// a 10M-block cold start.
+		held := make([][NumTiers]int, len(workers))
+		// Blocks are read a batch at a time and their slots touched before any is inserted, so that
+		// the cache misses of a batch overlap (see probeBatch): inserting into a table far larger
+		// than the caches was most of a cold start.
+		const batch = 16
+		var (
+			keys  [batch]uint64
+			ends  [batch]int
+			refs  []uint64
+			warm  uint64
+			nodes = m.Index.nodes
+		)
+		for done := 0; done < nn && r.err == nil; {
+			k := 0
+			refs = refs[:0]
+			for ; k < batch && done+k < nn && r.err == nil; k++ {
+				keys[k] = r.u64()
+				nr := r.count(1)
+				for range nr {
+					v := r.uvarint()
+					if r.err == nil && v>>2 >= uint64(len(workers)) {
+						r.fail("ref to worker %d of %d", v>>2, len(workers))
+					}
+					refs = append(refs, v)
 				}
-				if r.err != nil {
+				ends[k] = len(refs)
+				warm ^= nodes.touch(keys[k])
+			}
+			if r.err != nil {
+				break
+			}
+			start := 0
+			for j := range k {
+				hs, _ := nodes.upsert(keys[j])
+				for _, v := range refs[start:ends[j]] {
+					if m.Index.extra.add(hs, uint32(v>>2), Tier(v&3)) {
+						held[v>>2][v&3]++
+					}
+				}
+				start = ends[j]
+				if hs.bits == 0 {
+					r.fail("block %#x without holders", keys[j])
 					break
 				}
-				m.Index.extra.add(hs, uint32(v>>2), Tier(v&3))
 			}
-			if r.err == nil && hs.bits == 0 {
-				r.fail("block %#x without holders", key)
-			}
+			done += k
 		}
+		m.Index.warm = warm
 		nwb := r.count(NumTiers)
 		for range nwb {
 			w := worker()
 			wb := &workerBlocks{}
 			for t := range wb.byHash {
 				nh := r.count(16)
+				if w != nil && r.err == nil && nh < held[w.Slot][t] {
+					r.fail("worker %v has %d engine hashes in tier %d for %d blocks it holds", w.Info.Key, nh, t, held[w.Slot][t])
+				}
 				wb.byHash[t] = newFlatMapSized[uint64](nh)
 				for range nh {
 					h, key := r.u64(), r.u64()
-					if m.Index.nodes.get(key) == nil {
-						if r.err == nil {
-							r.fail("block of an unknown node")
-						}
-						break
-					}
 					v, _ := wb.byHash[t].upsert(h)
 					*v = key
 				}

@@ -136,6 +136,35 @@ func TestSnapshotRejectsCorruption(t *testing.T) {
 	}
 }
 
+// TestSnapshotOfABlockUnderTwoEngineHashes: a worker may store the same block under two engine
+// hashes (the engine hashed more than the tokens), and removing one drops the worker from the block
+// while the other hash still names it. The snapshot of such a state restores to the same state.
+func TestSnapshotOfABlockUnderTwoEngineHashes(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0)})
+	for _, c := range []Change{
+		KVEvents{Worker: w0r0, Events: []Event{
+			{ID: 0, Kind: EventStored, Blocks: []Block{{Hash: 0xa1, Local: la}}},
+			{ID: 1, Kind: EventStored, Blocks: []Block{{Hash: 0xa2, Local: la}}}, // the same block again
+			{ID: 2, Kind: EventRemoved, Removed: []uint64{0xa1}},
+		}},
+	} {
+		if _, err := s.Apply(c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := s.Model(info(w0r0).Model).Index.Len(); got != 0 {
+		t.Fatalf("Index.Len() = %d after the removal, want 0: the worker no longer holds the block", got)
+	}
+	r := NewState()
+	if _, err := r.Restore(s.EncodeSnapshot(nil, SnapshotHeader{Position: "1-0"})); err != nil {
+		t.Fatalf("Restore() = %v", err)
+	}
+	if a, b := s.Digest(), r.Digest(); a != b {
+		t.Errorf("digest after restore = %x, want %x", b, a)
+	}
+}
+
 // FuzzRestore: restoring arbitrary bytes never panics.
 func FuzzRestore(f *testing.F) {
 	f.Add(NewState().EncodeSnapshot(nil, SnapshotHeader{Position: "0"}))
