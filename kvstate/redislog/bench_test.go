@@ -822,6 +822,60 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 				runtime.KeepAlive(st)
 			})
 
+			// bookings: a replica with the fixture's state books requests at 5,000 a second (a busy
+			// replica's Route traffic), each Append timed, either with snapshots written back to back
+			// by this very replica (snapshots=on) or none (off). A booking waits for the replica's
+			// snapshot only while the state is frozen (State.Freeze), and while the replica reads
+			// back its bookings in flight when they never pause (drainOwn); encoding and writing the
+			// pieces run beside it.
+			for _, snapshots := range []string{"off", "on"} {
+				b.Run("bookings/snapshots="+snapshots, func(b *testing.B) {
+					prefix := newBenchPrefix()
+					seedSnapshot(b, rdb, prefix, fx, 0)
+					st := kvstate.NewState()
+					o := redislog.Options{Prefix: prefix, Replica: "writer", Logger: quietLogger, SnapshotEvery: 1 << 62, SnapshotInterval: time.Hour}
+					if snapshots == "on" {
+						o.SnapshotEvery, o.SnapshotInterval = 1, time.Millisecond
+					}
+					l := redislog.New(client(), st, o)
+					ctx, cancel := context.WithCancel(context.Background())
+					done := make(chan struct{})
+					go func() { _ = l.Run(ctx); close(done) }()
+					defer func() { cancel(); <-done }()
+					waitCaughtUp(b, rdb, o.Stream(), replica{st, l})
+					written := l.SnapshotWrites.Load()
+					var durs []time.Duration
+					i := 0
+					start := time.Now()
+					const every = 200 * time.Microsecond
+					for b.Loop() {
+						id := fmt.Sprintf("bench-%d", i)
+						if wait := time.Until(start.Add(time.Duration(i) * every)); wait > 0 {
+							time.Sleep(wait)
+						}
+						t0 := time.Now()
+						if _, err := l.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: id, At: t0.UnixNano(),
+							Hops: []kvstate.HopBooking{{Worker: kvtest.WorkerKey(uint32(i % kvtest.Workers)), Blocks: []uint64{uint64(i)}, PrefillTokens: 16}}}}); err != nil {
+							b.Fatal(err)
+						}
+						durs = append(durs, time.Since(t0))
+						i++
+					}
+					elapsed := time.Since(start)
+					slices.Sort(durs)
+					b.ReportMetric(float64(durs[len(durs)/2].Microseconds()), "p50-µs")
+					b.ReportMetric(float64(durs[len(durs)*99/100].Microseconds()), "p99-µs")
+					b.ReportMetric(float64(durs[len(durs)-1].Microseconds()), "max-µs")
+					if snapshots == "on" {
+						if l.SnapshotWrites.Load() == written {
+							b.Fatal("no snapshot was written while booking")
+						}
+						b.ReportMetric(float64(i)/elapsed.Seconds(), "bookings/s")
+						b.ReportMetric(float64(snapshotsSince(l, written)), "snapshots")
+					}
+				})
+			}
+
 			for _, tail := range []int{64, 2000} {
 				b.Run(fmt.Sprintf("coldstart/tail=%d", tail), func(b *testing.B) {
 					prefix := newBenchPrefix()
@@ -855,6 +909,8 @@ func BenchmarkRedisSnapshot(b *testing.B) {
 		})
 	}
 }
+
+func snapshotsSince(l *redislog.Log, before int64) int64 { return l.SnapshotWrites.Load() - before }
 
 // pinger PINGs the Redis server holding a key, on its own client, every 200 µs, and tells how long
 // the PINGs that overlapped given time windows took: how long Redis made everyone else wait then.

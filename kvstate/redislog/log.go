@@ -128,6 +128,7 @@ type Log struct {
 	// Snapshot bookkeeping, owned by the tailer goroutine.
 	sinceSnapshot uint64
 	lastSnapshot  time.Time
+	dueSince      time.Time // when the next snapshot fell due (zero: not due)
 	// A snapshot is encoded and written by a goroutine of its own (snapshot.go): writing says one
 	// is under way, snapshotFailed that the last one failed (the next is tried at once), snapshots
 	// tracks the goroutine so Run returns only after it.
@@ -139,6 +140,7 @@ type Log struct {
 	SnapshotBytes   atomic.Int64 // size of the last snapshot written or loaded
 	SnapshotWritten atomic.Int64 // unix nanoseconds of the last snapshot this replica wrote or loaded
 	SnapshotLoads   atomic.Int64 // snapshots loaded (at start, or after falling behind)
+	SnapshotWrites  atomic.Int64 // snapshots this replica wrote
 	streamLen       atomic.Int64 // the stream's length, refreshed by the tailer
 	observers       atomic.Pointer[kvstate.Observers]
 	ready           chan struct{} // closed once the replica has loaded the snapshot and read the stream to its end

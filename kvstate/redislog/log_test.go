@@ -679,3 +679,51 @@ func TestSnapshotPiecesLostAndReplaced(t *testing.T) {
 		t.Errorf("digests A %x, C %x; want equal", da, dc)
 	}
 }
+
+// TestSnapshotsUnderSteadyBookings: a replica whose own bookings never pause (some always in
+// flight) still writes snapshots: once one is overdue it holds new bookings off and reads its own
+// back first. A replica cold-started from such a snapshot reaches the same digest.
+func TestSnapshotsUnderSteadyBookings(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
+	defer cancel()
+	often := func(o *redislog.Options) { o.SnapshotEvery = 50 }
+	a := startReplicas(t, rdb, 1, often)[0]
+	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatalf("Append(WorkerUp) = %v", err)
+	}
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		for i := 0; ; i++ {
+			select {
+			case <-stop:
+				return
+			default:
+			}
+			id := fmt.Sprint("r", i)
+			if _, err := a.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: id, At: time.Now().UnixNano(),
+				Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{uint64(i % 5)}, PrefillTokens: 3}}}}); err != nil {
+				t.Errorf("Append(Booked) = %v", err)
+				return
+			}
+			if _, err := a.log.Append(ctx, kvstate.Freed{RequestID: id, At: time.Now().UnixNano()}); err != nil {
+				t.Errorf("Append(Freed) = %v", err)
+				return
+			}
+		}
+	}()
+	eventually(t, "snapshots while bookings never pause", func() bool { return a.log.SnapshotWrites.Load() >= 2 })
+	close(stop)
+	<-done
+	c := startReplicasNamed(t, rdb, "c", 1, often)[0]
+	eventually(t, "A and C to catch up", func() bool { return caughtUp(ctx, rdb, stream, a, c) })
+	if c.log.SnapshotLoads.Load() != 1 {
+		t.Fatalf("C loaded %d snapshots, want 1", c.log.SnapshotLoads.Load())
+	}
+	if da, dc := a.state.Digest(), c.state.Digest(); da != dc {
+		t.Errorf("digests A %x, C %x; want equal", da, dc)
+	}
+}

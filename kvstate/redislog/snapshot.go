@@ -159,25 +159,38 @@ if ARGV[4] ~= '' then redis.call('XTRIM', KEYS[4], 'MINID', ARGV[4]) end
 return 1
 `)
 
+const (
+	// snapshotQuietWait is how long a due snapshot waits for a moment when none of this replica's
+	// bookings is in flight. Under steady booking traffic that moment may never come; then the
+	// replica holds new bookings off and reads the stream until its own are back (drainOwn).
+	snapshotQuietWait = time.Second
+	// drainTimeout bounds how long bookings are held off for that.
+	drainTimeout = time.Second
+)
+
 // maybeSnapshot starts writing a snapshot when enough has been applied since the last one and this
 // replica wins the lease. It runs on the tailer goroutine, so the state is at exactly LastID while
-// it is frozen; local bookings are held off only for the copy (State.Freeze), and it snapshots only
-// when none is in flight, so the snapshot holds exactly the log up to LastID. Encoding and writing
-// run on a goroutine of their own: the tailer goes on reading meanwhile.
+// it is frozen; local bookings are held off only for the copy (State.Freeze), and it freezes only
+// when none of this replica's bookings is in flight, so the snapshot holds exactly the log up to
+// LastID. Encoding and writing run on a goroutine of their own: the tailer goes on reading.
 func (l *Log) maybeSnapshot(ctx context.Context) {
 	if l.writing.Load() {
 		return
 	}
 	if !l.snapshotFailed.Load() && l.sinceSnapshot < l.opts.SnapshotEvery && time.Since(l.lastSnapshot) < l.opts.SnapshotInterval {
+		l.dueSince = time.Time{}
 		return
 	}
-	if l.Pending() > 0 {
+	if l.dueSince.IsZero() {
+		l.dueSince = time.Now()
+	}
+	if l.Pending() > 0 && time.Since(l.dueSince) < snapshotQuietWait {
 		return // try again after the next read, once this replica's bookings are back
 	}
 	ttl := (l.opts.SnapshotInterval + time.Minute).Milliseconds()
 	held, err := takeLease.Run(ctx, l.rdb, []string{l.opts.SnapshotLeaseKey()}, l.opts.Replica, ttl).Int()
 	if err != nil || held != 1 {
-		l.sinceSnapshot, l.lastSnapshot = 0, time.Now() // another replica writes snapshots
+		l.sinceSnapshot, l.lastSnapshot, l.dueSince = 0, time.Now(), time.Time{} // another replica writes snapshots
 		l.snapshotFailed.Store(false)
 		return
 	}
@@ -188,7 +201,7 @@ func (l *Log) maybeSnapshot(ctx context.Context) {
 	}
 	start := time.Now()
 	l.localMu.Lock()
-	if l.Pending() > 0 {
+	if !l.drainOwn(ctx) {
 		l.localMu.Unlock()
 		return
 	}
@@ -196,7 +209,7 @@ func (l *Log) maybeSnapshot(ctx context.Context) {
 	frozen := l.state.Freeze(kvstate.SnapshotHeader{Position: pos, Generation: g, Entry: l.lastEntry.Load()})
 	l.localMu.Unlock()
 	froze := time.Since(start)
-	l.sinceSnapshot, l.lastSnapshot = 0, time.Now()
+	l.sinceSnapshot, l.lastSnapshot, l.dueSince = 0, time.Now(), time.Time{}
 	l.snapshotFailed.Store(false)
 	l.writing.Store(true)
 	l.snapshots.Go(func() {
@@ -208,6 +221,37 @@ func (l *Log) maybeSnapshot(ctx context.Context) {
 			}
 		}
 	})
+}
+
+// drainOwn reads and applies the stream until none of this replica's changes is in flight, for at
+// most drainTimeout; it reports whether it got there. The caller holds localMu, so no new booking
+// is applied meanwhile; those in flight are still published and come back.
+func (l *Log) drainOwn(ctx context.Context) bool {
+	deadline := time.Now().Add(drainTimeout)
+	for l.Pending() > 0 {
+		if time.Now().After(deadline) || ctx.Err() != nil {
+			return false
+		}
+		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
+			Streams: []string{l.opts.Stream(), l.LastID()}, Count: l.opts.ReadCount, Block: 10 * time.Millisecond,
+		}).Result()
+		if errors.Is(err, redis.Nil) {
+			continue
+		}
+		if err != nil {
+			return false
+		}
+		for _, st := range streams {
+			for _, msg := range st.Messages {
+				if !l.applyMessage(msg) {
+					l.notifyApplied()
+					return false // another generation's entry: the tailer sorts it out
+				}
+			}
+		}
+		l.notifyApplied()
+	}
+	return true
 }
 
 // writeSnapshot encodes the frozen state and stores it in pieces, then commits it.
@@ -246,6 +290,7 @@ func (l *Log) writeSnapshot(ctx context.Context, frozen *kvstate.FrozenState, po
 	l.expireSnapshotPieces(ctx, old)
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
+	l.SnapshotWrites.Add(1)
 	l.opts.Logger.Info("wrote the log snapshot", "position", pos, "bytes", len(data), "pieces", m.pieces,
 		"froze", froze, "encoded", encoded-froze, "took", time.Since(start))
 	return nil
