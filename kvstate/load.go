@@ -46,13 +46,51 @@ type slotCount struct {
 // holders are the workers whose booked requests use one block, with reference counts. Nearly every
 // block has a single holder, so the first is kept inline and booking a block allocates nothing.
 //
-// Profile lesson (docs/BENCHMARKS.md, "Profiles"): with a slice per block, booking a 32k-token
+// Profile lessons (docs/BENCHMARKS.md, "Profiles"): with a slice per block, booking a 32k-token
 // prompt made ~1,750 allocations, one 8-byte slice per new block key; inline, it makes ~330
-// (allocs/op -80%, B/op -30%). Booking and freeing are also bound by cache misses on this map, so
-// they probe it in batches like the index does (see probeBatch): Route with booking got ~20% faster.
+// (allocs/op -80%, B/op -30%). Booking and freeing are bound by cache misses on the table of
+// blocks, so they probe it in batches like the index does (see probeBatch); and the table is a
+// flatMap, like the index's: in a Go map, probing took a third of a 32k-token booking's time.
 type holders struct {
-	first slotCount   // valid while the block is in Load.blocks
-	more  []slotCount // further holders, rarely any
+	first slotCount // valid while the block is in Load.blocks
+	more  uint32    // 0: no further holders (nearly always); else 1 + their index in Load.more
+}
+
+// slotLists holds the further holders of the blocks that have them.
+type slotLists struct {
+	lists [][]slotCount
+	free  []uint32
+}
+
+func (p *slotLists) get(h *holders) []slotCount {
+	if h.more == 0 {
+		return nil
+	}
+	return p.lists[h.more-1]
+}
+
+func (p *slotLists) add(h *holders, sc slotCount) {
+	if h.more == 0 {
+		var i uint32
+		if n := len(p.free); n > 0 {
+			i, p.free = p.free[n-1], p.free[:n-1]
+		} else {
+			p.lists = append(p.lists, nil)
+			i = uint32(len(p.lists) - 1)
+		}
+		h.more = i + 1
+	}
+	p.lists[h.more-1] = append(p.lists[h.more-1], sc)
+}
+
+// set replaces the further holders by ms (a prefix of what get returned), releasing the list when
+// it is empty.
+func (p *slotLists) set(h *holders, ms []slotCount) {
+	p.lists[h.more-1] = ms
+	if len(ms) == 0 {
+		p.free = append(p.free, h.more-1)
+		h.more = 0
+	}
 }
 
 type bookedHop struct {
@@ -72,7 +110,9 @@ type booked struct {
 // the first token arrives, and the number of requests. It is safe for concurrent use.
 type Load struct {
 	mu       sync.RWMutex
-	blocks   map[uint64]holders // block key -> workers holding it, with reference counts
+	blocks   *flatMap[holders] // block key -> workers holding it, with reference counts
+	more     slotLists
+	warm     uint64 // sink of touch
 	slots    map[uint32]*SlotLoad
 	bookings map[string]*booked
 }
@@ -80,7 +120,7 @@ type Load struct {
 // NewLoad returns empty bookkeeping.
 func NewLoad() *Load {
 	return &Load{
-		blocks:   make(map[uint64]holders),
+		blocks:   newFlatMap[holders](),
 		slots:    make(map[uint32]*SlotLoad),
 		bookings: make(map[string]*booked),
 	}
@@ -120,67 +160,64 @@ func (l *Load) book(id string, at int64, hops []bookedHop) error {
 	return nil
 }
 
-// warmLocked probes the keys back to back so that their cache misses overlap (see probeBatch); the
-// caller then probes each again, from cache. (A discarded map lookup is still made: it is a call
-// into the runtime.)
+// warmLocked touches the keys' slots back to back so that their cache misses overlap (see
+// probeBatch); the caller then probes each again, from cache.
 func (l *Load) warmLocked(keys []uint64) {
 	for _, k := range keys {
-		_ = l.blocks[k]
+		l.warm ^= l.blocks.touch(k)
 	}
 }
 
 func (l *Load) addBlockLocked(key uint64, slot uint32, s *SlotLoad) {
-	h, ok := l.blocks[key]
+	h, existed := l.blocks.upsert(key)
 	switch {
-	case !ok:
+	case !existed:
 		h.first = slotCount{slot: slot, count: 1}
 	case h.first.slot == slot:
 		h.first.count++
-		l.blocks[key] = h
 		return
 	default:
-		for i := range h.more {
-			if h.more[i].slot == slot {
-				h.more[i].count++ // in place: the map's copy shares the array
+		ms := l.more.get(h)
+		for i := range ms {
+			if ms[i].slot == slot {
+				ms[i].count++
 				return
 			}
 		}
-		h.more = append(h.more, slotCount{slot: slot, count: 1})
+		l.more.add(h, slotCount{slot: slot, count: 1})
 	}
-	l.blocks[key] = h
 	s.ActiveBlocks++
 }
 
 func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
-	h, ok := l.blocks[key]
-	if !ok {
+	h := l.blocks.get(key)
+	if h == nil {
 		return
 	}
+	ms := l.more.get(h)
 	if h.first.slot == slot {
 		if h.first.count--; h.first.count > 0 {
-			l.blocks[key] = h
 			return
 		}
-		if last := len(h.more) - 1; last >= 0 {
-			h.first, h.more = h.more[last], h.more[:last]
-			l.blocks[key] = h
+		if last := len(ms) - 1; last >= 0 {
+			h.first = ms[last]
+			l.more.set(h, ms[:last])
 		} else {
-			delete(l.blocks, key)
+			l.blocks.delete(key)
 		}
 		s.ActiveBlocks--
 		return
 	}
-	for i := range h.more {
-		if h.more[i].slot != slot {
+	for i := range ms {
+		if ms[i].slot != slot {
 			continue
 		}
-		if h.more[i].count--; h.more[i].count > 0 {
+		if ms[i].count--; ms[i].count > 0 {
 			return
 		}
-		last := len(h.more) - 1
-		h.more[i] = h.more[last]
-		h.more = h.more[:last]
-		l.blocks[key] = h
+		last := len(ms) - 1
+		ms[i] = ms[last]
+		l.more.set(h, ms[:last])
 		s.ActiveBlocks--
 		return
 	}
@@ -317,23 +354,20 @@ func (l *Load) ActiveDepths(seq []uint64, o *Overlaps) {
 	o.reset()
 	l.mu.RLock()
 	defer l.mu.RUnlock()
-	var batch [probeBatch]struct {
-		h  holders
-		ok bool
-	}
+	var batch [probeBatch]*holders
 	for i := range seq {
 		j := i % probeBatch
 		if j == 0 {
 			for k, key := range seq[i:min(i+probeBatch, len(seq))] {
-				batch[k].h, batch[k].ok = l.blocks[key]
+				batch[k] = l.blocks.get(key)
 			}
 		}
-		h, ok := batch[j].h, batch[j].ok
-		if !ok {
+		h := batch[j]
+		if h == nil {
 			return
 		}
 		advanced := advanceActive(o, h.first.slot, i)
-		for _, sc := range h.more {
+		for _, sc := range l.more.get(h) {
 			if advanceActive(o, sc.slot, i) {
 				advanced = true
 			}

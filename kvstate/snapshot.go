@@ -185,7 +185,7 @@ func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 	s.models, s.workers, s.slots = fresh.models, fresh.workers, fresh.slots
 	// The load is swapped field by field: routers hold the *Load.
 	s.load.mu.Lock()
-	s.load.blocks, s.load.slots, s.load.bookings = fresh.load.blocks, fresh.load.slots, fresh.load.bookings
+	s.load.blocks, s.load.more, s.load.slots, s.load.bookings = fresh.load.blocks, fresh.load.more, fresh.load.slots, fresh.load.bookings
 	s.load.mu.Unlock()
 	s.mu.Unlock()
 	s.sessMu.Lock()
