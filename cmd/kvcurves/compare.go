@@ -127,7 +127,8 @@ func (b *baseline) update(res *results, missingOnly bool, run string) string {
 		if e.lower {
 			better = "lower"
 		}
-		lines[e.line] = fmt.Sprintf("%s %s %s %s %s", e.name, e.unit, strconv.FormatFloat(s.med, 'g', 6, 64), better, run)
+		v, _ := strconv.ParseFloat(strconv.FormatFloat(s.med, 'g', 6, 64), 64) // 6 significant digits, written out in full
+		lines[e.line] = fmt.Sprintf("%s %s %s %s %s", e.name, e.unit, strconv.FormatFloat(v, 'f', -1, 64), better, run)
 	}
 	return strings.Join(lines, "\n") + "\n"
 }
