@@ -36,17 +36,9 @@ func (h *holderSet) first() holderWord { return holderWord{bits: h.bits, meta: h
 func (h *holderSet) setFirst(w holderWord) { h.bits, h.meta = w.bits, w.meta }
 
 // extraWords holds the holder words beyond the first of every block that has them.
-type extraWords struct {
-	lists [][]holderWord
-	free  []uint32
-}
+type extraWords struct{ listPool[holderWord] }
 
-func (p *extraWords) words(h *holderSet) []holderWord {
-	if h.extra == 0 {
-		return nil
-	}
-	return p.lists[h.extra-1]
-}
+func (p *extraWords) words(h *holderSet) []holderWord { return p.get(h.extra) }
 
 // has reports whether the worker in slot holds the block in tier.
 func (p *extraWords) has(h *holderSet, slot uint32, tier Tier) bool {
@@ -71,19 +63,7 @@ func (p *extraWords) add(h *holderSet, slot uint32, tier Tier) bool {
 		h.bits |= bit
 		return added
 	}
-	if h.extra == 0 {
-		var i uint32
-		if n := len(p.free); n > 0 {
-			i, p.free = p.free[n-1], p.free[:n-1]
-		} else {
-			p.lists = append(p.lists, nil)
-			i = uint32(len(p.lists) - 1)
-		}
-		p.lists[i] = append(p.lists[i][:0], holderWord{bits: bit, meta: meta})
-		h.extra = i + 1
-		return true
-	}
-	ws := p.lists[h.extra-1]
+	ws := p.words(h)
 	for i := range ws {
 		if ws[i].meta == meta {
 			added := ws[i].bits&bit == 0
@@ -91,7 +71,7 @@ func (p *extraWords) add(h *holderSet, slot uint32, tier Tier) bool {
 			return added
 		}
 	}
-	p.lists[h.extra-1] = append(ws, holderWord{bits: bit, meta: meta})
+	p.listPool.add(&h.extra, holderWord{bits: bit, meta: meta})
 	return true
 }
 
@@ -99,18 +79,17 @@ func (p *extraWords) add(h *holderSet, slot uint32, tier Tier) bool {
 // stays compact: a word that empties is dropped, and the first word is refilled from the others.
 func (p *extraWords) remove(h *holderSet, slot uint32, tier Tier) bool {
 	meta, bit := wordOf(slot, tier)
+	ws := p.words(h)
 	if h.meta == meta {
 		if h.bits&bit == 0 {
 			return false
 		}
-		if h.bits &^= bit; h.bits == 0 && h.extra != 0 {
-			ws := p.lists[h.extra-1]
+		if h.bits &^= bit; h.bits == 0 && len(ws) > 0 {
 			h.setFirst(ws[len(ws)-1])
-			p.shrink(h, ws[:len(ws)-1])
+			p.set(&h.extra, ws[:len(ws)-1])
 		}
 		return true
 	}
-	ws := p.words(h)
 	for i := range ws {
 		if ws[i].meta == meta {
 			if ws[i].bits&bit == 0 {
@@ -118,7 +97,7 @@ func (p *extraWords) remove(h *holderSet, slot uint32, tier Tier) bool {
 			}
 			if ws[i].bits &^= bit; ws[i].bits == 0 {
 				ws[i] = ws[len(ws)-1]
-				p.shrink(h, ws[:len(ws)-1])
+				p.set(&h.extra, ws[:len(ws)-1])
 			}
 			return true
 		}
@@ -126,20 +105,10 @@ func (p *extraWords) remove(h *holderSet, slot uint32, tier Tier) bool {
 	return false
 }
 
-func (p *extraWords) shrink(h *holderSet, ws []holderWord) {
-	if len(ws) > 0 {
-		p.lists[h.extra-1] = ws
-		return
-	}
-	p.lists[h.extra-1] = ws[:0]
-	p.free = append(p.free, h.extra-1)
-	h.extra = 0
-}
-
 // release returns the set's further words to the pool; the block is gone.
 func (p *extraWords) release(h *holderSet) {
 	if h.extra != 0 {
-		p.shrink(h, p.lists[h.extra-1][:0])
+		p.set(&h.extra, p.words(h)[:0])
 	}
 }
 

@@ -231,11 +231,7 @@ func (ix *Index) clone() *Index {
 	ix.mu.RLock()
 	defer ix.mu.RUnlock()
 	c := &Index{nodes: ix.nodes.clone(), workers: make(map[uint32]*workerBlocks, len(ix.workers))}
-	c.extra.lists = make([][]holderWord, len(ix.extra.lists))
-	for i, l := range ix.extra.lists {
-		c.extra.lists[i] = append([]holderWord(nil), l...)
-	}
-	c.extra.free = append([]uint32(nil), ix.extra.free...)
+	c.extra.listPool = ix.extra.clone()
 	for slot, wb := range ix.workers {
 		cw := &workerBlocks{}
 		for t, m := range wb.byHash {

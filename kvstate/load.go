@@ -56,43 +56,6 @@ type holders struct {
 	more  uint32    // 0: no further holders (nearly always); else 1 + their index in Load.more
 }
 
-// slotLists holds the further holders of the blocks that have them.
-type slotLists struct {
-	lists [][]slotCount
-	free  []uint32
-}
-
-func (p *slotLists) get(h *holders) []slotCount {
-	if h.more == 0 {
-		return nil
-	}
-	return p.lists[h.more-1]
-}
-
-func (p *slotLists) add(h *holders, sc slotCount) {
-	if h.more == 0 {
-		var i uint32
-		if n := len(p.free); n > 0 {
-			i, p.free = p.free[n-1], p.free[:n-1]
-		} else {
-			p.lists = append(p.lists, nil)
-			i = uint32(len(p.lists) - 1)
-		}
-		h.more = i + 1
-	}
-	p.lists[h.more-1] = append(p.lists[h.more-1], sc)
-}
-
-// set replaces the further holders by ms (a prefix of what get returned), releasing the list when
-// it is empty.
-func (p *slotLists) set(h *holders, ms []slotCount) {
-	p.lists[h.more-1] = ms
-	if len(ms) == 0 {
-		p.free = append(p.free, h.more-1)
-		h.more = 0
-	}
-}
-
 type bookedHop struct {
 	slot          uint32
 	blocks        []uint64
@@ -110,9 +73,9 @@ type booked struct {
 // the first token arrives, and the number of requests. It is safe for concurrent use.
 type Load struct {
 	mu       sync.RWMutex
-	blocks   *flatMap[holders] // block key -> workers holding it, with reference counts
-	more     slotLists
-	warm     uint64 // sink of touch
+	blocks   *flatMap[holders]   // block key -> workers holding it, with reference counts
+	more     listPool[slotCount] // further holders of the blocks that have them
+	warm     uint64              // sink of touch
 	slots    map[uint32]*SlotLoad
 	bookings map[string]*booked
 }
@@ -177,14 +140,14 @@ func (l *Load) addBlockLocked(key uint64, slot uint32, s *SlotLoad) {
 		h.first.count++
 		return
 	default:
-		ms := l.more.get(h)
+		ms := l.more.get(h.more)
 		for i := range ms {
 			if ms[i].slot == slot {
 				ms[i].count++
 				return
 			}
 		}
-		l.more.add(h, slotCount{slot: slot, count: 1})
+		l.more.add(&h.more, slotCount{slot: slot, count: 1})
 	}
 	s.ActiveBlocks++
 }
@@ -194,14 +157,14 @@ func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
 	if h == nil {
 		return
 	}
-	ms := l.more.get(h)
+	ms := l.more.get(h.more)
 	if h.first.slot == slot {
 		if h.first.count--; h.first.count > 0 {
 			return
 		}
 		if last := len(ms) - 1; last >= 0 {
 			h.first = ms[last]
-			l.more.set(h, ms[:last])
+			l.more.set(&h.more, ms[:last])
 		} else {
 			l.blocks.delete(key)
 		}
@@ -217,7 +180,7 @@ func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
 		}
 		last := len(ms) - 1
 		ms[i] = ms[last]
-		l.more.set(h, ms[:last])
+		l.more.set(&h.more, ms[:last])
 		s.ActiveBlocks--
 		return
 	}
@@ -367,7 +330,7 @@ func (l *Load) ActiveDepths(seq []uint64, o *Overlaps) {
 			return
 		}
 		advanced := advanceActive(o, h.first.slot, i)
-		for _, sc := range l.more.get(h) {
+		for _, sc := range l.more.get(h.more) {
 			if advanceActive(o, sc.slot, i) {
 				advanced = true
 			}
