@@ -2,6 +2,7 @@ package server
 
 import (
 	"math/rand/v2"
+	"sync"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -139,4 +140,46 @@ func BenchmarkUnmarshalRoute(b *testing.B) {
 			}
 		})
 	}
+}
+
+// TestRouteTokensPooledAcrossCalls: Route calls recycle their token id slices (tokenPool). Eight
+// callers route the cached prompts of four workers at random, long enough to be pooled; each answer
+// must name the worker holding that prompt and count all its blocks, so a slice reused while a call
+// still used it would show as a wrong worker or a short overlap.
+func TestRouteTokensPooledAcrossCalls(t *testing.T) {
+	e := newTestEnv(t, func(o *Options) { o.MaxPromptTokens = 1 << 20 })
+	const workers, blocks = 4, 400 // 1,600 tokens a prompt, over minPooledTokens
+	prompts := make([][]uint32, workers)
+	for w := range workers {
+		p := e.connect(uint64(w + 1))
+		st := &kvrouterv1.BlocksStored{}
+		for i := range blocks {
+			toks := []uint32{uint32(w*100_000 + i*4 + 1), uint32(w*100_000 + i*4 + 2), uint32(w*100_000 + i*4 + 3), uint32(w*100_000 + i*4 + 4)}
+			st.Blocks = append(st.Blocks, &kvrouterv1.StoredBlock{BlockHash: uint64(w*100_000 + i + 1), TokenIds: toks})
+			prompts[w] = append(prompts[w], toks...)
+		}
+		p.send(events(&kvrouterv1.KvEvent{EventId: 0, StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: st}}))
+		wantMsg(t, p.recv(), ack(0))
+	}
+	var wg sync.WaitGroup
+	for c := range 8 {
+		wg.Go(func() {
+			r := rand.New(rand.NewPCG(uint64(c), 1))
+			for range 50 {
+				w := r.IntN(workers)
+				resp, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompts[w], QueryOnly: true})
+				if err != nil {
+					t.Errorf("Route(prompt of worker %d) = %v", w+1, err)
+					return
+				}
+				got := resp.GetDecode().GetWorkerId()
+				overlap := resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice()
+				if got != uint64(w+1) || overlap != blocks {
+					t.Errorf("Route(prompt of worker %d) went to worker %d with %d cached blocks, want %d", w+1, got, overlap, blocks)
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
 }

@@ -26,6 +26,7 @@ type routerService struct {
 }
 
 func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest) (*kvrouterv1.RouteResponse, error) {
+	defer releaseTokens(req)
 	preq, err := s.routeRequest(req)
 	if err != nil {
 		return nil, err
