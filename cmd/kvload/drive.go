@@ -229,8 +229,16 @@ func (d *driver) call(ctx context.Context, due time.Time, r *reply, t *tally) {
 }
 
 // closed runs a closed loop: callers goroutines, each sending its next call when the previous
-// returns, until calls calls were sent (calls > 0) or until passes (otherwise).
+// returns, until calls calls were sent (calls > 0) or until passes (otherwise). With no callers it
+// sends nothing and waits until until: a window of ingest alone.
 func (d *driver) closed(ctx context.Context, callers, calls int, until time.Time) []*tally {
+	if callers == 0 {
+		select {
+		case <-time.After(time.Until(until)):
+		case <-ctx.Done():
+		}
+		return nil
+	}
 	var sent atomic.Int64
 	tallies := make([]*tally, callers)
 	var wg sync.WaitGroup
@@ -330,16 +338,30 @@ func (d *driver) phase(ctx context.Context, c *config, calls int, dur time.Durat
 }
 
 // drive runs the warmup calls, then the measured ones, reading both processes' CPU time around the
-// measured ones only.
-func drive(ctx context.Context, c *config, reqs []*kvrouterv1.RouteRequest) (*report, error) {
+// measured ones only. With in, the ingest streams churn from before the warmup calls (at least
+// --ingest-warmup before the measured ones, so the router is in its steady state) until the measured
+// calls end, and their acked block events are read around the measured calls, as the CPU is.
+func drive(ctx context.Context, c *config, reqs []*kvrouterv1.RouteRequest, in *ingest) (*report, error) {
 	d, err := newDriver(ctx, c, reqs)
 	if err != nil {
 		return nil, err
 	}
 	defer d.close()
 	server := serverCPU(c)
+	if in != nil {
+		in.start(ctx)
+		defer in.stop() //nolint:errcheck // stopped and checked below, unless the run failed earlier
+	}
 	if c.warmup > 0 {
 		d.phase(ctx, c, c.warmup, 0)
+	}
+	var ingest0, ingest1 ingestCounts
+	if in != nil {
+		select {
+		case <-time.After(time.Until(in.started.Add(c.ingestWarmup))):
+		case <-ctx.Done():
+		}
+		ingest0 = in.counts()
 	}
 	var server0, server1 float64
 	if server != nil {
@@ -355,6 +377,12 @@ func drive(ctx context.Context, c *config, reqs []*kvrouterv1.RouteRequest) (*re
 	p := d.phase(ctx, c, c.requests, c.duration)
 	client1 := processCPU()
 	stopProfile()
+	if in != nil {
+		ingest1 = in.counts()
+		if err := in.stop(); err != nil {
+			return nil, err
+		}
+	}
 	if server != nil {
 		if server1, err = server(ctx); err != nil {
 			return nil, fmt.Errorf("reading the server's CPU time: %w", err)
@@ -366,6 +394,9 @@ func drive(ctx context.Context, c *config, reqs []*kvrouterv1.RouteRequest) (*re
 	r := newReport(c, p, client1-client0)
 	if server != nil {
 		r.setServerCPU(server1 - server0)
+	}
+	if in != nil {
+		r.Ingest = newIngestReport(c, ingest0, ingest1)
 	}
 	return r, nil
 }

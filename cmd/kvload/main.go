@@ -18,9 +18,21 @@
 // --concurrency callers. The calls are query_only unless --query-only=false; then every call books
 // under its own request id and, with --free, frees it once Route returns.
 //
+// Ingest (ingest.go): with --ingest-rate R, --ingest-streams more workers of the model (ids after
+// the seeded ones) each churn their cache over one Publish stream while the Route calls run, so that
+// Route is measured under ingestion (issue 12: a million block events a second into one replica, and
+// Route p99 within twice its idle value): a stored event of a new prompt's --ingest-event-blocks
+// blocks, chained onto a root prefix the worker holds, then the removal of its oldest prompt's
+// blocks, keeping --ingest-cap blocks. Each stream paces itself to R block events a second (stored
+// blocks plus removed hashes), or with "max" publishes as fast as the router acks; --ingest-batch
+// events go in each message. The prompts are built, hashed and marshaled before the window, so
+// kvload's CPU goes to sending them only. The streams start --ingest-warmup before the measured
+// calls, and the report counts the block events the router acked between their start and end. With
+// --concurrency 0 and --duration D, no Route call is made: the window is D of ingest alone.
+//
 // Report (report.go): calls, errors by status code, achieved rate, latency percentiles, kvload's
-// CPU per call and, given --server-pid or --server-metrics, the router's; as text on stderr and,
-// with --json, as a JSON object.
+// CPU per call and, given --server-pid or --server-metrics, the router's; with ingest, the block
+// events acked per second; as text on stderr and, with --json, as a JSON object.
 //
 // --out writes the first prompt as the JSON RouteRequest ghz takes with -D (for comparison; a
 // booking request gets a request id templated for ghz). It appears only when seeding is complete,
@@ -32,6 +44,7 @@
 //
 //	kvload --addr 127.0.0.1:50051 --blocks 1000000 --requests 20000 --warmup 1000 --concurrency 8 --conns 2
 //	kvload --addr 127.0.0.1:50051 --duration 30s --rate 5000 --query-only=false --server-pid 1234 --json r.json
+//	kvload --addr 127.0.0.1:50051 --blocks 1000000 --duration 10s --concurrency 8 --ingest-rate 1000000 --server-pid 1234
 //
 // scripts/loadtest.sh runs it against a fresh kvrouter on loopback.
 package main
@@ -81,10 +94,20 @@ type config struct {
 	jsonOut, serverMetrics string
 	serverPID              int
 	cpuProfile             string
+
+	// Ingest during the measured calls.
+	ingestRate               rateFlag
+	ingestStreams, ingestCap int
+	ingestEventBlocks        int
+	ingestBatch              int
+	ingestWarmup             time.Duration
 }
 
 // drives says whether the command line asks for Route calls.
 func (c *config) drives() bool { return c.requests > 0 || c.duration > 0 }
+
+// ingests says whether the command line asks for ingest streams during the measured calls.
+func (c *config) ingests() bool { return c.ingestRate != 0 }
 
 func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	c := &config{}
@@ -121,6 +144,13 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.serverPID, "server-pid", 0, "kvrouter's process id, to report its CPU per call from /proc/PID/stat")
 	fs.StringVar(&c.serverMetrics, "server-metrics", "", "kvrouter's metrics URL (http://host:port/metrics), to report its CPU per call from process_cpu_seconds_total")
 	fs.StringVar(&c.cpuProfile, "cpuprofile", "", "write a CPU profile of kvload's measured calls to this file")
+
+	fs.Var(&c.ingestRate, "ingest-rate", "during the measured calls, each ingest stream publishes this many block events (stored blocks and removed hashes) per second, or max: as fast as the router acks (0: no ingest)")
+	fs.IntVar(&c.ingestStreams, "ingest-streams", 1, "ingest workers, each publishing over its own Publish stream (with --ingest-rate)")
+	fs.IntVar(&c.ingestCap, "ingest-cap", 65536, "new-prompt blocks an ingest worker holds: past it, it removes its oldest prompt after storing a new one")
+	fs.IntVar(&c.ingestEventBlocks, "ingest-event-blocks", 128, "new blocks of each ingested prompt: each stored event has this many, each removal as many hashes")
+	fs.IntVar(&c.ingestBatch, "ingest-batch", 16, "events per Publish message of the ingest streams")
+	fs.DurationVar(&c.ingestWarmup, "ingest-warmup", time.Second, "how long the ingest runs before the measured calls start (during the warmup calls)")
 	if err := fs.Parse(args); err != nil {
 		return nil, err
 	}
@@ -140,8 +170,15 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 		return nil, fmt.Errorf("--route-tokens must be at least --block-size (got %d)", c.routeTokens)
 	case c.requests < 0 || c.duration < 0 || c.warmup < 0 || (c.requests > 0 && c.duration > 0):
 		return nil, errors.New("give --requests or --duration, not both, and --warmup >= 0")
-	case c.concurrency < 1 || c.conns < 1 || c.prompts < 1 || c.maxInflight < 1 || c.rate < 0:
+	case c.concurrency < 0 || c.conns < 1 || c.prompts < 1 || c.maxInflight < 1 || c.rate < 0:
 		return nil, errors.New("--concurrency, --conns, --prompts and --max-inflight must be >= 1, --rate >= 0")
+	case c.concurrency == 0 && !(c.ingests() && c.duration > 0 && c.rate == 0):
+		// No callers: a window of ingest alone, to measure what a stream reaches without Route load.
+		return nil, errors.New("--concurrency 0 (no Route calls) needs --ingest-rate and --duration, and no --rate")
+	case c.ingests() && !c.drives():
+		return nil, errors.New("--ingest-rate needs --requests or --duration: the ingest runs during the measured calls")
+	case c.ingests() && (c.ingestStreams < 1 || c.ingestEventBlocks < 1 || c.ingestBatch < 1 || c.ingestCap < c.ingestEventBlocks || c.ingestWarmup < 0):
+		return nil, errors.New("--ingest-streams, --ingest-event-blocks and --ingest-batch must be >= 1, --ingest-cap >= --ingest-event-blocks, --ingest-warmup >= 0")
 	case c.serverPID != 0 && c.serverMetrics != "":
 		return nil, errors.New("give --server-pid or --server-metrics, not both")
 	}
@@ -189,8 +226,16 @@ func load(ctx context.Context, c *config, stderr io.Writer) error {
 		}
 		fmt.Fprintf(stderr, "kvload: wrote the Route request (%d tokens, query_only %v) to %s\n", c.routeTokens, c.queryOnly, c.out)
 	}
+	var in *ingest
+	if c.ingests() {
+		// After the Route prompts are drawn, so that they are the same with ingest and without.
+		if in, err = newIngest(ctx, c, g, stderr); err != nil {
+			return err
+		}
+		defer in.close(ctx)
+	}
 	if c.drives() {
-		r, err := drive(ctx, c, reqs)
+		r, err := drive(ctx, c, reqs, in)
 		if err != nil {
 			return err
 		}

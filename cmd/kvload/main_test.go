@@ -141,6 +141,13 @@ func TestKvloadRejectsBadFlags(t *testing.T) {
 		{"--requests", "10", "--conns", "0"},
 		{"--requests", "10", "--rate", "-1"},
 		{"--requests", "10", "--server-pid", "1", "--server-metrics", "http://x/metrics"},
+		{"--requests", "10", "--ingest-rate", "fast"},
+		{"--out", "x", "--ingest-rate", "1000"},                             // ingest with no window
+		{"--requests", "10", "--concurrency", "0", "--ingest-rate", "1000"}, // no callers need --duration
+		{"--duration", "1s", "--concurrency", "0"},                          // no callers and no ingest: nothing to measure
+		{"--duration", "1s", "--ingest-rate", "max", "--ingest-cap", "10", "--ingest-event-blocks", "128"},
+		{"--duration", "1s", "--ingest-rate", "max", "--ingest-streams", "0"},
+		{"--duration", "1s", "--ingest-rate", "max", "--ingest-batch", "0"},
 	} {
 		var stderr strings.Builder
 		if code := run(context.Background(), args, &stderr); code != 2 {

@@ -42,7 +42,12 @@ type report struct {
 	ClientCPUUs  float64        `json:"client_cpu_us_per_call"`
 	ServerCPU    *float64       `json:"server_cpu_seconds,omitempty"`
 	ServerCPUUs  *float64       `json:"server_cpu_us_per_call,omitempty"`
-	LoadAvg      string         `json:"loadavg"`
+	// ClientCores and ServerCores are the CPU time over the wall time of the measured calls: on a
+	// machine whose cores both processes share, how much of it each took.
+	ClientCores float64       `json:"client_cores"`
+	ServerCores *float64      `json:"server_cores,omitempty"`
+	Ingest      *ingestReport `json:"ingest,omitempty"`
+	LoadAvg     string        `json:"loadavg"`
 }
 
 // latency holds the percentiles of the successful calls' latencies, in milliseconds.
@@ -75,6 +80,9 @@ func newReport(c *config, p *phase, clientCPU time.Duration) *report {
 	for _, n := range p.errs {
 		r.Calls += n
 	}
+	if r.WallSeconds > 0 {
+		r.ClientCores = r.ClientCPU / r.WallSeconds
+	}
 	if r.Calls > 0 {
 		r.AchievedRate = float64(r.Calls) / r.WallSeconds
 		r.ClientCPUUs = r.ClientCPU / float64(r.Calls) * 1e6
@@ -101,6 +109,10 @@ func nearestRank(sorted []time.Duration, permille int) time.Duration {
 
 func (r *report) setServerCPU(seconds float64) {
 	r.ServerCPU = &seconds
+	if r.WallSeconds > 0 {
+		cores := seconds / r.WallSeconds
+		r.ServerCores = &cores
+	}
 	if r.Calls > 0 {
 		us := seconds / float64(r.Calls) * 1e6
 		r.ServerCPUUs = &us
@@ -121,24 +133,38 @@ func (r *report) write(w io.Writer) {
 	if r.Conns == 1 {
 		conns = "connection"
 	}
-	fmt.Fprintf(w, "kvload: %s Route%s, %s over %d %s, %d prompts of %d tokens\n",
-		r.Mode, free, loop, r.Conns, conns, r.Prompts, r.RouteTokens)
-	fmt.Fprintf(w, "  calls:    %d in %.2f s (after %d warmup calls), %.0f calls/s; errors: %s\n",
-		r.Calls, r.WallSeconds, r.Warmup, r.AchievedRate, codes(r.Errors))
+	if r.Loop == "closed" && r.Concurrency == 0 {
+		fmt.Fprintf(w, "kvload: no Route calls (--concurrency 0): %.2f s of ingest alone\n", r.WallSeconds)
+	} else {
+		fmt.Fprintf(w, "kvload: %s Route%s, %s over %d %s, %d prompts of %d tokens\n",
+			r.Mode, free, loop, r.Conns, conns, r.Prompts, r.RouteTokens)
+		fmt.Fprintf(w, "  calls:    %d in %.2f s (after %d warmup calls), %.0f calls/s; errors: %s\n",
+			r.Calls, r.WallSeconds, r.Warmup, r.AchievedRate, codes(r.Errors))
+	}
 	if r.FreeErrors != nil {
 		fmt.Fprintf(w, "  Free errors: %s\n", codes(r.FreeErrors))
 	}
 	if r.Loop == "open" {
 		fmt.Fprintf(w, "  late:     %d calls started over %v past due, %d found every in-flight slot busy\n", r.LateStarts, lateAfter, r.Capped)
 	}
-	l := r.LatencyMs
-	fmt.Fprintf(w, "  latency:  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, p99.9 %.3f ms, max %.3f ms\n", l.P50, l.P90, l.P99, l.P999, l.Max)
-	fmt.Fprintf(w, "  CPU:      kvload %.2f s, %.1f µs per call", r.ClientCPU, r.ClientCPUUs)
+	if l := r.LatencyMs; r.Calls > 0 {
+		fmt.Fprintf(w, "  latency:  p50 %.3f ms, p90 %.3f ms, p99 %.3f ms, p99.9 %.3f ms, max %.3f ms\n", l.P50, l.P90, l.P99, l.P999, l.Max)
+	}
+	if r.Ingest != nil {
+		r.Ingest.write(w)
+	}
+	fmt.Fprintf(w, "  CPU:      kvload %.2f s (%.2f cores), %.1f µs per call", r.ClientCPU, r.ClientCores, r.ClientCPUUs)
 	if r.ServerCPU != nil {
 		fmt.Fprintf(w, "; kvrouter %.2f s", *r.ServerCPU)
+		if r.ServerCores != nil {
+			fmt.Fprintf(w, " (%.2f cores)", *r.ServerCores)
+		}
 		if r.ServerCPUUs != nil {
 			fmt.Fprintf(w, ", %.1f µs per call", *r.ServerCPUUs)
 		}
+	}
+	if r.Ingest != nil {
+		fmt.Fprint(w, " (both with the ingest's share)")
 	}
 	fmt.Fprintf(w, "\n  load average: %s\n", r.LoadAvg)
 }
