@@ -502,33 +502,50 @@ func testSnapshotColdStart(t *testing.T, rdb redis.UniversalClient) {
 }
 
 // checkSnapshotPieces checks that the snapshot under prefix is stored in several pieces, each kept
-// for good (no expiry), and that they add up to the size the manifest gives.
+// for good (no expiry), and that they add up to the size the manifest gives. Snapshots are written
+// in the background, so a newer one may replace the manifest while it is checked (and give the
+// pieces checked an expiry): the check counts only if the manifest is the same after it.
 func checkSnapshotPieces(ctx context.Context, t *testing.T, rdb redis.UniversalClient, prefix string) {
 	t.Helper()
-	manifest, err := rdb.Get(ctx, prefix+":snapshot").Result()
-	if err != nil {
-		t.Fatalf("GET the snapshot manifest: %v", err)
+	var problem string
+	ok := kvtest.Poll(redisTestTimeout, 20*time.Millisecond, func() bool {
+		manifest, err := rdb.Get(ctx, prefix+":snapshot").Result()
+		if err != nil {
+			problem = fmt.Sprintf("GET the snapshot manifest: %v", err)
+			return false
+		}
+		problem = snapshotPiecesProblem(ctx, rdb, prefix, manifest)
+		again, _ := rdb.Get(ctx, prefix+":snapshot").Result()
+		return again == manifest && problem == ""
+	})
+	if !ok {
+		t.Fatal(problem)
 	}
+}
+
+// snapshotPiecesProblem says what is wrong with the pieces of the snapshot under manifest, or "".
+func snapshotPiecesProblem(ctx context.Context, rdb redis.UniversalClient, prefix, manifest string) string {
 	var id string
 	var pieces, size int
 	if n, err := fmt.Sscanf(manifest, "KVRCHUNKS1 %s %d %d", &id, &pieces, &size); n != 3 || err != nil || pieces < 2 {
-		t.Fatalf("snapshot manifest %q: want KVRCHUNKS1 <id> <pieces> <bytes> with several pieces (%v)", manifest, err)
+		return fmt.Sprintf("snapshot manifest %q: want KVRCHUNKS1 <id> <pieces> <bytes> with several pieces (%v)", manifest, err)
 	}
 	total := 0
 	for i := range pieces {
 		key := fmt.Sprintf("%s:snapshot:%s:%d", prefix, id, i)
 		n, err := rdb.StrLen(ctx, key).Result()
 		if err != nil || n == 0 {
-			t.Fatalf("piece %s: %d bytes, %v", key, n, err)
+			return fmt.Sprintf("piece %s: %d bytes, %v", key, n, err)
 		}
 		if ttl, err := rdb.PTTL(ctx, key).Result(); err != nil || ttl != -1 {
-			t.Errorf("piece %s expires (PTTL %v, %v); a committed snapshot's pieces must not", key, ttl, err)
+			return fmt.Sprintf("piece %s expires (PTTL %v, %v); a committed snapshot's pieces must not", key, ttl, err)
 		}
 		total += int(n)
 	}
 	if total != size {
-		t.Errorf("the pieces hold %d bytes, the manifest says %d", total, size)
+		return fmt.Sprintf("the pieces hold %d bytes, the manifest says %d", total, size)
 	}
+	return ""
 }
 
 // TestSnapshotsUnderBookingLoad: snapshots are written while both replicas keep booking and freeing
