@@ -166,6 +166,10 @@ func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, bl
 
 // Remove applies a removed event: the worker no longer holds the blocks (engine hashes) in tier.
 // It returns how many hashes were unknown (a warning in Dynamo, not an error).
+//
+// Like Store, it probes a batch of blocks before changing any (their cache misses overlap: a
+// removal costs two random reads, the worker's table and the block's) and lets readers in between
+// chunks of storeChunk hashes.
 func (ix *Index) Remove(slot uint32, tier Tier, hashes []uint64) (unknown int) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()
@@ -174,15 +178,41 @@ func (ix *Index) Remove(slot uint32, tier Tier, hashes []uint64) (unknown int) {
 		return len(hashes)
 	}
 	byHash := wb.byHash[tier]
-	for _, h := range hashes {
-		k := byHash.get(h)
-		if k == nil {
-			unknown++
-			continue
+	var keys [probeBatch]uint64
+	var found [probeBatch]bool
+	for start := 0; start < len(hashes); start += probeBatch {
+		if start > 0 && start%storeChunk == 0 {
+			ix.mu.Unlock()
+			ix.mu.Lock()
+			if wb = ix.workers[slot]; wb == nil { // cleared meanwhile (the worker is gone)
+				return unknown + len(hashes) - start
+			}
+			byHash = wb.byHash[tier]
 		}
-		key := *k
-		byHash.delete(h)
-		ix.dropHolder(key, slot, tier)
+		chunk := hashes[start:min(start+probeBatch, len(hashes))]
+		for _, h := range chunk {
+			ix.warm ^= byHash.touch(h)
+		}
+		for j, h := range chunk {
+			if k := byHash.get(h); k != nil {
+				keys[j], found[j] = *k, true
+				ix.warm ^= ix.nodes.touch(*k)
+			} else {
+				found[j] = false
+			}
+		}
+		for j, h := range chunk {
+			if !found[j] {
+				unknown++
+				continue
+			}
+			// The chunk may name a hash twice: the second finds it deleted, unknown.
+			if byHash.delete(h) {
+				ix.dropHolder(keys[j], slot, tier)
+			} else {
+				unknown++
+			}
+		}
 	}
 	return unknown
 }

@@ -226,20 +226,29 @@ func (l *Log) maybeSnapshot(ctx context.Context) {
 // drainOwn reads and applies the stream until none of this replica's changes is in flight, for at
 // most drainTimeout; it reports whether it got there. The caller holds localMu, so no new booking
 // is applied meanwhile; those in flight are still published and come back.
+//
+// Unlike the tailer it cannot reload a snapshot (that takes localMu), so it gives up when the entries
+// after what it applied may have been trimmed: it checks after each read that the stream still
+// starts at or before the position the read started from, so the batch has no gap.
 func (l *Log) drainOwn(ctx context.Context) bool {
 	deadline := time.Now().Add(drainTimeout)
 	for l.Pending() > 0 {
 		if time.Now().After(deadline) || ctx.Err() != nil {
 			return false
 		}
+		last := l.LastID()
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
-			Streams: []string{l.opts.Stream(), l.LastID()}, Count: l.opts.ReadCount, Block: 10 * time.Millisecond,
+			Streams: []string{l.opts.Stream(), last}, Count: l.opts.ReadCount, Block: 10 * time.Millisecond,
 		}).Result()
 		if errors.Is(err, redis.Nil) {
 			continue
 		}
 		if err != nil {
 			return false
+		}
+		first, err := l.rdb.XRangeN(ctx, l.opts.Stream(), "-", "+", 1).Result()
+		if err != nil || len(first) == 0 || compareStreamIDs(first[0].ID, last) > 0 {
+			return false // trimmed past us, perhaps before the read: the tailer reloads
 		}
 		for _, st := range streams {
 			for _, msg := range st.Messages {
