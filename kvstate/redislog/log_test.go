@@ -556,7 +556,10 @@ func TestSnapshotsUnderBookingLoad(t *testing.T) { onEveryRedis(t, testSnapshots
 func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), 6*redisTestTimeout)
 	defer cancel()
-	snapOften := func(o *redislog.Options) { o.SnapshotEvery = 50 }
+	// A free may reach a replica before the booking it frees, which then waits for the booking to
+	// arrive; on a loaded machine (a CI run of every package at once) that took longer than the
+	// default 100 ms, with or without snapshots.
+	snapOften := func(o *redislog.Options) { o.SnapshotEvery, o.BookingArrivalWait = 50, 2*time.Second }
 	rs := startReplicas(t, rdb, 2, snapOften)
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
