@@ -62,10 +62,10 @@ const probeBatch = 8
 // did not change.
 const walkBatch = 32
 
-// storeChunk is how many blocks of a stored event are applied under one hold of the write lock. A
-// 512-block event takes about 100 µs; between chunks, overlap queries waiting for the lock get
-// their turn, so a Route never waits behind a whole large event. Readers may see a prefix of the
-// event's chain applied, which is a state the worker could have reported with smaller events.
+// storeChunk is how many blocks of a stored or removed event are applied under one hold of the
+// write lock. A 512-block event takes about 100 µs; between chunks, overlap queries waiting for the
+// lock get their turn, so a Route never waits behind a whole large event. Readers may see a prefix
+// of the event applied, which is a state the worker could have reported with smaller events.
 const storeChunk = 64
 
 // Index is the prefix index of one model: which worker holds which prompt prefix, in which tier.
@@ -78,7 +78,7 @@ const storeChunk = 64
 // block, and a worker's overlap ends at the first block it does not hold.
 //
 // Index is safe for concurrent use. Overlap queries take a read lock; an applied event takes the
-// write lock (a large stored event once per storeChunk blocks).
+// write lock (a large stored or removed event once per storeChunk blocks).
 type Index struct {
 	mu      sync.RWMutex
 	nodes   *flatMap[holderSet] // by sequence hash
