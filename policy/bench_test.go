@@ -50,10 +50,14 @@ type promptGen struct {
 	tokens    []uint32 // scratch
 }
 
-func newPromptGen(seed uint64) *promptGen {
-	g := &promptGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, 7))), salt: blockhash.Salt("", "")}
+func newPromptGen(seed uint64) *promptGen { return newPromptGenRoots(seed, 7, benchRootBlocks) }
+
+// newPromptGenRoots is newPromptGen with roots of rootBlocks blocks (the curves vary the prompt
+// length, and the roots with it), its random stream seeded by seed and stream.
+func newPromptGenRoots(seed, stream uint64, rootBlocks int) *promptGen {
+	g := &promptGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, stream))), salt: blockhash.Salt("", "")}
 	for r := range benchRoots {
-		local := make([]uint64, benchRootBlocks)
+		local := make([]uint64, rootBlocks)
 		for i := range local {
 			local[i] = g.localHash(kvtest.RootBlock(r, i))
 		}
@@ -70,11 +74,15 @@ func (g *promptGen) localHash(id uint64) uint64 {
 
 // cached draws a prompt of n blocks to cache: its engine-named blocks.
 func (g *promptGen) cached(n int) []kvstate.Block {
+	return g.appendCached(make([]kvstate.Block, 0, n), n)
+}
+
+// appendCached is cached, appending to dst.
+func (g *promptGen) appendCached(dst []kvstate.Block, n int) []kvstate.Block {
 	root, shared := g.Draw(n)
-	out := make([]kvstate.Block, n)
 	seq := uint64(0)
 	first := g.NewIDs(n - shared)
-	for i := range out {
+	for i := range n {
 		var local uint64
 		if i < shared {
 			local, seq = g.rootLocal[root][i], g.rootSeq[root][i]
@@ -82,9 +90,9 @@ func (g *promptGen) cached(n int) []kvstate.Block {
 			local = g.localHash(first + uint64(i-shared))
 			seq = blockhash.Chain(seq, local)
 		}
-		out[i] = kvstate.Block{Hash: ^seq, Local: local} // the engine's hash: any per-content name
+		dst = append(dst, kvstate.Block{Hash: ^seq, Local: local}) // the engine's hash: any per-content name
 	}
-	return out
+	return dst
 }
 
 // query draws a prompt's tokens: a root prefix, then blocks nobody has seen.

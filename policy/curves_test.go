@@ -14,7 +14,6 @@ package policy_test
 import (
 	"context"
 	"fmt"
-	"math/rand/v2"
 	"os"
 	"runtime"
 	"strconv"
@@ -135,13 +134,14 @@ func newCurveFleet(t *testing.T, p curvePoint) *curveFleet {
 			t.Fatalf("MemLog.Append(WorkerUp %v) = %v, want nil", workers[i], err)
 		}
 	}
-	g := newCurveGen(p.tokens/benchBlockSize, uint64(p.tokens)^uint64(p.workers)<<32)
+	n := p.tokens / benchBlockSize
+	g := newPromptGenRoots(uint64(p.tokens)^uint64(p.workers)<<32, 12, n)
 	nextEvent := make([]uint64, p.workers)
 	ix := state.Model(benchModel).Index
 	var blocks []kvstate.Block
 	for ix.Len() < p.blocks {
 		w := g.Rand.IntN(p.workers)
-		blocks = g.cached(blocks[:0])
+		blocks = g.appendCached(blocks[:0], n)
 		var evs []kvstate.Event
 		for s := 0; s < len(blocks); s += benchEventBlocks {
 			ev := kvstate.Event{ID: nextEvent[w], Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: blocks[s:min(s+benchEventBlocks, len(blocks))]}
@@ -163,7 +163,7 @@ func newCurveFleet(t *testing.T, p curvePoint) *curveFleet {
 		walked int
 	)
 	for range nq {
-		q := g.query()
+		q := g.query(n * benchBlockSize)
 		f.queries = append(f.queries, q)
 		ix.Overlaps(blockhash.Sequence(nil, blockhash.Locals(nil, q, benchBlockSize, g.salt)), &o)
 		deepest := uint32(0)
@@ -227,63 +227,6 @@ func (f *curveFleet) free(t *testing.T, id string) {
 	if _, err := f.log.Append(context.Background(), kvstate.Freed{RequestID: id}); err != nil {
 		t.Fatalf("MemLog.Append(Freed %q) = %v, want nil", id, err)
 	}
-}
-
-// curveGen draws the prompts of one curve point: n blocks each, sharing a prefix of one of
-// benchRoots roots of n blocks (hashed once).
-type curveGen struct {
-	*kvtest.Prompts
-	n         int
-	salt      uint64
-	rootLocal [][]uint64
-	rootSeq   [][]uint64
-	tokens    []uint32 // scratch
-}
-
-func newCurveGen(n int, seed uint64) *curveGen {
-	g := &curveGen{Prompts: kvtest.NewPrompts(benchShape, rand.New(rand.NewPCG(seed, 12))), n: n, salt: blockhash.Salt("", "")}
-	for r := range benchRoots {
-		local := make([]uint64, n)
-		for i := range local {
-			local[i] = g.localHash(kvtest.RootBlock(r, i))
-		}
-		g.rootLocal = append(g.rootLocal, local)
-		g.rootSeq = append(g.rootSeq, blockhash.Sequence(nil, local))
-	}
-	return g
-}
-
-func (g *curveGen) localHash(id uint64) uint64 {
-	g.tokens = kvtest.BlockTokens(g.tokens[:0], id)
-	return blockhash.Local(g.tokens, g.salt)
-}
-
-// cached appends a prompt to cache, as engine-named blocks, to dst.
-func (g *curveGen) cached(dst []kvstate.Block) []kvstate.Block {
-	root, shared := g.Draw(g.n)
-	first := g.NewIDs(g.n - shared)
-	seq := uint64(0)
-	for i := range g.n {
-		var local uint64
-		if i < shared {
-			local, seq = g.rootLocal[root][i], g.rootSeq[root][i]
-		} else {
-			local = g.localHash(first + uint64(i-shared))
-			seq = blockhash.Chain(seq, local)
-		}
-		dst = append(dst, kvstate.Block{Hash: ^seq, Local: local}) // the engine's hash: any per-content name
-	}
-	return dst
-}
-
-// query returns a routed prompt's tokens: a root prefix, then blocks nobody has seen.
-func (g *curveGen) query() []uint32 {
-	root, shared := g.Draw(g.n)
-	out := make([]uint32, 0, g.n*benchBlockSize)
-	for _, id := range g.IDs(nil, root, shared, g.n) {
-		out = kvtest.BlockTokens(out, id)
-	}
-	return out
 }
 
 // curveLine prints one result in Go's benchmark format (name, iterations, then value-unit pairs),
