@@ -5,6 +5,8 @@
 # redis-server (the Redis tests start private servers and a local cluster on free ports), Debian's
 # python3-zmq and python3-msgpack (the engine stand-in of the bridge test), and what each
 # client's own test script installs (Debian's Python gRPC packages; the pinned npm packages).
+# Then every Go fuzz target runs for FUZZTIME (default 3s; FUZZTIME=0 skips it) beyond its seed
+# corpus, which the plain test run already replays.
 # Arguments go to `go test` (e.g. -run); the client suites run whatever they are.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +15,20 @@ export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
 scripts/need.sh redis-server=redis-server redis-cli=redis-server py:zmq=python3-zmq py:msgpack=python3-msgpack
 go vet ./...
 go test -race -count=1 -timeout 10m ./... "$@"
+FUZZTIME=${FUZZTIME:-3s}
+if [ "$FUZZTIME" != 0 ]; then
+  # Every `func FuzzX` of the module, by package: -fuzz takes one target of one package at a time.
+  grep -rl --include='*_test.go' '^func Fuzz' . | grep -v node_modules | while read -r file; do
+    for target in $(sed -n 's/^func \(Fuzz[A-Za-z0-9_]*\)(.*/\1/p' "$file"); do
+      echo "== fuzz $target ($(dirname "$file"), $FUZZTIME)"
+      out=$(go test -run '^$' -fuzz "^$target\$" -fuzztime "$FUZZTIME" "./$(dirname "${file#./}")" 2>&1) || {
+        echo "$out"
+        exit 1
+      }
+      echo "$out" | tail -1
+    done
+  done
+fi
 echo "== clients/python"
 clients/python/test.sh
 echo "== clients/ts"
