@@ -81,22 +81,11 @@ func TestKvloadDrivesRoute(t *testing.T) {
 			for _, a := range tc.args {
 				args = append(args, strings.ReplaceAll(a, "METRICS", processMetrics(t)))
 			}
-			var stderr strings.Builder
-			if code := run(ctx, args, &stderr); code != 0 {
-				t.Fatalf("run(%q) = %d, want 0; stderr:\n%s", args, code, stderr.String())
-			}
-			b, err := os.ReadFile(out)
-			if err != nil {
-				t.Fatalf("reading --json: %v", err)
-			}
-			var r report
-			if err := json.Unmarshal(b, &r); err != nil {
-				t.Fatalf("json.Unmarshal(--json) = %v", err)
-			}
+			r, stderr := runForReport(ctx, t, args, out)
 			got := summary{Mode: r.Mode, Loop: r.Loop, Calls: r.Calls, Errors: r.Errors,
 				Bookings: state.Load().Bookings(), HasServerCPU: r.ServerCPUUs != nil}
 			if diff := cmp.Diff(tc.want, got); diff != "" {
-				t.Errorf("report (-want +got):\n%s\nstderr:\n%s", diff, stderr.String())
+				t.Errorf("report (-want +got):\n%s\nstderr:\n%s", diff, stderr)
 			}
 			l := r.LatencyMs
 			if !(0 < l.P50 && l.P50 <= l.P90 && l.P90 <= l.P99 && l.P99 <= l.P999 && l.P999 <= l.Max) {
@@ -209,4 +198,23 @@ func TestNearestRank(t *testing.T) {
 			t.Errorf("nearestRank(1..%d ms, %d‰) = %v, want %v", tc.n, tc.permille, got, tc.want)
 		}
 	}
+}
+
+// runForReport runs kvload with args, which write the report to out (--json), and returns the
+// report and kvload's stderr, failing the test if kvload fails.
+func runForReport(ctx context.Context, t *testing.T, args []string, out string) (report, string) {
+	t.Helper()
+	var stderr strings.Builder
+	if code := run(ctx, args, &stderr); code != 0 {
+		t.Fatalf("run(%q) = %d, want 0; stderr:\n%s", args, code, stderr.String())
+	}
+	b, err := os.ReadFile(out)
+	if err != nil {
+		t.Fatalf("reading --json: %v", err)
+	}
+	var r report
+	if err := json.Unmarshal(b, &r); err != nil {
+		t.Fatalf("json.Unmarshal(--json) = %v", err)
+	}
+	return r, stderr.String()
 }

@@ -3,10 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
-	"encoding/json"
-	"os"
 	"path/filepath"
-	"strings"
 	"testing"
 
 	"google.golang.org/protobuf/proto"
@@ -44,21 +41,10 @@ func TestKvloadIngests(t *testing.T) {
 			args := append([]string{"--addr", addr, "--workers", "4", "--blocks", "2000", "--prompt-blocks", "32", "--roots", "3",
 				"--route-tokens", "500", "--prompts", "3", "--conns", "2", "--warmup", "20", "--duration", "1s",
 				"--ingest-cap", "1024", "--ingest-event-blocks", "64", "--ingest-warmup", "200ms", "--json", out}, tc.args...)
-			var stderr strings.Builder
-			if code := run(ctx, args, &stderr); code != 0 {
-				t.Fatalf("run(%q) = %d, want 0; stderr:\n%s", args, code, stderr.String())
-			}
-			b, err := os.ReadFile(out)
-			if err != nil {
-				t.Fatalf("reading --json: %v", err)
-			}
-			var r report
-			if err := json.Unmarshal(b, &r); err != nil {
-				t.Fatalf("json.Unmarshal(--json) = %v", err)
-			}
+			r, stderr := runForReport(ctx, t, args, out)
 			in := r.Ingest
 			if in == nil {
-				t.Fatalf("report has no ingest; stderr:\n%s", stderr.String())
+				t.Fatalf("report has no ingest; stderr:\n%s", stderr)
 			}
 			if in.Streams != tc.streams || in.EventBlocks != eventBlocks || in.CapBlocks != capBlocks {
 				t.Errorf("ingest report %+v, want %d streams of %d-block events, cap %d", in, tc.streams, eventBlocks, capBlocks)
