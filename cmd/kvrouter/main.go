@@ -2,7 +2,7 @@
 //
 // Usage:
 //
-//	kvrouter serve [flags]    serve gRPC on --listen (default :50051), /metrics on --metrics-listen
+//	kvrouter serve [flags]    serve gRPC on --listen (default 127.0.0.1:50051), /metrics on --metrics-listen
 //	kvrouter bridge [flags]   forward an engine's ZMQ KV event feed (vLLM, SGLang, TensorRT-LLM) to routers
 //
 // Every flag also reads from a KVROUTER_* environment variable and from the YAML file given with

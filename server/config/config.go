@@ -10,6 +10,7 @@
 package config
 
 import (
+	"crypto/tls"
 	"slices"
 	"strconv"
 	"strings"
@@ -25,6 +26,14 @@ const (
 	DefaultMaxPublishMsgBytes = 4 << 20
 	DefaultMaxBatchBlocks     = 16_384
 	DefaultMaxDumpBlocks      = 1 << 20
+)
+
+// Default caps against runaway or hostile callers (docs/security.md, "Limits").
+const (
+	DefaultMaxPublishStreams  = 1024
+	DefaultMaxWorkersPerModel = 10_000
+	// DefaultMaxIndexBlocks is about 10 GB of index at the per-block cost docs/BENCHMARKS.md measures.
+	DefaultMaxIndexBlocks = 100_000_000
 )
 
 // Options is the service's whole configuration. Build it with New (or Load), never as a literal:
@@ -46,6 +55,25 @@ type Options struct {
 	ShutdownDrain        time.Duration // NOT_SERVING before stopping
 	ShutdownTimeout      time.Duration // graceful stop deadline
 
+	// Security (docs/security.md): TLS, credentials and per-credential limits.
+	Plaintext             bool          // serve without TLS on a non-loopback address
+	TLSCertFile           string        // server certificate chain (PEM); with TLSKeyFile turns TLS on
+	TLSKeyFile            string        // server private key (PEM)
+	TLSClientCAFile       string        // CAs of client certificates: set, clients must present one (mTLS)
+	TLSMinVersion         uint16        // tls.VersionTLS12 or tls.VersionTLS13
+	CredentialsFile       string        // who may call what ("" = everyone everything)
+	AuthOpenHealth        bool          // health answers callers without credentials
+	AuthOpenReflection    bool          // reflection answers callers without credentials
+	FileReloadInterval    time.Duration // how often TLS and credentials files are checked for changes
+	RouteRateLimit        float64       // Route calls per second per credential (0 = none)
+	EventRateLimit        float64       // event blocks per second per credential (0 = none)
+	MaxPublishStreams     int           // concurrent Publish streams per credential
+	MaxWorkersPerModel    int           // worker ranks per model
+	MaxIndexBlocks        int           // distinct blocks over all indexes (0 = no cap)
+	KeepaliveMinTime      time.Duration // clients pinging more often are disconnected
+	MaxConnectionAge      time.Duration // connections are asked to go away after this long (0 = never)
+	MaxConnectionAgeGrace time.Duration // calls' time to finish after that
+
 	// Shared state (Redis mode); both addresses empty means the embedded, in-process log.
 	RedisAddr          string        // one Redis server
 	RedisClusterAddrs  string        // comma-separated Redis Cluster seed nodes
@@ -56,6 +84,14 @@ type Options struct {
 	SnapshotInterval   time.Duration // longest time between snapshots
 	SnapshotChunkBytes int           // size of the pieces a snapshot is stored in
 	RedisReseedWindow  time.Duration // how long a fresh shared log may be reseeded by a replica with state
+	RedisUsername      string        // ACL user ("" = default)
+	RedisPassword      string        // from KVROUTER_REDIS_PASSWORD or the file only; never a flag
+	RedisPasswordFile  string        // file holding the password
+	RedisTLS           bool          // connect over TLS
+	RedisTLSCAFile     string        // CAs of Redis's certificate ("" = the system's)
+	RedisTLSCertFile   string        // client certificate for Redis
+	RedisTLSKeyFile    string        // its key
+	RedisTLSServerName string        // name checked in Redis's certificate ("" = the address's host)
 
 	// Routing. Router.ConditionalDisagg is derived by Validate from the two settings below it.
 	Router                  policy.Config
@@ -75,27 +111,36 @@ type Options struct {
 // New returns the built-in defaults, each from SourceDefault.
 func New() *Options {
 	o := &Options{
-		Listen:               ":50051",
-		MetricsListen:        ":9090",
-		LogLevel:             "info",
-		MaxPromptTokens:      1 << 20,
-		MaxRecvMsgBytes:      16 << 20,
-		MaxConcurrentStreams: 1000,
-		MaxPublishMsgBytes:   DefaultMaxPublishMsgBytes,
-		MaxBatchBlocks:       DefaultMaxBatchBlocks,
-		MaxDumpBlocks:        DefaultMaxDumpBlocks,
-		WorkerGracePeriod:    30 * time.Second,
-		BookingExpiry:        300 * time.Second,
-		ShutdownDrain:        2 * time.Second,
-		ShutdownTimeout:      15 * time.Second,
-		RedisPrefix:          "kvr:{default}",
-		RedisMaxBuffered:     100_000,
-		SnapshotEvery:        kvstate.DefaultSnapshotEvery,
-		SnapshotInterval:     5 * time.Minute,
-		SnapshotChunkBytes:   1 << 20,
-		RedisReseedWindow:    10 * time.Second,
-		Router:               policy.DefaultConfig(),
-		layers:               layered.New(settings),
+		Listen:                "127.0.0.1:50051",
+		MetricsListen:         "127.0.0.1:9090",
+		LogLevel:              "info",
+		MaxPromptTokens:       1 << 20,
+		MaxRecvMsgBytes:       16 << 20,
+		MaxConcurrentStreams:  1000,
+		MaxPublishMsgBytes:    DefaultMaxPublishMsgBytes,
+		MaxBatchBlocks:        DefaultMaxBatchBlocks,
+		MaxDumpBlocks:         DefaultMaxDumpBlocks,
+		WorkerGracePeriod:     30 * time.Second,
+		BookingExpiry:         300 * time.Second,
+		ShutdownDrain:         2 * time.Second,
+		ShutdownTimeout:       15 * time.Second,
+		TLSMinVersion:         tls.VersionTLS12,
+		AuthOpenHealth:        true,
+		FileReloadInterval:    5 * time.Second,
+		MaxPublishStreams:     DefaultMaxPublishStreams,
+		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
+		MaxIndexBlocks:        DefaultMaxIndexBlocks,
+		KeepaliveMinTime:      10 * time.Second,
+		MaxConnectionAge:      30 * time.Minute,
+		MaxConnectionAgeGrace: 30 * time.Second,
+		RedisPrefix:           "kvr:{default}",
+		RedisMaxBuffered:      100_000,
+		SnapshotEvery:         kvstate.DefaultSnapshotEvery,
+		SnapshotInterval:      5 * time.Minute,
+		SnapshotChunkBytes:    1 << 20,
+		RedisReseedWindow:     10 * time.Second,
+		Router:                policy.DefaultConfig(),
+		layers:                layered.New(settings),
 	}
 	return o
 }

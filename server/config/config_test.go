@@ -16,6 +16,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/config/layered"
 )
 
 func envFunc(env map[string]string) func(string) string {
@@ -66,7 +67,7 @@ func TestConfigPrecedence(t *testing.T) {
 		"prefill_load_scale":     {Key: "prefill_load_scale", Value: "1.5", Source: SourceFlag},
 		"enforce_disagg":         {Key: "enforce_disagg", Value: "true", Source: SourceFlag},
 		"router_queue_threshold": {Key: "router_queue_threshold", Value: "", Source: SourceFile},
-		"listen":                 {Key: "listen", Value: ":50051", Source: SourceDefault},
+		"listen":                 {Key: "listen", Value: "127.0.0.1:50051", Source: SourceDefault},
 		"booking_expiry":         {Key: "booking_expiry", Value: "5m0s", Source: SourceDefault},
 	}
 	for k, w := range want {
@@ -114,6 +115,21 @@ func TestBadConfig(t *testing.T) {
 		{name: "pprof without a metrics listener", args: []string{"--pprof", "--metrics-listen", ""},
 			want: "--pprof: needs --metrics-listen, where the profiler is served"},
 		{name: "unknown flag", args: []string{"--no-such-flag"}, want: "flag provided but not defined: -no-such-flag"},
+		{name: "all interfaces without TLS", args: []string{"--listen", ":50051"},
+			want: "--listen :50051: other hosts can reach it, so it serves TLS: set --tls-cert-file and --tls-key-file, or --plaintext to serve without TLS"},
+		{name: "certificate without key", args: []string{"--tls-cert-file", "c.pem"},
+			want: "--tls-cert-file and tls_key_file (default): set both or neither"},
+		{name: "client CA without TLS", env: map[string]string{"KVROUTER_TLS_CLIENT_CA_FILE": "ca.pem"},
+			want: "KVROUTER_TLS_CLIENT_CA_FILE: needs tls_cert_file (default) and tls_key_file (default) (mutual TLS is TLS)"},
+		{name: "plaintext and TLS", args: []string{"--plaintext", "--tls-cert-file", "c.pem", "--tls-key-file", "k.pem"},
+			want: "--plaintext and --tls-cert-file: set one, not both"},
+		{name: "TLS 1.1", args: []string{"--tls-min-version", "1.1"}, want: `--tls-min-version: must be 1.2 or 1.3 (got "1.1")`},
+		{name: "negative route rate", args: []string{"--route-rate-limit", "-5"}, want: "--route-rate-limit: must be >= 0 (got -5)"},
+		{name: "redis password as a flag", args: []string{"--redis-password", "hunter2"}, want: "flag provided but not defined: -redis-password"},
+		{name: "redis password twice", env: map[string]string{"KVROUTER_REDIS_PASSWORD": "x"}, args: []string{"--redis-password-file", "p"},
+			want: "KVROUTER_REDIS_PASSWORD and --redis-password-file: set one, not both"},
+		{name: "redis CA without TLS", args: []string{"--redis-tls-ca-file", "ca.pem"},
+			want: "redis_tls (default): must be true when a redis_tls_* file or name is set"},
 		{name: "missing config file", args: []string{"--config", "/nonexistent/kvrouter.yaml"}, want: "no such file or directory"},
 	}
 	for _, tt := range tests {
@@ -126,6 +142,42 @@ func TestBadConfig(t *testing.T) {
 				t.Errorf("Load() = %q, want it to contain %q", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestSecretsStayOut: the Redis password is read from the environment or the file, never offered
+// as a flag, and GetConfig's entries show only that it is set.
+func TestSecretsStayOut(t *testing.T) {
+	var help bytes.Buffer
+	if _, err := Load("kvrouter serve", []string{"-h"}, envFunc(nil), &help); err == nil {
+		t.Fatal("Load(-h) = nil, want ErrUsage")
+	}
+	if strings.Contains(help.String(), "redis-password ") || !strings.Contains(help.String(), "redis-password-file") {
+		t.Errorf("--help offers a password flag, or lacks the password file:\n%s", help.String())
+	}
+	for _, src := range []struct {
+		name string
+		env  map[string]string
+		file string
+	}{
+		{"env", map[string]string{"KVROUTER_REDIS_PASSWORD": "hunter2"}, ""},
+		{"file", nil, "redis_password: hunter2\n"},
+	} {
+		cfg, _, err := load(t, nil, src.env, src.file)
+		if err != nil {
+			t.Fatalf("%s: Load() = %v", src.name, err)
+		}
+		if cfg.RedisPassword != "hunter2" {
+			t.Errorf("%s: RedisPassword = %q, want hunter2", src.name, cfg.RedisPassword)
+		}
+		for _, e := range cfg.Entries() {
+			if strings.Contains(e.Value, "hunter2") {
+				t.Errorf("%s: entry %s shows the password: %q", src.name, e.Key, e.Value)
+			}
+			if e.Key == "redis_password" && e.Value != layered.Redacted {
+				t.Errorf("%s: redis_password entry = %q, want %q", src.name, e.Value, layered.Redacted)
+			}
+		}
 	}
 }
 
@@ -307,7 +359,7 @@ func TestStepByStep(t *testing.T) {
 	fs.SetOutput(io.Discard)
 	own := fs.Int("workers", 4, "a flag of the command's own")
 	o.AddFlags(fs)
-	if err := fs.Parse([]string{"--router-temperature", "0.5", "--workers", "8", "--config", writeFile(t, "router_temperature: 0.1\nlisten: :7000\n")}); err != nil {
+	if err := fs.Parse([]string{"--router-temperature", "0.5", "--workers", "8", "--config", writeFile(t, "router_temperature: 0.1\nlisten: 127.0.0.1:7000\n")}); err != nil {
 		t.Fatal(err)
 	}
 	if err := o.Complete(envFunc(map[string]string{"KVROUTER_ROUTER_TEMPERATURE": "0.25"})); err != nil {
@@ -327,7 +379,7 @@ func TestStepByStep(t *testing.T) {
 		Listen      string
 		Workers     int
 		Sources     [2]Source
-	}{0.5, ":7000", 8, [2]Source{SourceFlag, SourceFile}}
+	}{0.5, "127.0.0.1:7000", 8, [2]Source{SourceFlag, SourceFile}}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("options mismatch (-want +got):\n%s", diff)
 	}

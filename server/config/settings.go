@@ -1,6 +1,7 @@
 package config
 
 import (
+	"crypto/tls"
 	"fmt"
 	"strings"
 	"time"
@@ -32,6 +33,28 @@ func scorerSetting(key, help string) setting {
 		}}
 }
 
+// tlsVersionSetting is a TLS version written 1.2 or 1.3.
+func tlsVersionSetting(key, help string) setting {
+	return setting{Key: key, Help: help,
+		Set: func(o *Options, v string) error {
+			switch strings.TrimSpace(v) {
+			case "1.2":
+				o.TLSMinVersion = tls.VersionTLS12
+			case "1.3":
+				o.TLSMinVersion = tls.VersionTLS13
+			default:
+				return fmt.Errorf("must be 1.2 or 1.3 (got %q)", v)
+			}
+			return nil
+		},
+		Get: func(o *Options) string {
+			if o.TLSMinVersion == tls.VersionTLS13 {
+				return "1.3"
+			}
+			return "1.2"
+		}}
+}
+
 // mapping lets a setting be written as a YAML mapping in the file (it receives it as JSON).
 func mapping(s setting) setting {
 	s.Mapping = true
@@ -55,6 +78,24 @@ var settings = []setting{
 	layered.Duration("shutdown_drain", "how long health reports NOT_SERVING before the server stops", func(o *Options) *time.Duration { return &o.ShutdownDrain }),
 	layered.Duration("shutdown_timeout", "deadline for in-flight calls to finish on shutdown", func(o *Options) *time.Duration { return &o.ShutdownTimeout }),
 
+	layered.Bool("plaintext", "serve gRPC without TLS on a non-loopback listen address (a loopback one never needs it): anyone who reaches the port can then read and forge traffic", func(o *Options) *bool { return &o.Plaintext }),
+	layered.String("tls_cert_file", "server certificate chain (PEM); with tls_key_file it turns TLS on; both are reloaded when they change", func(o *Options) *string { return &o.TLSCertFile }),
+	layered.String("tls_key_file", "server private key (PEM)", func(o *Options) *string { return &o.TLSKeyFile }),
+	layered.String("tls_client_ca_file", "CA certificates (PEM) of client certificates: when set, every client must present one they sign (mutual TLS); reloaded when it changes", func(o *Options) *string { return &o.TLSClientCAFile }),
+	tlsVersionSetting("tls_min_version", "oldest TLS version accepted: 1.2 or 1.3"),
+	layered.String("credentials_file", "YAML file of the callers let in: bearer-token SHA-256 hashes and mTLS identities, each with its roles (worker, frontend, admin), the worker ids and models a worker may publish for, and its limits; reloaded when it changes; empty: every caller may call everything", func(o *Options) *string { return &o.CredentialsFile }),
+	layered.Bool("auth_open_health", "with credentials_file: the health service answers callers without credentials (load balancer and kubelet probes)", func(o *Options) *bool { return &o.AuthOpenHealth }),
+	layered.Bool("auth_open_reflection", "with credentials_file: server reflection answers callers without credentials (otherwise any valid credential may use it)", func(o *Options) *bool { return &o.AuthOpenReflection }),
+	layered.Duration("file_reload_interval", "how often the TLS files and the credentials file are checked for changes", func(o *Options) *time.Duration { return &o.FileReloadInterval }),
+	layered.Float("route_rate_limit", "Route calls per second one credential may make, after a burst of one second's worth; beyond, RESOURCE_EXHAUSTED with RetryInfo; 0: no limit (the credentials file may set one per credential)", func(o *Options) *float64 { return &o.RouteRateLimit }),
+	layered.Float("event_rate_limit", "KV event blocks (stored plus removed, in batches and dumps) per second one credential may publish; a stream over it is slowed for up to 1s, then ended with RESOURCE_EXHAUSTED and RetryInfo; 0: no limit", func(o *Options) *float64 { return &o.EventRateLimit }),
+	layered.Int("max_publish_streams_per_credential", "concurrent Publish streams one credential may hold; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.MaxPublishStreams }, 1),
+	layered.Int("max_workers_per_model", "worker ranks one model may register; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.MaxWorkersPerModel }, 1),
+	layered.Int("max_index_blocks", "distinct blocks all models' prefix indexes hold together; past it newly stored blocks are not indexed (kvrouter_index_blocks_refused_total counts them) until evictions make room; 0: no cap; equal on every replica", func(o *Options) *int { return &o.MaxIndexBlocks }, 0),
+	layered.Duration("keepalive_min_time", "clients that ping more often than this are disconnected (GOAWAY too_many_pings)", func(o *Options) *time.Duration { return &o.KeepaliveMinTime }),
+	layered.Duration("max_connection_age", "connections are asked to go away (GOAWAY) after this long, so clients spread over the replicas after a scale-out; 0: never", func(o *Options) *time.Duration { return &o.MaxConnectionAge }),
+	layered.Duration("max_connection_age_grace", "how long calls and streams on a connection past max_connection_age may go on before it closes (publishers then resume on a new one)", func(o *Options) *time.Duration { return &o.MaxConnectionAgeGrace }),
+
 	layered.String("redis_addr", "share state with other replicas through this Redis server (host:port); empty: embedded state", func(o *Options) *string { return &o.RedisAddr }),
 	layered.String("redis_cluster_addrs", "share state through this Redis Cluster (comma-separated seed host:port list)", func(o *Options) *string { return &o.RedisClusterAddrs }),
 	layered.String("redis_prefix", "prefix of every Redis key, with the hash tag that keeps them on one cluster slot", func(o *Options) *string { return &o.RedisPrefix }),
@@ -63,6 +104,14 @@ var settings = []setting{
 	layered.Int("snapshot_chunk_bytes", "size of the pieces (one Redis key each) a snapshot of the shared state is stored in; smaller pieces hold Redis for less time per command", func(o *Options) *int { return &o.SnapshotChunkBytes }, 64<<10),
 	layered.Duration("snapshot_interval", "longest time between two snapshots of the shared state", func(o *Options) *time.Duration { return &o.SnapshotInterval }),
 	layered.Duration("redis_reseed_window", "after Redis lost its data, how long a fresh shared log started by a replica without state may still be replaced by a running replica's state (its SharedState health is NOT_SERVING meanwhile)", func(o *Options) *time.Duration { return &o.RedisReseedWindow }),
+	layered.String("redis_username", "Redis ACL user (empty: the default user)", func(o *Options) *string { return &o.RedisUsername }),
+	layered.Secret("redis_password", "Redis password; only from KVROUTER_REDIS_PASSWORD or the config file, never a flag (prefer redis_password_file)", func(o *Options) *string { return &o.RedisPassword }),
+	layered.String("redis_password_file", "file whose content (without a trailing newline) is the Redis password", func(o *Options) *string { return &o.RedisPasswordFile }),
+	layered.Bool("redis_tls", "connect to Redis over TLS", func(o *Options) *bool { return &o.RedisTLS }),
+	layered.String("redis_tls_ca_file", "CA certificates (PEM) of Redis's certificate (empty: the system's)", func(o *Options) *string { return &o.RedisTLSCAFile }),
+	layered.String("redis_tls_cert_file", "client certificate (PEM) for a Redis that requires one", func(o *Options) *string { return &o.RedisTLSCertFile }),
+	layered.String("redis_tls_key_file", "its private key (PEM)", func(o *Options) *string { return &o.RedisTLSKeyFile }),
+	layered.String("redis_tls_server_name", "name Redis's certificate must carry (empty: the address's host)", func(o *Options) *string { return &o.RedisTLSServerName }),
 	layered.String("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	scorerSetting("scorer", "how each hop's candidate workers are costed: a registered scorer's name (dynamo is Dynamo's KV-router cost)"),
 	layered.Float("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"net"
 	"strings"
 	"time"
 
@@ -48,6 +49,9 @@ func (o *Options) Validate() error {
 	if o.Pprof && o.MetricsListen == "" {
 		return fmt.Errorf("%s: needs %s, where the profiler is served", o.describe("pprof"), o.describe("metrics_listen"))
 	}
+	if err := o.validateSecurity(); err != nil {
+		return err
+	}
 	if o.RedisAddr != "" && o.RedisClusterAddrs != "" {
 		return fmt.Errorf("%s and %s: set one, not both", o.describe("redis_addr"), o.describe("redis_cluster_addrs"))
 	}
@@ -64,6 +68,49 @@ func (o *Options) Validate() error {
 		return fmt.Errorf("%s: must be > 0", o.describe("booking_expiry"))
 	}
 	return nil
+}
+
+// validateSecurity checks the TLS, credentials and Redis-credential settings: files come in pairs,
+// and a listen address other hosts can reach serves TLS unless plaintext is asked for.
+func (o *Options) validateSecurity() error {
+	switch {
+	case (o.TLSCertFile == "") != (o.TLSKeyFile == ""):
+		return fmt.Errorf("%s and %s: set both or neither", o.describe("tls_cert_file"), o.describe("tls_key_file"))
+	case o.TLSClientCAFile != "" && o.TLSCertFile == "":
+		return fmt.Errorf("%s: needs %s and %s (mutual TLS is TLS)", o.describe("tls_client_ca_file"), o.describe("tls_cert_file"), o.describe("tls_key_file"))
+	case o.Plaintext && o.TLSCertFile != "":
+		return fmt.Errorf("%s and %s: set one, not both", o.describe("plaintext"), o.describe("tls_cert_file"))
+	case o.TLSCertFile == "" && !o.Plaintext && !IsLoopback(o.Listen):
+		return fmt.Errorf("%s %s: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
+			o.describe("listen"), o.Listen, layered.FlagOf("tls_cert_file"), layered.FlagOf("tls_key_file"), layered.FlagOf("plaintext"))
+	case o.FileReloadInterval < 10*time.Millisecond:
+		return fmt.Errorf("%s: must be at least 10ms (got %v)", o.describe("file_reload_interval"), o.FileReloadInterval)
+	case o.RouteRateLimit < 0:
+		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("route_rate_limit"), o.RouteRateLimit)
+	case o.EventRateLimit < 0:
+		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("event_rate_limit"), o.EventRateLimit)
+	case o.RedisPassword != "" && o.RedisPasswordFile != "":
+		return fmt.Errorf("%s and %s: set one, not both", o.describe("redis_password"), o.describe("redis_password_file"))
+	case (o.RedisTLSCertFile == "") != (o.RedisTLSKeyFile == ""):
+		return fmt.Errorf("%s and %s: set both or neither", o.describe("redis_tls_cert_file"), o.describe("redis_tls_key_file"))
+	case !o.RedisTLS && (o.RedisTLSCAFile != "" || o.RedisTLSCertFile != "" || o.RedisTLSServerName != ""):
+		return fmt.Errorf("%s: must be true when a redis_tls_* file or name is set", o.describe("redis_tls"))
+	}
+	return nil
+}
+
+// IsLoopback says whether a listen address (host:port) accepts connections from this machine only:
+// its host is localhost or a loopback IP. An empty host listens on every interface.
+func IsLoopback(addr string) bool {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return false
+	}
+	if host == "localhost" {
+		return true
+	}
+	ip := net.ParseIP(host)
+	return ip != nil && ip.IsLoopback()
 }
 
 // resolveConditionalDisagg builds Router.ConditionalDisagg from conditional_disagg and

@@ -57,14 +57,27 @@ type Entry struct {
 // Setting is one configuration key of the options T: its YAML key, help, and how to parse and
 // print it. Set checks how a value is written and its own range; rules that relate settings are the
 // command's Validate's. A Mapping setting may be written in the YAML file as a flat mapping, which
-// it receives as a JSON object (numbers kept as written).
+// it receives as a JSON object (numbers kept as written). A Secret setting has no flag (a command
+// line is visible to every user of the machine, in ps and /proc) and is reported redacted.
 type Setting[T any] struct {
 	Key     string
 	Help    string
 	IsBool  bool
 	Mapping bool
+	Secret  bool
 	Set     func(o *T, v string) error
 	Get     func(o *T) string
+}
+
+// Redacted is how a secret setting that is set is reported.
+const Redacted = "(redacted)"
+
+// Secret is a setting read only from the environment or the file, never a flag, and reported as
+// Redacted when set: a password or a key.
+func Secret[T any](key, help string, p func(*T) *string) Setting[T] {
+	s := String(key, help, p)
+	s.Secret = true
+	return s
 }
 
 // FlagName is the key as a flag name, without the dashes in front.
@@ -250,6 +263,9 @@ func (l *Layers[T]) Parse(o *T, name string, args []string, getenv func(string) 
 func (l *Layers[T]) AddFlags(o *T, fs *flag.FlagSet) {
 	fs.StringVar(&l.ConfigFile, "config", l.ConfigFile, "YAML configuration file (keys as the flags, with underscores; env KVROUTER_CONFIG)")
 	for _, s := range l.settings {
+		if s.Secret {
+			continue
+		}
 		def := s.Get(o)
 		record := func(v string) error {
 			l.fromFlags = append(l.fromFlags, flagValue[T]{s, v})
@@ -321,7 +337,11 @@ func (l *Layers[T]) Describe(key string) string {
 func (l *Layers[T]) Entries(o *T) []Entry {
 	out := make([]Entry, 0, len(l.settings))
 	for _, s := range l.settings {
-		out = append(out, Entry{Key: s.Key, Value: s.Get(o), Source: l.Source(s.Key)})
+		v := s.Get(o)
+		if s.Secret && v != "" {
+			v = Redacted
+		}
+		out = append(out, Entry{Key: s.Key, Value: v, Source: l.Source(s.Key)})
 	}
 	return out
 }
