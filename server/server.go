@@ -17,6 +17,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/keepalive"
@@ -25,6 +26,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/auth"
 	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/dispatch"
 )
@@ -49,7 +51,39 @@ type Options struct {
 	MaxPublishMsgBytes int // largest Publish message
 	MaxBatchBlocks     int // events, and blocks (stored plus removed), in one Publish message
 	MaxDumpBlocks      int // blocks of one dump, over all its parts
+	MaxWorkersPerModel int // worker ranks one model may register (0: no cap)
+
+	// Creds is the port's transport security (servertls); nil serves plaintext.
+	Creds credentials.TransportCredentials
+	// Auth checks who may call what (server/auth); nil lets every call in unchecked.
+	Auth *auth.Authenticator
+	// Connections: clients pinging more often than KeepaliveMinTime are disconnected (0: 10s);
+	// connections are asked to go away after MaxConnectionAge (0: never), and closed
+	// MaxConnectionAgeGrace later.
+	KeepaliveMinTime      time.Duration
+	MaxConnectionAge      time.Duration
+	MaxConnectionAgeGrace time.Duration
 }
+
+// Services maps each service to the role (server/auth) its callers need.
+var Services = map[string]auth.Role{
+	kvrouterv1.RouterService_ServiceDesc.ServiceName: auth.RoleFrontend,
+	kvrouterv1.WorkerService_ServiceDesc.ServiceName: auth.RoleWorker,
+	kvrouterv1.AdminService_ServiceDesc.ServiceName:  auth.RoleAdmin,
+}
+
+// Health and reflection service names, which the configuration may open to callers without
+// credentials.
+var (
+	HealthServices     = []string{healthpb.Health_ServiceDesc.ServiceName}
+	ReflectionServices = []string{"grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+)
+
+// Methods whose calls and streams a credential's limits count.
+const (
+	RouteMethod   = "/kvrouter.v1.RouterService/Route"
+	PublishMethod = "/kvrouter.v1.WorkerService/Publish"
+)
 
 // Server is kvrouter's gRPC server.
 type Server struct {
@@ -99,28 +133,44 @@ func New(o Options) *Server {
 		o.Logger.Error("recovered from panic in handler", "panic", p, "stack", string(debug.Stack()))
 		return status.Error(codes.Internal, "internal error")
 	})
+	unary := []grpc.UnaryServerInterceptor{grpcMetrics.UnaryServerInterceptor(), unaryCallLog(o.Logger)}
 	callLog := logging.WithLevels(func(c codes.Code) logging.Level { return logging.Level(callLevel(c)) })
 	logger := interceptorLogger(o.Logger)
+	stream := []grpc.StreamServerInterceptor{
+		grpcMetrics.StreamServerInterceptor(),
+		logging.StreamServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)),
+	}
+	// Who may call what is checked after the call is counted and logged, so refusals show in both.
+	if o.Auth != nil {
+		unary = append(unary, o.Auth.UnaryServerInterceptor())
+		stream = append(stream, o.Auth.StreamServerInterceptor())
+	}
+	unary = append(unary, recovery.UnaryServerInterceptor(recover))
+	stream = append(stream, recovery.StreamServerInterceptor(recover))
+	if o.KeepaliveMinTime <= 0 {
+		o.KeepaliveMinTime = 10 * time.Second
+	}
+	serverParams := keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
+	if o.MaxConnectionAge > 0 {
+		serverParams.MaxConnectionAge = o.MaxConnectionAge
+		serverParams.MaxConnectionAgeGrace = o.MaxConnectionAgeGrace
+	}
+	opts := []grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(unary...),
+		grpc.ChainStreamInterceptor(stream...),
+		grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
+		// The standard codec, except that a Publish message is sized and counted before it is
+		// decoded (publishLimits).
+		grpc.ForceServerCodecV2(newLimitingCodec()),
+		grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime, PermitWithoutStream: true}),
+		grpc.KeepaliveParams(serverParams),
+	}
+	if o.Creds != nil {
+		opts = append(opts, grpc.Creds(o.Creds))
+	}
 	s := &Server{
-		grpc: grpc.NewServer(
-			grpc.ChainUnaryInterceptor(
-				grpcMetrics.UnaryServerInterceptor(),
-				unaryCallLog(o.Logger),
-				recovery.UnaryServerInterceptor(recover),
-			),
-			grpc.ChainStreamInterceptor(
-				grpcMetrics.StreamServerInterceptor(),
-				logging.StreamServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)),
-				recovery.StreamServerInterceptor(recover),
-			),
-			grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
-			// The standard codec, except that a Publish message is sized and counted before it is
-			// decoded (publishLimits).
-			grpc.ForceServerCodecV2(newLimitingCodec()),
-			grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
-			grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: 10 * time.Second, PermitWithoutStream: true}),
-			grpc.KeepaliveParams(keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}),
-		),
+		grpc:     grpc.NewServer(opts...),
 		health:   health.NewServer(),
 		stopping: make(chan struct{}),
 		logger:   o.Logger,
@@ -131,7 +181,7 @@ func New(o Options) *Server {
 	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Dispatcher)
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits})
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	reflection.Register(s.grpc)

@@ -15,6 +15,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
+	"github.com/kvrouter/kvrouter/server/auth"
 )
 
 // workerService implements WorkerService: one Publish stream per worker rank.
@@ -32,6 +33,8 @@ type workerService struct {
 	// liveness keeps a worker alive (for every replica) while its stream is open here.
 	liveness kvstate.Liveness
 	limits   publishLimits
+	// maxWorkersPerModel bounds the ranks one model registers (0: no bound).
+	maxWorkersPerModel int
 }
 
 var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
@@ -96,12 +99,18 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	// One goroutine receives; this one applies and sends (a stream allows one of each at a time).
 	// Receiving apart lets the handler notice shutdown while a worker is idle.
 	msgs := make(chan recvResult, 16)
+	caller := auth.FromContext(ctx)
 	go func() {
 		for {
 			f := &publishFrame{limits: s.limits}
 			err := stream.RecvMsg(f)
 			if err == nil {
 				err = f.check()
+			}
+			if err == nil {
+				// Over its event rate, the caller is slowed here, where waiting stops the reading
+				// and so the sending (flow control), and refused past auth.MaxEventWait.
+				err = caller.TakeEvents(ctx, f.counts.blocks)
 			}
 			select {
 			case msgs <- recvResult{f.msg, err}:
@@ -145,6 +154,12 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	}
 	info, err := workerInfo(hello)
 	if err != nil {
+		return err
+	}
+	if err := caller.MayPublishFor(info.Key.ID, info.Model); err != nil {
+		return err
+	}
+	if err := s.admit(info); err != nil {
 		return err
 	}
 	// The worker counts as connected before its hello applies, so the housekeeper cannot remove it
@@ -209,6 +224,21 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 			}
 		}
 	}
+}
+
+// admit refuses a new worker rank of a model that has max_workers_per_model already. A rank the
+// state knows re-registers freely. Replicas admit on their own view of the state, so registrations
+// racing on several replicas may pass the cap by one per replica.
+func (s *workerService) admit(info kvstate.WorkerInfo) error {
+	if s.maxWorkersPerModel <= 0 || s.state.Worker(info.Key) != nil {
+		return nil
+	}
+	if m := s.state.Model(info.Model); m != nil {
+		if n := len(m.Workers()); n >= s.maxWorkersPerModel {
+			return status.Errorf(codes.ResourceExhausted, "hello.model: model %q has %d worker ranks registered, the most max_workers_per_model allows (%d)", info.Model, n, s.maxWorkersPerModel)
+		}
+	}
+	return nil
 }
 
 // lost returns the status that ends a stream that no longer holds its worker rank.

@@ -18,6 +18,7 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -88,15 +89,33 @@ func buildBinary(t *testing.T) string {
 
 // startServer runs `kvrouter serve` with extra args and waits until its health is SERVING. The
 // process gets SIGTERM at cleanup, and must exit 0.
-func startServer(t *testing.T, bin string, extra ...string) (addr string, logs *bytes.Buffer) {
+func startServer(t *testing.T, bin string, extra ...string) (addr string, logs *lockedBuffer) {
 	p := startProcess(t, bin, extra...)
 	return p.addr, p.logs
+}
+
+// lockedBuffer is a process's output, safe to read while the process writes it.
+type lockedBuffer struct {
+	mu  sync.Mutex
+	buf bytes.Buffer
+}
+
+func (b *lockedBuffer) Write(p []byte) (int, error) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.Write(p)
+}
+
+func (b *lockedBuffer) String() string {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.buf.String()
 }
 
 // serverProcess is a running `kvrouter serve`.
 type serverProcess struct {
 	addr   string
-	logs   *bytes.Buffer
+	logs   *lockedBuffer
 	cmd    *exec.Cmd
 	killed bool
 }
@@ -109,10 +128,16 @@ func (p *serverProcess) kill() {
 
 func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 	t.Helper()
+	return startProcessWith(t, bin, insecure.NewCredentials(), extra...)
+}
+
+// startProcessWith is startProcess for a server that health checks reach with creds (TLS).
+func startProcessWith(t *testing.T, bin string, creds credentials.TransportCredentials, extra ...string) *serverProcess {
+	t.Helper()
 	addr := freePort(t)
 	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
 	cmd := exec.Command(bin, args...)
-	logs := &bytes.Buffer{}
+	logs := &lockedBuffer{}
 	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting kvrouter = %v", err)
@@ -136,7 +161,7 @@ func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 			t.Errorf("kvrouter did not stop within %v of SIGTERM", defaultTestTimeout)
 		}
 	})
-	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		t.Fatalf("grpc.NewClient() = %v", err)
 	}

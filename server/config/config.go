@@ -60,6 +60,7 @@ type Options struct {
 	TLSCertFile           string        // server certificate chain (PEM); with TLSKeyFile turns TLS on
 	TLSKeyFile            string        // server private key (PEM)
 	TLSClientCAFile       string        // CAs of client certificates: set, clients must present one (mTLS)
+	TLSClientAuth         string        // with TLSClientCAFile: require or optional
 	TLSMinVersion         uint16        // tls.VersionTLS12 or tls.VersionTLS13
 	CredentialsFile       string        // who may call what ("" = everyone everything)
 	AuthOpenHealth        bool          // health answers callers without credentials
@@ -124,6 +125,7 @@ func New() *Options {
 		BookingExpiry:         300 * time.Second,
 		ShutdownDrain:         2 * time.Second,
 		ShutdownTimeout:       15 * time.Second,
+		TLSClientAuth:         "require",
 		TLSMinVersion:         tls.VersionTLS12,
 		AuthOpenHealth:        true,
 		FileReloadInterval:    5 * time.Second,

@@ -82,6 +82,7 @@ var settings = []setting{
 	layered.String("tls_cert_file", "server certificate chain (PEM); with tls_key_file it turns TLS on; both are reloaded when they change", func(o *Options) *string { return &o.TLSCertFile }),
 	layered.String("tls_key_file", "server private key (PEM)", func(o *Options) *string { return &o.TLSKeyFile }),
 	layered.String("tls_client_ca_file", "CA certificates (PEM) of client certificates: when set, every client must present one they sign (mutual TLS); reloaded when it changes", func(o *Options) *string { return &o.TLSClientCAFile }),
+	layered.String("tls_client_auth", "with tls_client_ca_file: require (every client presents a certificate the CAs sign) or optional (a certificate, when presented, must verify; clients without one authenticate with a bearer token)", func(o *Options) *string { return &o.TLSClientAuth }),
 	tlsVersionSetting("tls_min_version", "oldest TLS version accepted: 1.2 or 1.3"),
 	layered.String("credentials_file", "YAML file of the callers let in: bearer-token SHA-256 hashes and mTLS identities, each with its roles (worker, frontend, admin), the worker ids and models a worker may publish for, and its limits; reloaded when it changes; empty: every caller may call everything", func(o *Options) *string { return &o.CredentialsFile }),
 	layered.Bool("auth_open_health", "with credentials_file: the health service answers callers without credentials (load balancer and kubelet probes)", func(o *Options) *bool { return &o.AuthOpenHealth }),

@@ -83,6 +83,8 @@ func (o *Options) validateSecurity() error {
 	case o.TLSCertFile == "" && !o.Plaintext && !IsLoopback(o.Listen):
 		return fmt.Errorf("%s %s: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
 			o.describe("listen"), o.Listen, layered.FlagOf("tls_cert_file"), layered.FlagOf("tls_key_file"), layered.FlagOf("plaintext"))
+	case o.TLSClientAuth != "require" && o.TLSClientAuth != "optional":
+		return fmt.Errorf("%s: must be require or optional (got %q)", o.describe("tls_client_auth"), o.TLSClientAuth)
 	case o.FileReloadInterval < 10*time.Millisecond:
 		return fmt.Errorf("%s: must be at least 10ms (got %v)", o.describe("file_reload_interval"), o.FileReloadInterval)
 	case o.RouteRateLimit < 0:

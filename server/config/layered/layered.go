@@ -352,10 +352,38 @@ func (l *Layers[T]) applyFile(o *T, path string) error {
 	if err != nil {
 		return fmt.Errorf("--config: %w", err)
 	}
-	var doc map[string]yaml.Node
+	// The document is read as a node first, so that one that is not a mapping is named as such
+	// rather than as yaml's multi-line "cannot unmarshal !!seq into map[string]yaml.Node".
+	var root yaml.Node
 	dec := yaml.NewDecoder(bytes.NewReader(data))
-	if err := dec.Decode(&doc); err != nil && !errors.Is(err, io.EOF) {
+	if err := dec.Decode(&root); err != nil && !errors.Is(err, io.EOF) {
 		return fmt.Errorf("config file %s: %w", path, err)
+	}
+	var doc map[string]yaml.Node
+	if len(root.Content) == 1 && (root.Content[0].Kind != yaml.ScalarNode || root.Content[0].Tag != "!!null") { // else empty
+		if top := root.Content[0]; top.Kind != yaml.MappingNode {
+			return fmt.Errorf("config file %s: line %d: must be a mapping of settings (key: value), not %s", path, top.Line, yamlKind(top))
+		}
+		if err := root.Decode(&doc); err != nil {
+			var te *yaml.TypeError
+			if errors.As(err, &te) { // a key that is no name, or a key given twice: one line each
+				return fmt.Errorf("config file %s: %s", path, strings.Join(te.Errors, "; "))
+			}
+			return fmt.Errorf("config file %s: %w", path, err)
+		}
+	}
+	// One document: the keys of a second one would be ignored, typos and all. Empty ones (a
+	// trailing ---) set nothing.
+	for {
+		var next yaml.Node
+		if err := dec.Decode(&next); errors.Is(err, io.EOF) {
+			break
+		} else if err != nil {
+			return fmt.Errorf("config file %s: %w", path, err)
+		}
+		if len(next.Content) == 1 && (next.Content[0].Kind != yaml.ScalarNode || next.Content[0].Tag != "!!null") {
+			return fmt.Errorf("config file %s: line %d: a second YAML document; write every setting in one mapping", path, next.Content[0].Line)
+		}
 	}
 	var unknown []string
 	for key := range doc {
@@ -408,7 +436,8 @@ func yamlMappingToJSON(node *yaml.Node) (string, error) {
 		}
 		switch v.Tag {
 		case "!!int", "!!float":
-			if _, err := strconv.ParseFloat(v.Value, 64); err != nil {
+			// YAML writes numbers JSON does not (.5, +1, 1_000): refused here, as in the JSON.
+			if _, err := strconv.ParseFloat(v.Value, 64); err != nil || !json.Valid([]byte(v.Value)) {
 				return "", fmt.Errorf("%s: %q is not a number", k.Value, v.Value)
 			}
 			obj[k.Value] = json.RawMessage(v.Value)
@@ -426,4 +455,17 @@ func yamlMappingToJSON(node *yaml.Node) (string, error) {
 	}
 	out, err := json.Marshal(obj)
 	return string(out), err
+}
+
+// yamlKind names the kind of a YAML node for messages.
+func yamlKind(n *yaml.Node) string {
+	switch n.Kind {
+	case yaml.SequenceNode:
+		return "a list"
+	case yaml.ScalarNode:
+		return "a single value"
+	case yaml.AliasNode:
+		return "an alias"
+	}
+	return "a document"
 }

@@ -1,0 +1,63 @@
+package auth
+
+import (
+	"math"
+	"sync"
+	"time"
+)
+
+// bucket is a token bucket: rate tokens a second, up to burst. A taker may go into debt by up to
+// maxWait's worth and then waits that long, which is how a stream is slowed rather than refused.
+type bucket struct {
+	mu     sync.Mutex
+	rate   float64 // tokens a second; 0 means no limit
+	burst  float64
+	tokens float64
+	last   time.Time
+}
+
+func newBucket(rate, burst float64, now time.Time) *bucket {
+	b := &bucket{last: now}
+	b.set(rate, burst, now)
+	b.tokens = b.burst
+	return b
+}
+
+// set changes the rate and burst (a reload), keeping what was spent.
+func (b *bucket) set(rate, burst float64, now time.Time) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	b.refill(now)
+	b.rate, b.burst = rate, max(burst, 1)
+	b.tokens = min(b.tokens, b.burst)
+}
+
+func (b *bucket) refill(now time.Time) {
+	if dt := now.Sub(b.last).Seconds(); dt > 0 {
+		b.tokens = min(b.burst, b.tokens+dt*b.rate)
+	}
+	b.last = now
+}
+
+// take takes n tokens if they are there, or will be within maxWait: ok, and how long to wait first.
+// Otherwise it takes nothing and says how long until a take of n would succeed (retry). A bucket
+// of rate 0 never limits.
+func (b *bucket) take(n float64, now time.Time, maxWait time.Duration) (wait time.Duration, ok bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.rate == 0 {
+		return 0, true
+	}
+	b.refill(now)
+	need := n - b.tokens
+	if need <= 0 {
+		b.tokens -= n
+		return 0, true
+	}
+	wait = time.Duration(math.Ceil(need / b.rate * float64(time.Second)))
+	if wait <= maxWait {
+		b.tokens -= n
+		return wait, true
+	}
+	return wait - maxWait, false
+}
