@@ -85,6 +85,7 @@ type Index struct {
 	extra   extraWords
 	workers map[uint32]*workerBlocks // by slot
 	warm    uint64                   // sink of touch: a load whose value nobody uses is compiled away
+	budget  *indexBudget             // shared by the state's indexes; nil (a bare index): no cap, no count
 }
 
 // NewIndex returns an empty index.
@@ -147,6 +148,13 @@ func (ix *Index) Store(slot uint32, tier Tier, parent uint64, hasParent bool, bl
 			ix.warm ^= ix.nodes.touch(keys[j]) ^ byHash.touch(b.Hash)
 		}
 		for j, b := range chunk {
+			if ix.budget != nil && ix.nodes.get(keys[j]) == nil && !ix.budget.take() {
+				// No room for a new position: neither it nor the rest of the chain is indexed.
+				ix.budget.refused.Add(uint64(len(blocks) - start - j))
+				locked = false
+				ix.mu.Unlock()
+				return duplicates, nil
+			}
 			held, existed := byHash.upsert(b.Hash)
 			if existed && *held != keys[j] {
 				// The engine reused a hash for other content: the old block is gone.
@@ -253,6 +261,9 @@ func (ix *Index) dropHolder(key uint64, slot uint32, tier Tier) {
 	if hs.bits == 0 {
 		ix.extra.release(hs)
 		ix.nodes.delete(key)
+		if ix.budget != nil {
+			ix.budget.used.Add(-1)
+		}
 	}
 }
 

@@ -183,6 +183,12 @@ func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 		old.track.mu.Unlock()
 	}
 	s.models, s.workers, s.slots = fresh.models, fresh.workers, fresh.slots
+	var used int64
+	for _, m := range s.models {
+		m.Index.budget = s.budget
+		used += int64(m.Index.nodes.len())
+	}
+	s.budget.used.Store(used)
 	// The load is swapped field by field: routers hold the *Load.
 	s.load.mu.Lock()
 	s.load.blocks, s.load.more, s.load.slots, s.load.bookings = fresh.load.blocks, fresh.load.more, fresh.load.slots, fresh.load.bookings

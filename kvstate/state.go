@@ -102,6 +102,7 @@ type State struct {
 	rep replicated // see ApplyReplicated
 
 	restores atomic.Uint64 // snapshots restored (Restores)
+	budget   *indexBudget  // the indexes' size and cap
 }
 
 // sessionBinding is the decode worker a session's turns go to, until it expires.
@@ -158,7 +159,7 @@ func (s *State) expireSessions(before int64) int {
 
 // NewState returns an empty state.
 func NewState() *State {
-	return &State{models: make(map[string]*Model), workers: make(map[WorkerKey]*Worker), load: NewLoad()}
+	return &State{models: make(map[string]*Model), workers: make(map[WorkerKey]*Worker), load: NewLoad(), budget: &indexBudget{}}
 }
 
 // Model returns the named model, or nil if no worker serves it.
@@ -360,6 +361,7 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 	}
 	if m == nil {
 		m = &Model{Name: info.Model, BlockSize: info.BlockSize, Index: NewIndex()}
+		m.Index.budget = s.budget
 		s.models[info.Model] = m
 	}
 	var w *Worker

@@ -184,6 +184,8 @@ var (
 		[]string{"model"}, nil)
 	queueDepthDesc = prometheus.NewDesc("kvrouter_route_queue_depth",
 		"Route requests waiting because every eligible worker is over router_queue_threshold.", nil, nil)
+	indexRefusedDesc = prometheus.NewDesc("kvrouter_index_blocks_refused_total",
+		"Stored blocks not indexed because all models' indexes together held max_index_blocks: alert on any increase, and raise the cap.", nil, nil)
 )
 
 func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -193,6 +195,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- logPositionDesc
 	ch <- silentDecodeDesc
 	ch <- queueDepthDesc
+	ch <- indexRefusedDesc
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -222,4 +225,5 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(c.state.Load().Bookings()))
 	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(c.log.Position()))
 	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
+	ch <- prometheus.MustNewConstMetric(indexRefusedDesc, prometheus.CounterValue, float64(c.state.IndexBlocksRefused()))
 }

@@ -89,6 +89,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	cfg.LogDerived(logger)
 
 	state := kvstate.NewState()
+	state.SetMaxIndexBlocks(cfg.MaxIndexBlocks)
 	b, err := openLog(cfg, state, logger)
 	if err != nil {
 		return err
@@ -112,10 +113,19 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	sec, err := newPortSecurity(cfg, registry, logger)
+	if err != nil {
+		return err
+	}
+	for _, watch := range sec.watches {
+		background.Go(func() error { return watch(runCtx) })
+	}
 	srv := server.New(server.Options{
 		State: state, Log: log, Dispatcher: dispatcher, Config: cfg.Entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
+		MaxWorkersPerModel: cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
+		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
 	})
 
 	lis, err := net.Listen("tcp", cfg.Listen)
@@ -157,7 +167,11 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		serveErr <- srv.Serve(lis)
 		return nil
 	})
-	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", mode)
+	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", mode, "tls", sec.creds != nil, "mutual_tls", cfg.TLSClientCAFile != "",
+		"credentials_file", cfg.CredentialsFile)
+	if cfg.CredentialsFile == "" && !config.IsLoopback(cfg.Listen) {
+		logger.Warn("no credentials_file: every caller that reaches the port may publish events, route and read the fleet; see docs/security.md")
+	}
 
 	select {
 	case err := <-serveErr:
