@@ -3,8 +3,9 @@
 # clients' tests against real `kvrouter serve` processes. It installs what the tests need first: the
 # pinned grpcurl (the walkthrough tests replay grpcurl commands against a real kvrouter process),
 # redis-server (the Redis tests start private servers and a local cluster on free ports), Debian's
-# python3-zmq and python3-msgpack (the engine stand-in of the bridge test), and what each
-# client's own test script installs (Debian's Python gRPC packages; the pinned npm packages).
+# python3-zmq and python3-msgpack (the engine stand-in of the bridge test), openssl (docs/security.md
+# makes its certificates with it), and what each client's own test script installs (Debian's
+# Python gRPC packages; the pinned npm packages).
 # Then every Go fuzz target runs for FUZZTIME (default 3s; FUZZTIME=0 skips it) beyond its seed
 # corpus, which the plain test run already replays.
 # Arguments go to `go test` (e.g. -run); the client suites run whatever they are.
@@ -12,7 +13,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
-scripts/need.sh redis-server=redis-server redis-cli=redis-server py:zmq=python3-zmq py:msgpack=python3-msgpack
+scripts/need.sh redis-server=redis-server redis-cli=redis-server openssl=openssl py:zmq=python3-zmq py:msgpack=python3-msgpack
 go vet ./...
 go test -race -count=1 -timeout 10m ./... "$@"
 FUZZTIME=${FUZZTIME:-3s}

@@ -96,7 +96,7 @@ const testCredentials = `credentials:
 
 // startSecureRouter starts kvrouter with TLS, optional client certificates (tls_client_auth
 // optional: a certificate, when given, must verify) and testCredentials, reloading files every
-// 50 ms.
+// 50 ms, with reflection closed to callers without credentials.
 func startSecureRouter(t *testing.T, extra ...string) *secureRouter {
 	t.Helper()
 	dir := t.TempDir()
@@ -109,7 +109,7 @@ func startSecureRouter(t *testing.T, extra ...string) *secureRouter {
 	cert, key := r.ca.Server(t).Write(t, dir, "server")
 	r.writeCredentials(testCredentials)
 	args := append([]string{"--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", r.caFile, "--tls-client-auth", "optional",
-		"--credentials-file", r.credsFile, "--file-reload-interval", "50ms", "--log-level", "debug"}, extra...)
+		"--credentials-file", r.credsFile, "--file-reload-interval", "50ms", "--auth-open-reflection=false", "--log-level", "debug"}, extra...)
 	r.proc = startProcessWith(t, buildBinary(t), credentials.NewTLS(r.clientTLS(nil)), args...)
 	return r
 }
@@ -197,7 +197,7 @@ func wantCode(t *testing.T, what string, err error, code codes.Code, want ...str
 }
 
 // TestOnlyTheRightCallersIn: with a credentials file, a call without credentials is UNAUTHENTICATED
-// on every service but health; each role reaches its own service only; a worker publishes only for
+// on every service but health (reflection closed too, as configured); each role reaches its own service only; a worker publishes only for
 // its own worker ids and models, by token or by its client certificate's identity; and no secret
 // shows in the answers, the log or GetConfig.
 func TestOnlyTheRightCallersIn(t *testing.T) {

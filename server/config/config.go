@@ -128,6 +128,7 @@ func New() *Options {
 		TLSClientAuth:         "require",
 		TLSMinVersion:         tls.VersionTLS12,
 		AuthOpenHealth:        true,
+		AuthOpenReflection:    true,
 		FileReloadInterval:    5 * time.Second,
 		MaxPublishStreams:     DefaultMaxPublishStreams,
 		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
