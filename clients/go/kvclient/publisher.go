@@ -58,7 +58,10 @@ var ErrPublisherClosed = errors.New("kvclient: publisher closed")
 // Conns, with exponential backoff and jitter) and resumes after the router's last event, so that
 // every event is applied once. It answers resync requests with a dump and sends load reports. A
 // newer stream for the same worker rank (WORKER_SUPERSEDED) or a refused event stops it: Err says
-// why. It is safe for concurrent use.
+// why. A refused credential (UNAUTHENTICATED, PERMISSION_DENIED) does not, since rotating the token
+// or certificate may mend it: each refusal is logged at error, and the attempts go on with a growing
+// backoff. A credential over its rate limit (RESOURCE_EXHAUSTED with RetryInfo) reconnects after
+// the router's retry delay, with its batches as large as before. It is safe for concurrent use.
 type Publisher struct {
 	opts   PublisherOptions
 	cancel context.CancelFunc
@@ -251,6 +254,13 @@ func (p *Publisher) fail(err error) {
 
 // run keeps a stream open, moving to the next connection with backoff after a failure, until the
 // publisher closes or stops on an error no reconnect can mend.
+//
+// A stream that registered resets the backoff, except one the router ended for the credential
+// (UNAUTHENTICATED, PERMISSION_DENIED): those go on with a growing backoff, since a rotated token
+// or certificate may mend them, and a router that registers the worker and then refuses it must not
+// be called again at once every time. A rate limit (RESOURCE_EXHAUSTED with RetryInfo) waits the
+// router's retry delay on top of the backoff, so that workers limited at one moment do not all
+// come back at the next.
 func (p *Publisher) run(ctx context.Context) {
 	defer close(p.done)
 	retry := backoff.NewExponentialBackOff()
@@ -259,30 +269,65 @@ func (p *Publisher) run(ctx context.Context) {
 	for i := 0; ; i = (i + 1) % len(p.opts.Conns) {
 		registered, err := p.stream(ctx, p.opts.Conns[i], first)
 		first = first && !registered
-		if registered {
+		refused := credentialRefused(err)
+		if registered && !refused {
 			retry.Reset()
 		}
 		if ctx.Err() != nil || p.closed() {
 			return
 		}
-		if p.smallerBatches(err) {
-			continue // at once: the router is fine, the message was too large
+		var wait time.Duration
+		if delay, limited := retryDelay(err); limited {
+			wait = delay + retry.NextBackOff()
+			p.opts.Logger.Warn("the router is rate limiting this worker's credential; reconnecting after its retry delay",
+				"retry_delay", delay, "wait", wait, "err", err)
+		} else if refused {
+			wait = retry.NextBackOff()
+			p.opts.Logger.Error("the router refused this worker's credential; reconnecting in case it is rotated",
+				"code", status.Code(err).String(), "message", status.Convert(err).Message(), "wait", wait)
+		} else {
+			if registered && p.smallerBatches(err) {
+				continue // at once: the router is fine, the message was too large
+			}
+			if err := fatal(err, registered); err != nil {
+				p.fail(err)
+				return
+			}
+			wait = retry.NextBackOff()
+			p.opts.Logger.Warn("kvrouter publish stream failed; reconnecting", "err", err, "wait", wait)
 		}
-		if err := fatal(err); err != nil {
-			p.fail(err)
-			return
-		}
-		p.opts.Logger.Warn("kvrouter publish stream failed; reconnecting", "err", err)
 		select {
 		case <-ctx.Done():
 			return
-		case <-time.After(retry.NextBackOff()):
+		case <-time.After(wait):
 		}
 	}
 }
 
+// retryDelay returns the delay of a RESOURCE_EXHAUSTED status carrying a RetryInfo (a credential
+// over its rate limit), and whether err is one.
+func retryDelay(err error) (time.Duration, bool) {
+	st, _ := status.FromError(err)
+	if st.Code() != codes.ResourceExhausted {
+		return 0, false
+	}
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.RetryInfo); ok {
+			return max(info.GetRetryDelay().AsDuration(), 0), true
+		}
+	}
+	return 0, false
+}
+
+// credentialRefused reports whether the router refused the stream's credential.
+func credentialRefused(err error) bool {
+	c := status.Code(err)
+	return c == codes.Unauthenticated || c == codes.PermissionDenied
+}
+
 // smallerBatches halves the events per message after the router refused one as too large
-// (RESOURCE_EXHAUSTED: over max_publish_msg_bytes or max_batch_blocks), and reports whether it could.
+// (RESOURCE_EXHAUSTED without RetryInfo: over max_publish_msg_bytes or max_batch_blocks), and
+// reports whether it could.
 func (p *Publisher) smallerBatches(err error) bool {
 	if status.Code(err) != codes.ResourceExhausted {
 		return false
@@ -304,8 +349,11 @@ func (p *Publisher) closed() bool {
 	return p.closing && len(p.pending) == 0
 }
 
-// fatal returns the error that stops the publisher, or nil when a reconnect may mend err.
-func fatal(err error) error {
+// fatal returns the error that stops the publisher, or nil when a reconnect may mend err. A
+// RESOURCE_EXHAUSTED (without RetryInfo) of a stream that registered is a message too large even
+// alone; one that ended the stream before the registration is a bound on streams or workers
+// (max_publish_streams, max_workers_per_model) that a later attempt may pass.
+func fatal(err error, registered bool) error {
 	st, _ := status.FromError(err)
 	switch st.Code() {
 	case codes.FailedPrecondition:
@@ -315,7 +363,11 @@ func fatal(err error) error {
 			}
 		}
 		return fmt.Errorf("kvclient: the router refused the registration: %w", err)
-	case codes.InvalidArgument, codes.ResourceExhausted, codes.Unimplemented, codes.PermissionDenied, codes.Unauthenticated:
+	case codes.ResourceExhausted:
+		if registered {
+			return fmt.Errorf("kvclient: the router refused what this worker sent: %w", err)
+		}
+	case codes.InvalidArgument, codes.Unimplemented:
 		return fmt.Errorf("kvclient: the router refused what this worker sent: %w", err)
 	}
 	return nil
