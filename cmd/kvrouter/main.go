@@ -216,14 +216,10 @@ func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (lo
 		return logBackend{log: kvstate.NewMemLog(state), liveness: kvstate.LocalLiveness{}, mode: "embedded", close: func() {}}, nil
 	}
 	redis.SetLogger(redisLogger{logger})
-	rdb := redis.NewUniversalClient(&redis.UniversalOptions{
-		Addrs: addrs, IsClusterMode: cluster,
-		DialTimeout: 2 * time.Second, ReadTimeout: 3 * time.Second, WriteTimeout: 3 * time.Second,
-		ContextTimeoutEnabled: true,
-		// One retry: a change that cannot be appended is buffered locally (degraded mode) rather
-		// than held for several retries while its worker waits.
-		MaxRetries: 1,
-	})
+	rdb, err := openRedis(cfg, addrs, cluster, logger)
+	if err != nil {
+		return logBackend{}, err
+	}
 	replica := cfg.ReplicaID
 	if replica == "" {
 		host, _ := os.Hostname()
@@ -237,7 +233,8 @@ func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (lo
 	// Workers whose replica died are removed by whichever replica sees their lease run out.
 	leases := redislog.NewLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
 	leases.AfterOutages(l)
-	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica)
+	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica,
+		"tls", cfg.RedisTLS, "user", cfg.RedisUsername)
 	return logBackend{
 		log: l, liveness: leases, mode: "redis " + strings.Join(addrs, ","),
 		run: []func(context.Context) error{
