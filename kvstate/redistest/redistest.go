@@ -5,6 +5,7 @@ package redistest
 
 import (
 	"context"
+	"crypto/tls"
 	"fmt"
 	"net"
 	"os"
@@ -36,6 +37,22 @@ type Server struct {
 	args []string // extra arguments, kept for restarts
 	cmd  *exec.Cmd
 	t    testing.TB
+	opts Options // how clients connect: TLS and credentials (StartWith)
+}
+
+// Options describe a server for StartWith: extra arguments, and how clients, the readiness PING
+// among them, reach it.
+type Options struct {
+	// Args are extra redis-server arguments, as Start's: an ACL user, for example "--user",
+	// "default", "off", "--user", "app", "on", ">secret", "~*", "&*", "+@all".
+	Args []string
+	// TLS, when set, makes the server's one port speak TLS only ("--port 0 --tls-port N"); Args
+	// then give --tls-cert-file, --tls-key-file and --tls-ca-cert-file (and --tls-auth-clients).
+	// Clients of the server dial with this configuration.
+	TLS *tls.Config
+	// Username and Password are the clients' credentials, for a server whose default user is off
+	// or has a password.
+	Username, Password string
 }
 
 // serverBinary finds redis-server. Without it the test is skipped locally but fails in CI, where
@@ -73,29 +90,55 @@ func Start(t testing.TB, extraArgs ...string) *Server {
 	return s
 }
 
+// StartWith runs a redis-server as Start does, with TLS and credentials as o says, and stops it at
+// cleanup. Its Client, FastClient and readiness PING connect as o says.
+func StartWith(t testing.TB, o Options) *Server {
+	t.Helper()
+	bin := serverBinary(t)
+	dir := t.TempDir()
+	s := &Server{dir: dir, args: o.Args, t: t, opts: o}
+	s.start(bin, freePort(t), o.Args...)
+	t.Cleanup(s.Stop)
+	return s
+}
+
+// clientOptions are the connection settings of the server's clients, on top of a client's own.
+func (s *Server) clientOptions(o *redis.UniversalOptions) *redis.UniversalOptions {
+	if s.opts.TLS != nil {
+		o.TLSConfig = s.opts.TLS.Clone()
+	}
+	o.Username, o.Password = s.opts.Username, s.opts.Password
+	return o
+}
+
 func (s *Server) start(bin string, port int, extraArgs ...string) {
 	s.t.Helper()
 	s.Addr = "127.0.0.1:" + strconv.Itoa(port)
-	args := append([]string{
+	args := []string{
 		"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
 		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log"),
-	}, extraArgs...)
+	}
+	if s.opts.TLS != nil {
+		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port))
+	}
+	args = append(args, extraArgs...)
 	s.cmd = exec.Command(bin, args...)
 	if err := s.cmd.Start(); err != nil {
 		s.t.Fatalf("starting redis-server = %v", err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
-	c := redis.NewClient(&redis.Options{Addr: s.Addr})
+	c := redis.NewUniversalClient(s.clientOptions(&redis.UniversalOptions{Addrs: []string{s.Addr}}))
 	defer c.Close()
 	for {
-		if err := c.Ping(ctx).Err(); err == nil {
+		err := c.Ping(ctx).Err()
+		if err == nil {
 			return
 		}
 		select {
 		case <-ctx.Done():
 			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
-			s.t.Fatalf("redis-server on %s did not answer PING within %v:\n%s", s.Addr, startTimeout, log)
+			s.t.Fatalf("redis-server on %s did not answer PING within %v (last: %v):\n%s", s.Addr, startTimeout, err, log)
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
@@ -130,9 +173,9 @@ func (s *Server) Resume() {
 // FastClient returns a client with short timeouts, so that tests of an outage do not wait long for
 // each failed call. Closed at cleanup.
 func (s *Server) FastClient() redis.UniversalClient {
-	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{s.Addr},
+	c := redis.NewUniversalClient(s.clientOptions(&redis.UniversalOptions{Addrs: []string{s.Addr},
 		DialTimeout: 200 * time.Millisecond, ReadTimeout: 200 * time.Millisecond, WriteTimeout: 200 * time.Millisecond,
-		MaxRetries: -1, ContextTimeoutEnabled: true})
+		MaxRetries: -1, ContextTimeoutEnabled: true}))
 	s.t.Cleanup(func() { c.Close() })
 	return c
 }
@@ -149,7 +192,7 @@ func (s *Server) Restart() {
 
 // Client returns a client of the server, closed at cleanup.
 func (s *Server) Client() redis.UniversalClient {
-	c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{s.Addr}})
+	c := redis.NewUniversalClient(s.clientOptions(&redis.UniversalOptions{Addrs: []string{s.Addr}}))
 	s.t.Cleanup(func() { c.Close() })
 	return c
 }
