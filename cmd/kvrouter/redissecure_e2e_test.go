@@ -1,7 +1,6 @@
 package main
 
 import (
-	"bytes"
 	"context"
 	"crypto/tls"
 	"errors"
@@ -13,7 +12,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"sync"
 	"syscall"
 	"testing"
 	"time"
@@ -88,28 +86,10 @@ func startSecureRedis(t *testing.T, p *redisPKI, mutual, acl bool) *redistest.Se
 	return redistest.StartWith(t, o)
 }
 
-// syncBuffer is a process's output, read while the process writes it.
-type syncBuffer struct {
-	mu  sync.Mutex
-	buf bytes.Buffer
-}
-
-func (b *syncBuffer) Write(p []byte) (int, error) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.Write(p)
-}
-
-func (b *syncBuffer) String() string {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return b.buf.String()
-}
-
 // kvrouterCommand is `kvrouter serve` on a free loopback port, its environment without any
 // KVROUTER_* variable of the test's own but with env. The reseed window is the shortest there is:
 // a replica that creates the shared log reports SharedState NOT_SERVING for that long.
-func kvrouterCommand(t *testing.T, bin string, env []string, args ...string) (*exec.Cmd, string, *syncBuffer) {
+func kvrouterCommand(t *testing.T, bin string, env []string, args ...string) (*exec.Cmd, string, *lockedBuffer) {
 	t.Helper()
 	addr := freePort(t)
 	cmd := exec.Command(bin, append([]string{"serve", "--listen", addr, "--metrics-listen", "", "--shutdown-drain", "0s",
@@ -120,7 +100,7 @@ func kvrouterCommand(t *testing.T, bin string, env []string, args ...string) (*e
 		}
 	}
 	cmd.Env = append(cmd.Env, env...)
-	out := &syncBuffer{}
+	out := &lockedBuffer{}
 	cmd.Stdout, cmd.Stderr = out, out
 	return cmd, addr, out
 }
@@ -128,7 +108,7 @@ func kvrouterCommand(t *testing.T, bin string, env []string, args ...string) (*e
 // startSecureKvrouter runs `kvrouter serve` with env and args, and waits until both its overall
 // health and its kvrouter.v1.SharedState entry are SERVING: it has joined the shared log. The
 // process gets SIGTERM at cleanup and must exit 0.
-func startSecureKvrouter(t *testing.T, bin string, env []string, args ...string) (addr string, logs *syncBuffer) {
+func startSecureKvrouter(t *testing.T, bin string, env []string, args ...string) (addr string, logs *lockedBuffer) {
 	t.Helper()
 	cmd, addr, logs := kvrouterCommand(t, bin, env, args...)
 	if err := cmd.Start(); err != nil {
@@ -283,7 +263,7 @@ func TestRedisTLSAndACL(t *testing.T) {
 	if e := cfgB["redis_password"]; e.GetValue() != "" {
 		t.Errorf("B's GetConfig redis_password = %q, want empty (it came from the file)", e.GetValue())
 	}
-	for name, logs := range map[string]*syncBuffer{"A": aLogs, "B": bLogs} {
+	for name, logs := range map[string]*lockedBuffer{"A": aLogs, "B": bLogs} {
 		out := logs.String()
 		if strings.Contains(out, redisPassword) {
 			t.Errorf("replica %s's log holds the Redis password:\n%s", name, out)
