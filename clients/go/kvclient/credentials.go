@@ -11,6 +11,7 @@ import (
 	"os"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -185,23 +186,27 @@ func (k *keyPairFiles) fallback() (*tls.Certificate, error) {
 // tokenCheckInterval is the least time between two looks at TokenFile.
 const tokenCheckInterval = time.Second
 
-// tokenCredentials sends "authorization: Bearer <token>" with every call.
+// tokenCredentials sends "authorization: Bearer <token>" with every call. A call reads the header
+// without a lock; the one call a second that finds the next look at the file due takes it.
 type tokenCredentials struct {
 	file       string // "" for a literal token
 	requireTLS bool
 
-	mu      sync.Mutex
-	token   string
-	ver     fileVersion // of the file the token was read from
-	checked time.Time   // the last look at the file
+	header    atomic.Pointer[string] // "Bearer <token>"
+	nextCheck atomic.Int64           // when the file is looked at next, Unix nanoseconds
+
+	mu  sync.Mutex  // held while looking at the file
+	ver fileVersion // of the file the token was read from
 }
 
 func newTokenCredentials(o CredentialOptions) (*tokenCredentials, error) {
-	tc := &tokenCredentials{file: o.TokenFile, requireTLS: !o.AllowTokenWithoutTLS, token: strings.TrimSpace(o.Token)}
+	tc := &tokenCredentials{file: o.TokenFile, requireTLS: !o.AllowTokenWithoutTLS}
 	if tc.file == "" {
-		if err := checkToken(tc.token); err != nil {
+		token := strings.TrimSpace(o.Token)
+		if err := checkToken(token); err != nil {
 			return nil, fmt.Errorf("kvclient: CredentialOptions.Token: %w", err)
 		}
+		tc.setToken(token)
 		return tc, nil
 	}
 	ver, err := statVersion(tc.file)
@@ -212,8 +217,15 @@ func newTokenCredentials(o CredentialOptions) (*tokenCredentials, error) {
 	if err != nil {
 		return nil, err
 	}
-	tc.token, tc.ver, tc.checked = token, ver, time.Now()
+	tc.setToken(token)
+	tc.ver = ver
+	tc.nextCheck.Store(time.Now().Add(tokenCheckInterval).UnixNano())
 	return tc, nil
+}
+
+func (tc *tokenCredentials) setToken(token string) {
+	h := "Bearer " + token
+	tc.header.Store(&h)
 }
 
 // readToken reads the token of a token file.
@@ -246,19 +258,18 @@ func checkToken(token string) error {
 // looks at the file, at most once a second, and reads it again when it changed; a file that is
 // missing, empty or malformed leaves the last token in use, since a rotation may be under way.
 func (tc *tokenCredentials) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	tc.mu.Lock()
-	defer tc.mu.Unlock()
-	if tc.file != "" {
-		if now := time.Now(); now.Sub(tc.checked) >= tokenCheckInterval {
-			tc.checked = now
-			if ver, err := statVersion(tc.file); err == nil && !ver.same(tc.ver) {
-				if token, err := readToken(tc.file); err == nil {
-					tc.token, tc.ver = token, ver
-				}
+	if now := time.Now().UnixNano(); tc.file != "" && now >= tc.nextCheck.Load() && tc.mu.TryLock() {
+		// Calls that find another looking at the file send the token they have.
+		tc.nextCheck.Store(now + int64(tokenCheckInterval))
+		if ver, err := statVersion(tc.file); err == nil && !ver.same(tc.ver) {
+			if token, err := readToken(tc.file); err == nil {
+				tc.setToken(token)
+				tc.ver = ver
 			}
 		}
+		tc.mu.Unlock()
 	}
-	return map[string]string{"authorization": "Bearer " + tc.token}, nil
+	return map[string]string{"authorization": *tc.header.Load()}, nil
 }
 
 // RequireTransportSecurity reports whether gRPC must refuse to send the token over a connection

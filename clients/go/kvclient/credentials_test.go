@@ -222,8 +222,9 @@ func TestDialCredentialsTokenFileRotation(t *testing.T) {
 		t.Fatalf("authorization = %q, want %q", got, "Bearer first")
 	}
 
+	time.Sleep(1100 * time.Millisecond)
 	start := time.Now()
-	_ = authorization()
+	_ = authorization() // a look at the file, unchanged
 	writeFile(t, tokenFile, "second\n")
 	got := authorization()
 	if time.Since(start) < 900*time.Millisecond && got != "Bearer first" {
