@@ -13,7 +13,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/connectivity"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/mem"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
@@ -159,8 +158,7 @@ func newDriver(ctx context.Context, c *config, reqs []*kvrouterv1.RouteRequest) 
 		d.bodies = append(d.bodies, b)
 	}
 	for range c.conns {
-		conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
-			grpc.WithDefaultCallOptions(grpc.ForceCodecV2(rawCodec{})))
+		conn, err := grpc.NewClient(c.addr, c.dialOptions(grpc.WithDefaultCallOptions(grpc.ForceCodecV2(rawCodec{})))...)
 		if err != nil {
 			d.close()
 			return nil, err

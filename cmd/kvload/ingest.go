@@ -12,7 +12,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/encoding"
 	grpcproto "google.golang.org/grpc/encoding/proto"
 	"google.golang.org/grpc/mem"
@@ -369,8 +368,8 @@ func newIngester(ctx context.Context, c *config, g *generator, id uint64, roots 
 			}
 		}
 	}
-	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()), kvclient.WithKeepalive(),
-		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(codec), grpc.MaxCallSendMsgSize(64<<20)))
+	conn, err := grpc.NewClient(c.addr, c.dialOptions(kvclient.WithKeepalive(),
+		grpc.WithDefaultCallOptions(grpc.ForceCodecV2(codec), grpc.MaxCallSendMsgSize(64<<20)))...)
 	if err != nil {
 		return nil, err
 	}

@@ -30,6 +30,11 @@
 // calls, and the report counts the block events the router acked between their start and end. With
 // --concurrency 0 and --duration D, no Route call is made: the window is D of ingest alone.
 //
+// Credentials: plaintext unless --cacert or --cert is given; then TLS, verified against --cacert's
+// CA (or the system's roots), presenting --cert and --key (mutual TLS). --token-file's bearer token is
+// sent with every call (Publish and Route), so that Route is measured through the router's TLS and
+// token checks; without TLS it goes to a loopback --addr only.
+//
 // Report (report.go): calls, errors by status code, achieved rate, latency percentiles, kvload's
 // CPU per call and, given --server-pid or --server-metrics, the router's; with ingest, the block
 // events acked per second; as text on stderr and, with --json, as a JSON object.
@@ -57,11 +62,11 @@ import (
 	"io"
 	"os"
 	"os/signal"
+	"slices"
 	"syscall"
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 )
@@ -95,6 +100,11 @@ type config struct {
 	serverPID              int
 	cpuProfile             string
 
+	// Credentials of every connection: --cacert, --cert, --key, --token-file, and the dial options
+	// they make (plaintext when none is given).
+	caCert, cert, key, tokenFile string
+	creds                        []grpc.DialOption
+
 	// Ingest during the measured calls.
 	ingestRate               rateFlag
 	ingestStreams, ingestCap int
@@ -114,6 +124,10 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs := flag.NewFlagSet("kvload", flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	fs.StringVar(&c.addr, "addr", "127.0.0.1:50051", "kvrouter gRPC address")
+	fs.StringVar(&c.caCert, "cacert", "", "PEM file of the CA of the router's certificate: dial with TLS (default: plaintext, unless --cert)")
+	fs.StringVar(&c.cert, "cert", "", "client certificate (PEM) for mutual TLS, with --key: dial with TLS")
+	fs.StringVar(&c.key, "key", "", "the key (PEM) of --cert")
+	fs.StringVar(&c.tokenFile, "token-file", "", "file holding a bearer token sent with every call; without TLS only to a loopback --addr")
 	fs.StringVar(&c.model, "model", "bench", "model the workers serve")
 	fs.StringVar(&c.out, "out", "", "file to write the first Route request to, as ghz JSON (required unless --requests or --duration)")
 	fs.IntVar(&c.workers, "workers", 64, "workers to register")
@@ -182,7 +196,32 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	case c.serverPID != 0 && c.serverMetrics != "":
 		return nil, errors.New("give --server-pid or --server-metrics, not both")
 	}
+	creds, err := c.dialCredentials()
+	if err != nil {
+		return nil, err
+	}
+	c.creds = creds
 	return c, nil
+}
+
+// tls says whether the connections use TLS: a TLS flag is given.
+func (c *config) tls() bool { return c.caCert != "" || c.cert != "" || c.key != "" }
+
+// dialCredentials reads the credential flags' files into the connections' dial options.
+func (c *config) dialCredentials() ([]grpc.DialOption, error) {
+	switch {
+	case (c.cert == "") != (c.key == ""):
+		return nil, errors.New("--cert and --key go together: give both (the client certificate and its key) or neither")
+	case !c.tls() && c.tokenFile != "" && !kvclient.LoopbackTarget(c.addr):
+		return nil, fmt.Errorf("--token-file without --cacert or --cert would send the token unencrypted to --addr %s, which is not a loopback address: give --cacert", c.addr)
+	}
+	return kvclient.DialCredentials(kvclient.CredentialOptions{CAFile: c.caCert, CertFile: c.cert, KeyFile: c.key, TokenFile: c.tokenFile,
+		Plaintext: !c.tls(), AllowTokenWithoutTLS: !c.tls()})
+}
+
+// dialOptions are the credentials' dial options, then extra.
+func (c *config) dialOptions(extra ...grpc.DialOption) []grpc.DialOption {
+	return append(slices.Clip(c.creds), extra...)
 }
 
 // run executes the command line and returns the exit code: 0 done, 1 failed, 2 bad command line.
@@ -205,8 +244,7 @@ func run(ctx context.Context, args []string, stderr io.Writer) int {
 
 // load seeds the router, writes --out, drives the calls and holds the streams, in that order.
 func load(ctx context.Context, c *config, stderr io.Writer) error {
-	conn, err := grpc.NewClient(c.addr, grpc.WithTransportCredentials(insecure.NewCredentials()), kvclient.WithKeepalive(),
-		grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))
+	conn, err := grpc.NewClient(c.addr, c.dialOptions(kvclient.WithKeepalive(), grpc.WithDefaultCallOptions(grpc.MaxCallSendMsgSize(64<<20)))...)
 	if err != nil {
 		return err
 	}

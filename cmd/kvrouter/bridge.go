@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"net"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -15,7 +16,6 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/kvrouter/kvrouter/clients/go/bridge"
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
@@ -27,6 +27,12 @@ import (
 // and the routers to tell.
 type bridgeOptions struct {
 	RouterAddrs          string
+	RouterCAFile         string
+	RouterCertFile       string
+	RouterKeyFile        string
+	RouterServerName     string
+	RouterTokenFile      string
+	RouterPlaintext      bool
 	EngineEndpoint       string
 	EngineReplayEndpoint string
 	EngineTopic          string
@@ -51,6 +57,12 @@ type bridgeOptions struct {
 // bridgeSettings lists every key of kvrouter bridge, in the order --help shows them.
 var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.String("router_addrs", "kvrouter replicas to publish to: host:port list, comma-separated, or one dns:/// target (required)", func(o *bridgeOptions) *string { return &o.RouterAddrs }),
+	layered.String("router_ca_file", "PEM file of the CA that signs the routers' certificates: the routers are dialled with TLS, verified against it", func(o *bridgeOptions) *string { return &o.RouterCAFile }),
+	layered.String("router_cert_file", "client certificate (PEM) presented to the routers (mutual TLS), with router_key_file; read again when it changes", func(o *bridgeOptions) *string { return &o.RouterCertFile }),
+	layered.String("router_key_file", "the key (PEM) of router_cert_file; read again when it changes", func(o *bridgeOptions) *string { return &o.RouterKeyFile }),
+	layered.String("router_server_name", "the name the routers' certificates must carry, when it is not the host of router_addrs (TLS; alone: TLS verified against the system's roots)", func(o *bridgeOptions) *string { return &o.RouterServerName }),
+	layered.String("router_token_file", "file holding the bearer token sent to the routers with every call, read again when it changes; without TLS only to loopback addresses", func(o *bridgeOptions) *string { return &o.RouterTokenFile }),
+	layered.Bool("router_plaintext", "dial the routers without TLS; needed for routers that are not on loopback when no TLS setting is given", func(o *bridgeOptions) *bool { return &o.RouterPlaintext }),
 	layered.String("engine_endpoint", "the engine's ZMQ PUB endpoint of its first data-parallel rank (vLLM --kv-events-config endpoint, with the engine's host)", func(o *bridgeOptions) *string { return &o.EngineEndpoint }),
 	layered.String("engine_replay_endpoint", "the engine's ZMQ ROUTER replay endpoint (vLLM replay_endpoint); empty: a gap clears the worker's blocks", func(o *bridgeOptions) *string { return &o.EngineReplayEndpoint }),
 	layered.String("engine_topic", "ZMQ topic prefix to subscribe to (empty: every topic)", func(o *bridgeOptions) *string { return &o.EngineTopic }),
@@ -111,6 +123,9 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 	if err := level.UnmarshalText([]byte(o.LogLevel)); err != nil {
 		return fmt.Errorf("%s: must be debug, info, warn or error (got %q)", l.Describe("log_level"), o.LogLevel)
 	}
+	if err := o.validateRouterCredentials(l); err != nil {
+		return err
+	}
 	for dp := o.FirstDPRank; dp < o.FirstDPRank+o.DPRanks; dp++ {
 		if _, err := bridge.RankEndpoint(o.EngineEndpoint, dp); err != nil {
 			return fmt.Errorf("%s: %w", l.Describe("engine_endpoint"), err)
@@ -122,6 +137,64 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 		}
 	}
 	return nil
+}
+
+// routerTLS reports whether a TLS setting is given: the routers are then dialled with TLS.
+func (o *bridgeOptions) routerTLS() bool {
+	return o.RouterCAFile != "" || o.RouterCertFile != "" || o.RouterKeyFile != "" || o.RouterServerName != ""
+}
+
+// routersOnLoopback reports whether every router address is on this host, where traffic without
+// TLS is out of other hosts' reach.
+func (o *bridgeOptions) routersOnLoopback() bool {
+	for _, addr := range strings.Split(o.RouterAddrs, ",") {
+		if !kvclient.LoopbackTarget(addr) {
+			return false
+		}
+	}
+	return true
+}
+
+// validateRouterCredentials checks how the routers are dialled. Plaintext is chosen, never
+// assumed: it takes router_plaintext, or routers that are all on loopback and no TLS setting; a
+// bearer token goes over plaintext to loopback only, since anyone on the path could read it.
+func (o *bridgeOptions) validateRouterCredentials(l *layered.Layers[bridgeOptions]) error {
+	name := func(key string) string { // as the user gave it, or as the flag when unset
+		if l.Source(key) == layered.SourceDefault {
+			return layered.FlagOf(key)
+		}
+		return l.Describe(key)
+	}
+	switch {
+	case (o.RouterCertFile == "") != (o.RouterKeyFile == ""):
+		return fmt.Errorf("%s and %s: set both (the client certificate and its key) or neither", name("router_cert_file"), name("router_key_file"))
+	case o.RouterPlaintext && o.routerTLS():
+		return fmt.Errorf("%s turns TLS off, so %s, %s, %s and %s cannot apply: drop one or the other",
+			l.Describe("router_plaintext"), layered.FlagOf("router_ca_file"), layered.FlagOf("router_cert_file"), layered.FlagOf("router_key_file"), layered.FlagOf("router_server_name"))
+	case o.routerTLS():
+		return nil
+	case !o.RouterPlaintext && !o.routersOnLoopback():
+		return fmt.Errorf("%s: routers that are not on loopback (%s) are dialled with TLS or with an explicit choice of plaintext: set %s (TLS, verified against the routers' CA) or %s (a private network)",
+			layered.FlagOf("router_addrs"), o.RouterAddrs, layered.FlagOf("router_ca_file"), layered.FlagOf("router_plaintext"))
+	case o.RouterTokenFile != "" && !o.routersOnLoopback():
+		return fmt.Errorf("%s: a bearer token sent without TLS can be read off the wire, so it goes over plaintext to loopback addresses only (router_addrs %s): set %s to dial the routers with TLS",
+			l.Describe("router_token_file"), o.RouterAddrs, layered.FlagOf("router_ca_file"))
+	}
+	return nil
+}
+
+// routerDialOptions are the credentials of the connections to the routers, as validated.
+func (o *bridgeOptions) routerDialOptions() ([]grpc.DialOption, error) {
+	plaintext := !o.routerTLS()
+	opts, err := kvclient.DialCredentials(kvclient.CredentialOptions{
+		CAFile: o.RouterCAFile, CertFile: o.RouterCertFile, KeyFile: o.RouterKeyFile, ServerName: o.RouterServerName,
+		TokenFile: o.RouterTokenFile, Plaintext: plaintext, AllowTokenWithoutTLS: plaintext && o.routersOnLoopback(),
+	})
+	if err != nil {
+		return nil, fmt.Errorf("the routers' credentials (%s, %s, %s, %s): %w", layered.FlagOf("router_ca_file"),
+			layered.FlagOf("router_cert_file"), layered.FlagOf("router_key_file"), layered.FlagOf("router_token_file"), err)
+	}
+	return opts, nil
 }
 
 // runBridge is `kvrouter bridge`: it loads the configuration and forwards until ctx ends.
@@ -139,21 +212,27 @@ func runBridge(ctx context.Context, args []string, getenv func(string) string, s
 		fmt.Fprintf(stderr, "kvrouter bridge: invalid configuration: %v\n", err)
 		return 2
 	}
-	if err := serveBridge(ctx, o, stderr); err != nil {
+	creds, err := o.routerDialOptions()
+	if err != nil {
+		fmt.Fprintf(stderr, "kvrouter bridge: invalid configuration: %v\n", err)
+		return 2
+	}
+	if err := serveBridge(ctx, o, creds, stderr); err != nil {
 		fmt.Fprintf(stderr, "kvrouter bridge: %v\n", err)
 		return 1
 	}
 	return 0
 }
 
-func serveBridge(ctx context.Context, o *bridgeOptions, stderr io.Writer) error {
+// serveBridge runs the bridge, dialling the routers with creds, until ctx ends.
+func serveBridge(ctx context.Context, o *bridgeOptions, creds []grpc.DialOption, stderr io.Writer) error {
 	var level slog.Level
 	_ = level.UnmarshalText([]byte(o.LogLevel))
 	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
 
 	var conns []grpc.ClientConnInterface
 	for _, addr := range strings.Split(o.RouterAddrs, ",") {
-		conn, err := grpc.NewClient(strings.TrimSpace(addr), grpc.WithTransportCredentials(insecure.NewCredentials()), kvclient.WithKeepalive())
+		conn, err := grpc.NewClient(strings.TrimSpace(addr), append(slices.Clip(creds), kvclient.WithKeepalive())...)
 		if err != nil {
 			return fmt.Errorf("--router-addrs %s: %w", addr, err)
 		}
@@ -193,7 +272,8 @@ func serveBridge(ctx context.Context, o *bridgeOptions, stderr io.Writer) error 
 		logger.Info("serving metrics and health", "addr", lis.Addr().String())
 	}
 	logger.Info("bridge started", "engine_endpoint", o.EngineEndpoint, "replay_endpoint", o.EngineReplayEndpoint,
-		"dp_ranks", o.DPRanks, "worker_id", o.WorkerID, "model", o.Model, "routers", o.RouterAddrs)
+		"dp_ranks", o.DPRanks, "worker_id", o.WorkerID, "model", o.Model, "routers", o.RouterAddrs,
+		"router_tls", o.routerTLS(), "router_client_cert", o.RouterCertFile != "", "router_token", o.RouterTokenFile != "")
 	err = b.Run(ctx, o.ShutdownDrain)
 	logger.Info("bridge stopped", "err", err)
 	return err
