@@ -64,6 +64,16 @@ func TestBadBridgeConfigExits2(t *testing.T) {
 		{name: "ranks need tcp", args: append(required, "--dp-ranks", "2", "--engine-endpoint", "ipc:///tmp/kv"), want: `ranks after 0 need a tcp:// endpoint`},
 		{name: "not an endpoint", args: append(required, "--engine-endpoint", "127.0.0.1:5557"), want: `--engine-endpoint: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got "127.0.0.1:5557")`},
 		{name: "negative worker id", args: []string{"--worker-id", "-3"}, want: `--worker-id: must be an unsigned integer (got "-3")`},
+		{name: "remote routers without TLS", args: append([]string{"--router-addrs", "10.0.0.5:50051"}, required[2:]...),
+			want: "--router-addrs: routers that are not on loopback (10.0.0.5:50051) are dialled with TLS or with an explicit choice of plaintext"},
+		{name: "a token in the clear", args: append([]string{"--router-addrs", "10.0.0.5:50051", "--router-plaintext", "--router-token-file", "t"}, required[2:]...),
+			want: "--router-token-file: a bearer token sent without TLS can be read off the wire"},
+		{name: "certificate without key", args: append(required, "--router-cert-file", "c.pem"),
+			want: "--router-cert-file and --router-key-file: set both"},
+		{name: "plaintext and TLS", args: append(required, "--router-plaintext", "--router-ca-file", "ca.pem"),
+			want: "--router-plaintext turns TLS off"},
+		{name: "unreadable CA", args: append(required, "--router-ca-file", "/nonexistent/ca.pem"),
+			want: "/nonexistent/ca.pem"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
