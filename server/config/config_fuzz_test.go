@@ -2,6 +2,7 @@ package config
 
 import (
 	"bytes"
+	"encoding/json"
 	"errors"
 	"flag"
 	"fmt"
@@ -93,7 +94,8 @@ var loadSeeds = []loadSeed{
 }
 
 // FuzzLoad loads kvrouter serve's configuration from a fuzzed command line, environment and YAML
-// file, and checks what Load promises:
+// file (loadSeed says how each input is read; besides, one setting, picked by number, may be set to
+// value as a flag, a variable or in the file), and checks what Load promises:
 //
 //   - it never panics;
 //   - a malformed command line is ErrUsage after the flag set printed why; any other error prints
@@ -109,28 +111,68 @@ var loadSeeds = []loadSeed{
 //     variable; the derived conditional_disagg.* values left out) load to the same values.
 func FuzzLoad(f *testing.F) {
 	for _, s := range loadSeeds {
-		f.Add(s.args, s.env, s.cd, []byte(s.file), s.secret)
+		f.Add(s.args, s.env, s.cd, []byte(s.file), s.secret, uint16(0), "")
 	}
+	// Every setting at its default, as flags, as variables and in the file: values of every
+	// setting for the fuzzer to change.
+	var flags, vars []string
+	file := map[string]string{}
+	for i, s := range settings {
+		v := s.Get(New())
+		// Each setting at its default and at values below most settings' ranges, as a flag, a
+		// variable or in the file.
+		for _, value := range []string{v, "0", "-1", "0s", "x"} {
+			f.Add("", "", "", []byte(nil), false, uint16(4*i+1+i%3), value)
+		}
+		if !s.Secret {
+			flags = append(flags, layered.FlagOf(s.Key)+"="+v)
+		}
+		vars = append(vars, strings.ToUpper(s.Key)+"="+v)
+		file[s.Key] = v
+	}
+	yamlFile, err := yaml.Marshal(file)
+	if err != nil {
+		f.Fatal(err)
+	}
+	f.Add(strings.Join(flags, "\n"), "", "", []byte(nil), false, uint16(0), "")
+	f.Add("", strings.Join(vars, "\n"), "", []byte(nil), false, uint16(0), "")
+	f.Add("", "", "", yamlFile, false, uint16(0), "")
 	dir := f.TempDir()
 	var files atomic.Uint64
 	defaults := map[string]string{}
 	for _, e := range New().Entries() {
 		defaults[e.Key] = e.Value
 	}
-	f.Fuzz(func(t *testing.T, argLines, envLines, cdJSON string, file []byte, secret bool) {
+	f.Fuzz(func(t *testing.T, argLines, envLines, cdJSON string, file []byte, secret bool, one uint16, value string) {
+		if len(argLines)+len(envLines)+len(cdJSON)+len(file)+len(value) > 8<<10 {
+			return // every setting fits; longer inputs only cost the fuzzer time (minimizing them)
+		}
+		// one picks a setting and where value sets it: none, as a flag, as a variable, in the file.
+		// (Changing one setting is a small step for the fuzzer; finding its name in text is not.)
+		picked, where := settings[int(one/4)%len(settings)], one%4
+		if where == 3 {
+			quoted, _ := json.Marshal(value) // a JSON string is a YAML one
+			file = slices.Concat(file, []byte("\n"+picked.Key+": "), quoted, []byte("\n"))
+		}
 		path := filepath.Join(dir, fmt.Sprintf("%d.yaml", files.Add(1)))
 		if err := os.WriteFile(path, file, 0o600); err != nil {
 			t.Fatal(err)
 		}
 		defer os.Remove(path)
 		args, env := fuzzCommandLine(argLines, envLines, cdJSON, path, len(file) > 0, secret)
+		switch where {
+		case 1:
+			args = append(args, layered.FlagOf(picked.Key)+"="+value) // a secret has no flag: a usage error
+		case 2:
+			env[picked.EnvName()] = value
+		}
 		// The secret is only looked for where no input holds it (a mutation may well copy it).
-		secretOnlyInEnv := secret && !strings.Contains(argLines+envLines+cdJSON+string(file), fuzzSecret)
+		secretOnlyInEnv := secret && !strings.Contains(argLines+envLines+cdJSON+string(file)+value, fuzzSecret)
 
 		var stderr bytes.Buffer
 		o, err := Load("kvrouter serve", args, envFunc(env), &stderr)
 		if err != nil {
-			checkLoadError(t, err, stderr.String(), secretOnlyInEnv, len(argLines)+len(envLines)+len(cdJSON)+len(file))
+			checkLoadError(t, err, stderr.String(), secretOnlyInEnv, len(argLines)+len(envLines)+len(cdJSON)+len(file)+len(value))
 			return
 		}
 		if stderr.Len() > 0 {
@@ -226,7 +268,7 @@ func checkLoadError(t *testing.T, err error, stderr string, secretOnlyInEnv bool
 
 // goInternals are words of Go's decoders that an error shown to a user must not quote: they say
 // how the configuration is read, not what is wrong with it.
-var goInternals = []string{"json.RawMessage", "MarshalJSON", "map[string]", "yaml.Node", "reflect"}
+var goInternals = []string{"json.RawMessage", "MarshalJSON", "map[string]", "yaml.Node", "reflect."}
 
 // namesSetting reports whether an error message names a setting as a key, a flag or a variable,
 // or the config file.
