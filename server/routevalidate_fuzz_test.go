@@ -245,7 +245,7 @@ func FuzzRouteValidation(f *testing.F) {
 	f.Add([]byte{}, uint8(0), uint8(fuzzMaxPromptTokens))
 	f.Add([]byte{0x12, 0x03, 'a', 'g', 'g'}, uint8(1), uint8(fuzzMaxPromptTokens+1))
 	f.Fuzz(func(t *testing.T, wire []byte, config, extraTokens uint8) {
-		if len(wire) > 2<<10 {
+		if len(wire) > 1<<10 {
 			return // room for every field and a request id over the limit; longer only costs time
 		}
 		req := &kvrouterv1.RouteRequest{}
