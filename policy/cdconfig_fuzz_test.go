@@ -53,6 +53,7 @@ func FuzzConditionalDisaggJSON(f *testing.F) {
 		f.Add(raw, false, true, 4.0)
 	}
 	f.Add(`{"policy":"prefill_load"}`, true, false, 0.5)
+	f.Add(`{"policy":"isl_bounding"}} junk`, true, true, 0.0) // once accepted as the object alone
 	f.Fuzz(func(t *testing.T, raw string, enabled, useKVEvents bool, queueThreshold float64) {
 		if len(raw) > 256 {
 			return // five keys fit; longer inputs only cost the fuzzer time (minimizing them)
@@ -61,14 +62,7 @@ func FuzzConditionalDisaggJSON(f *testing.F) {
 		cd.Enabled = enabled
 		set, err := ParseCDConfigJSON(raw, &cd)
 		var object map[string]json.RawMessage
-		if json.Unmarshal([]byte(raw), &object) != nil {
-			// Known bug, reported (issue 13, item 4): ParseCDConfigJSON reads an object followed by
-			// a stray '}' or ']' and anything after it ("{}}", `{"policy":"isl_bounding"}] x`) as
-			// that object: json.Decoder.More, its check for trailing data, reports false before a
-			// closing bracket. Until policy/cdrules.go checks that only white space follows the
-			// object, exactly that case is let through here, as the object it starts with.
-			object = strayCloser(raw)
-		}
+		_ = json.Unmarshal([]byte(raw), &object) // nil unless raw is exactly one JSON object
 		if err != nil {
 			var fe *FieldError
 			if !errors.As(err, &fe) || fe.Rule == "" {
@@ -214,20 +208,6 @@ func printCDJSON(cd CDConfig) string {
 		`,"eff_isl_ratio_threshold":` + strconv.FormatFloat(cd.EffISLRatioThreshold, 'g', -1, 64) +
 		`,"prefill_busy_threshold":` + optional(cd.PrefillBusyThreshold) +
 		`,"decode_busy_threshold":` + optional(cd.DecodeBusyThreshold) + `}`
-}
-
-// strayCloser returns the object raw starts with when what follows it starts with '}' or ']' (after
-// white space), and nil otherwise.
-func strayCloser(raw string) map[string]json.RawMessage {
-	var object map[string]json.RawMessage
-	dec := json.NewDecoder(strings.NewReader(raw))
-	if dec.Decode(&object) != nil {
-		return nil
-	}
-	if rest := strings.TrimLeft(raw[dec.InputOffset():], " \t\r\n"); rest == "" || (rest[0] != '}' && rest[0] != ']') {
-		return nil
-	}
-	return object
 }
 
 func errText(err error) string {

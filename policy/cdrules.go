@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"io"
 	"math"
 	"slices"
 	"strconv"
@@ -88,7 +89,11 @@ func (c Config) ResolveCD(cd CDConfig, name func(key string) string) (CDConfig, 
 func ParseCDConfigJSON(raw string, cd *CDConfig) (set []string, err error) {
 	var doc map[string]json.RawMessage
 	dec := json.NewDecoder(strings.NewReader(raw))
-	if err := dec.Decode(&doc); err != nil || doc == nil || dec.More() {
+	if err := dec.Decode(&doc); err != nil || doc == nil {
+		return nil, fieldErr("", "must be a JSON object")
+	}
+	// Nothing may follow the object. (dec.More is false before a stray '}' or ']', so it cannot say.)
+	if _, err := dec.Token(); err != io.EOF {
 		return nil, fieldErr("", "must be a JSON object")
 	}
 	var unknown []string
