@@ -16,6 +16,13 @@ import (
 // maxRequestIDBytes bounds request ids: they are kept in memory for the life of a booking.
 const maxRequestIDBytes = 512
 
+// maxModelBytes and maxSessionIDBytes bound names a call may make the router keep (a session lives
+// for session_affinity_ttl and is replicated through the log) or repeat in a message.
+const (
+	maxModelBytes     = 256
+	maxSessionIDBytes = 512
+)
+
 // routerService implements RouterService: validate, call the dispatcher, map the result.
 type routerService struct {
 	kvrouterv1.UnimplementedRouterServiceServer
@@ -86,8 +93,14 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Re
 			return nil, err
 		}
 	}
-	if req.GetModel() == "" {
+	switch m := req.GetModel(); {
+	case m == "":
 		return nil, invalidArgument("model", "must not be empty")
+	case len(m) > maxModelBytes:
+		return nil, invalidArgumentf("model", "must be at most %d bytes (got %d)", maxModelBytes, len(m))
+	}
+	if n := len(req.GetSessionId()); n > maxSessionIDBytes {
+		return nil, invalidArgumentf("session_id", "must be at most %d bytes (got %d)", maxSessionIDBytes, n)
 	}
 	switch n := len(req.GetTokenIds()); {
 	case n == 0:

@@ -258,6 +258,8 @@ func TestRouteValidation(t *testing.T) {
 		{"huge token_ids", func(r *kvrouterv1.RouteRequest) { r.TokenIds = make([]uint32, 1001) }, codes.InvalidArgument, "token_ids: has 1001 tokens, more than the maximum of 1000 (max_prompt_tokens)"},
 		{"empty request id", func(r *kvrouterv1.RouteRequest) { r.RequestId = "" }, codes.InvalidArgument, "request_id: must not be empty"},
 		{"long request id", func(r *kvrouterv1.RouteRequest) { r.RequestId = strings.Repeat("x", 513) }, codes.InvalidArgument, "request_id: must be at most 512 bytes (got 513)"},
+		{"long model", func(r *kvrouterv1.RouteRequest) { r.Model = strings.Repeat("m", 257) }, codes.InvalidArgument, "model: must be at most 256 bytes (got 257)"},
+		{"long session id", func(r *kvrouterv1.RouteRequest) { r.SessionId = strings.Repeat("s", 513) }, codes.InvalidArgument, "session_id: must be at most 512 bytes (got 513)"},
 		{"NaN override", func(r *kvrouterv1.RouteRequest) {
 			r.ConfigOverride = &kvrouterv1.RouterConfigOverride{OverlapScoreCredit: &nan}
 		}, codes.InvalidArgument, "config_override.overlap_score_credit: must be a finite, non-negative number (got NaN)"},
@@ -346,6 +348,11 @@ func TestPublishHelloValidation(t *testing.T) {
 			code: codes.InvalidArgument, msg: "hello.block_size: must be > 0"},
 		{name: "unspecified role", first: hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_UNSPECIFIED, 4),
 			code: codes.InvalidArgument, msg: "hello.role: must be PREFILL, DECODE or AGGREGATED (got WORKER_ROLE_UNSPECIFIED)"},
+		{name: "long model name", first: func() *kvrouterv1.PublishRequest {
+			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
+			h.GetHello().Model = strings.Repeat("m", 257)
+			return h
+		}(), code: codes.InvalidArgument, msg: "hello.model: must be at most 256 bytes (got 257)"},
 		{name: "block size differs from the model's", first: hello(2, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 8),
 			before: func(e *testEnv) { e.connect(1) },
 			code:   codes.FailedPrecondition, msg: `block size differs from the model's: model "m" uses block_size 4, the worker registered 8`},

@@ -465,6 +465,8 @@ func workerInfo(h *kvrouterv1.WorkerHello) (kvstate.WorkerInfo, error) {
 		return kvstate.WorkerInfo{}, invalidArgument("hello.worker_id", "must not be 0")
 	case h.GetModel() == "":
 		return kvstate.WorkerInfo{}, invalidArgument("hello.model", "must not be empty")
+	case len(h.GetModel()) > maxModelBytes:
+		return kvstate.WorkerInfo{}, invalidArgumentf("hello.model", "must be at most %d bytes (got %d)", maxModelBytes, len(h.GetModel()))
 	case !ok:
 		return kvstate.WorkerInfo{}, invalidArgumentf("hello.role", "must be PREFILL, DECODE or AGGREGATED (got %v)", h.GetRole())
 	case h.GetBlockSize() == 0:
