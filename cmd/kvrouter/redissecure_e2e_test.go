@@ -12,7 +12,6 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -111,23 +110,7 @@ func kvrouterCommand(t *testing.T, bin string, env []string, args ...string) (*e
 func startSecureKvrouter(t *testing.T, bin string, env []string, args ...string) (addr string, logs *lockedBuffer) {
 	t.Helper()
 	cmd, addr, logs := kvrouterCommand(t, bin, env, args...)
-	if err := cmd.Start(); err != nil {
-		t.Fatalf("starting kvrouter = %v", err)
-	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case err := <-exited:
-			if err != nil {
-				t.Errorf("kvrouter exited with %v after SIGTERM, want 0\n%s", err, logs)
-			}
-		case <-time.After(defaultTestTimeout):
-			_ = cmd.Process.Kill()
-			t.Errorf("kvrouter did not stop within %v of SIGTERM", defaultTestTimeout)
-		}
-	})
+	exited := runUntilCleanup(t, cmd, logs, nil)
 	health := healthpb.NewHealthClient(dial(t, addr))
 	var last string
 	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {

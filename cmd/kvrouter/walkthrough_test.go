@@ -126,27 +126,18 @@ func (p *serverProcess) kill() {
 	_ = p.cmd.Process.Kill()
 }
 
-func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
+// runUntilCleanup starts cmd, a `kvrouter serve` whose output goes to logs, and stops it at the
+// test's cleanup with SIGTERM, after which it must exit 0 within defaultTestTimeout (unless killed
+// says the test killed it already). The channel receives its exit.
+func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *bool) <-chan error {
 	t.Helper()
-	return startProcessWith(t, bin, insecure.NewCredentials(), extra...)
-}
-
-// startProcessWith is startProcess for a server that health checks reach with creds (TLS).
-func startProcessWith(t *testing.T, bin string, creds credentials.TransportCredentials, extra ...string) *serverProcess {
-	t.Helper()
-	addr := freePort(t)
-	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
-	cmd := exec.Command(bin, args...)
-	logs := &lockedBuffer{}
-	cmd.Stderr = logs
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting kvrouter = %v", err)
 	}
-	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() {
-		if p.killed {
+		if killed != nil && *killed {
 			<-exited
 			return
 		}
@@ -161,6 +152,24 @@ func startProcessWith(t *testing.T, bin string, creds credentials.TransportCrede
 			t.Errorf("kvrouter did not stop within %v of SIGTERM", defaultTestTimeout)
 		}
 	})
+	return exited
+}
+
+func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
+	t.Helper()
+	return startProcessWith(t, bin, insecure.NewCredentials(), extra...)
+}
+
+// startProcessWith is startProcess for a server that health checks reach with creds (TLS).
+func startProcessWith(t *testing.T, bin string, creds credentials.TransportCredentials, extra ...string) *serverProcess {
+	t.Helper()
+	addr := freePort(t)
+	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
+	cmd := exec.Command(bin, args...)
+	logs := &lockedBuffer{}
+	cmd.Stderr = logs
+	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
+	exited := runUntilCleanup(t, cmd, logs, &p.killed)
 	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		t.Fatalf("grpc.NewClient() = %v", err)
