@@ -153,6 +153,17 @@ func (r *secureRouter) as(name string) (context.Context, context.CancelFunc) {
 	return ctx, cancel
 }
 
+// router returns a function that sends a query-only llama Route on conn as name and returns its error.
+func (r *secureRouter) router(conn *grpc.ClientConn) func(name string) error {
+	router := kvrouterv1.NewRouterServiceClient(conn)
+	return func(name string) error {
+		ctx, cancel := r.as(name)
+		defer cancel()
+		_, err := router.Route(ctx, llamaRoute())
+		return err
+	}
+}
+
 func llamaRoute() *kvrouterv1.RouteRequest {
 	return &kvrouterv1.RouteRequest{RequestId: "r", Model: "llama", TokenIds: []uint32{1, 2, 3, 4, 5, 6, 7, 8}, QueryOnly: true}
 }
@@ -381,14 +392,7 @@ func TestRotationWithoutRestart(t *testing.T) {
 		t.Fatalf("served certificate %s after the rotation, want the new %s (the old was %s)", servedSerial(), rotated.Cert.SerialNumber, before)
 	}
 
-	conn := r.dial(nil)
-	router := kvrouterv1.NewRouterServiceClient(conn)
-	route := func(name string) error {
-		ctx, cancel := r.as(name)
-		defer cancel()
-		_, err := router.Route(ctx, llamaRoute())
-		return err
-	}
+	route := r.router(r.dial(nil))
 	if err := route("frontend"); err != nil {
 		t.Fatalf("frontend before the rotation = %v", err)
 	}
@@ -430,13 +434,7 @@ func TestPerCredentialLimits(t *testing.T) {
 	r := startSecureRouter(t, "--max-batch-blocks", "64")
 	conn := r.dial(nil)
 	r.serveLlama()
-	router := kvrouterv1.NewRouterServiceClient(conn)
-	route := func(name string) error {
-		ctx, cancel := r.as(name)
-		defer cancel()
-		_, err := router.Route(ctx, llamaRoute())
-		return err
-	}
+	route := r.router(conn)
 
 	t.Run("route rate", func(t *testing.T) {
 		// frontend-slow may make 1 call a second, after a burst of 1.
