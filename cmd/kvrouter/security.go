@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"log/slog"
+	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
@@ -31,7 +32,7 @@ func newPortSecurity(cfg *config.Options, registry *prometheus.Registry, logger 
 		CredentialsFile: cfg.CredentialsFile,
 		Services:        server.Services,
 		Open:            openServices(cfg),
-		AnyCaller:       server.ReflectionServices,
+		AnyCaller:       append(slices.Clone(server.HealthServices), server.ReflectionServices...), // when not open
 		RouteMethod:     server.RouteMethod, PublishMethod: server.PublishMethod,
 		RouteRateLimit: cfg.RouteRateLimit, EventRateLimit: cfg.EventRateLimit,
 		MaxPublishStreams: cfg.MaxPublishStreams, EventBurst: cfg.MaxBatchBlocks,
