@@ -116,7 +116,7 @@ func TestBadConfig(t *testing.T) {
 			want: "--pprof: needs --metrics-listen, where the profiler is served"},
 		{name: "unknown flag", args: []string{"--no-such-flag"}, want: "flag provided but not defined: -no-such-flag"},
 		{name: "all interfaces without TLS", args: []string{"--listen", ":50051"},
-			want: "--listen :50051: other hosts can reach it, so it serves TLS: set --tls-cert-file and --tls-key-file, or --plaintext to serve without TLS"},
+			want: `--listen ":50051": other hosts can reach it, so it serves TLS: set --tls-cert-file and --tls-key-file, or --plaintext to serve without TLS`},
 		{name: "certificate without key", args: []string{"--tls-cert-file", "c.pem"},
 			want: "--tls-cert-file and tls_key_file (default): set both or neither"},
 		{name: "client CA without TLS", env: map[string]string{"KVROUTER_TLS_CLIENT_CA_FILE": "ca.pem"},

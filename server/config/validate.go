@@ -81,7 +81,7 @@ func (o *Options) validateSecurity() error {
 	case o.Plaintext && o.TLSCertFile != "":
 		return fmt.Errorf("%s and %s: set one, not both", o.describe("plaintext"), o.describe("tls_cert_file"))
 	case o.TLSCertFile == "" && !o.Plaintext && !IsLoopback(o.Listen):
-		return fmt.Errorf("%s %s: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
+		return fmt.Errorf("%s %q: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
 			o.describe("listen"), o.Listen, layered.FlagOf("tls_cert_file"), layered.FlagOf("tls_key_file"), layered.FlagOf("plaintext"))
 	case o.TLSClientAuth != "require" && o.TLSClientAuth != "optional":
 		return fmt.Errorf("%s: must be require or optional (got %q)", o.describe("tls_client_auth"), o.TLSClientAuth)
