@@ -89,6 +89,9 @@ const (
 type Server struct {
 	grpc     *grpc.Server
 	health   *health.Server
+	// healthOnly serves the health service alone, in plaintext (ServeHealth): probes that cannot
+	// speak TLS or carry credentials (Kubernetes' gRPC probes) check it there.
+	healthOnly *grpc.Server
 	stopping chan struct{}
 	stopOnce sync.Once
 	bg       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
@@ -184,6 +187,8 @@ func New(o Options) *Server {
 		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
+	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4 << 10))
+	healthpb.RegisterHealthServer(s.healthOnly, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
 	serving := healthpb.HealthCheckResponse_SERVING
@@ -247,6 +252,16 @@ func (s *Server) Serve(lis net.Listener) error {
 	return err
 }
 
+// ServeHealth serves only the health service, in plaintext, on lis until Shutdown: the answers of
+// the main port's health service, for probes that cannot use its TLS or credentials.
+func (s *Server) ServeHealth(lis net.Listener) error {
+	err := s.healthOnly.Serve(lis)
+	if err == grpc.ErrServerStopped {
+		return nil
+	}
+	return err
+}
+
 // Shutdown stops the server in order: health turns NOT_SERVING so balancers stop sending new calls,
 // the drain period lets them notice, Publish streams end with UNAVAILABLE so workers reconnect to
 // another replica, in-flight calls finish, and whatever still runs when ctx ends is cut.
@@ -270,6 +285,7 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 		s.grpc.Stop()
 		<-done
 	}
+	s.healthOnly.Stop() // last: probes see NOT_SERVING until the end
 	s.bg.Wait()
 }
 
@@ -277,6 +293,7 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 func (s *Server) Stop() {
 	s.stopOnce.Do(func() { close(s.stopping) })
 	s.grpc.Stop()
+	s.healthOnly.Stop()
 	s.bg.Wait()
 }
 

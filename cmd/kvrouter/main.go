@@ -132,11 +132,21 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	if err != nil {
 		return fmt.Errorf("--listen %s: %w", cfg.Listen, err)
 	}
+	var hlis net.Listener // every listener opens before any serves, so a failure leaves none running
+	if cfg.HealthListen != "" {
+		if hlis, err = net.Listen("tcp", cfg.HealthListen); err != nil {
+			lis.Close()
+			return fmt.Errorf("--health-listen %s: %w", cfg.HealthListen, err)
+		}
+	}
 	var metricsSrv *http.Server
 	if cfg.MetricsListen != "" {
 		mlis, err := net.Listen("tcp", cfg.MetricsListen)
 		if err != nil {
 			lis.Close()
+			if hlis != nil {
+				hlis.Close()
+			}
 			return fmt.Errorf("--metrics-listen %s: %w", cfg.MetricsListen, err)
 		}
 		mux := http.NewServeMux()
@@ -152,6 +162,16 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 			return nil
 		})
 		logger.Info("serving metrics", "addr", mlis.Addr().String())
+	}
+
+	if hlis != nil {
+		background.Go(func() error {
+			if err := srv.ServeHealth(hlis); err != nil {
+				logger.Error("health server failed", "err", err)
+			}
+			return nil
+		})
+		logger.Info("serving health", "addr", hlis.Addr().String())
 	}
 
 	housekeeper := &kvstate.Housekeeper{

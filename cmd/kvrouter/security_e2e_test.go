@@ -17,12 +17,14 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/server/servertest/testpki"
@@ -110,7 +112,12 @@ func startSecureRouter(t *testing.T, extra ...string) *secureRouter {
 	r.writeCredentials(testCredentials)
 	args := append([]string{"--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", r.caFile, "--tls-client-auth", "optional",
 		"--credentials-file", r.credsFile, "--file-reload-interval", "50ms", "--auth-open-reflection=false", "--log-level", "debug"}, extra...)
-	r.proc = startProcessWith(t, buildBinary(t), credentials.NewTLS(r.clientTLS(nil)), args...)
+	// Health checks carry the operator's token: the tests may close health to callers without one.
+	dial, err := kvclient.DialCredentials(kvclient.CredentialOptions{CAFile: r.caFile, ServerName: "localhost", Token: r.tokens["ops"]})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.proc = startProcessWith(t, buildBinary(t), dial, args...)
 	return r
 }
 
@@ -335,7 +342,7 @@ func TestMutualTLSHandshake(t *testing.T) {
 		}
 		return c
 	}
-	p := startProcessWith(t, buildBinary(t), credentials.NewTLS(client(good)),
+	p := startProcessWith(t, buildBinary(t), []grpc.DialOption{grpc.WithTransportCredentials(credentials.NewTLS(client(good)))},
 		"--tls-cert-file", cert, "--tls-key-file", key, "--tls-client-ca-file", caFile)
 	for _, tt := range []struct {
 		name string
@@ -510,4 +517,28 @@ func TestPerCredentialLimits(t *testing.T) {
 			t.Errorf("worker 7's batch = %v, %v; want ack 59", resp, err)
 		}
 	})
+}
+
+// TestHealthPort: the plaintext health port answers probes without TLS or credentials, with the main
+// port's health answers, and serves nothing else; the main port's health stays closed as configured.
+func TestHealthPort(t *testing.T) {
+	healthAddr := freePort(t)
+	r := startSecureRouter(t, "--health-listen", healthAddr, "--auth-open-health=false")
+	conn, err := grpc.NewClient("passthrough:///"+healthAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for _, svc := range []string{"", "kvrouter.v1.RouterService"} {
+		resp, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+		if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+			t.Errorf("health %q on the health port = %v, %v; want SERVING", svc, resp, err)
+		}
+	}
+	_, err = kvrouterv1.NewRouterServiceClient(conn).Route(ctx, llamaRoute())
+	wantCode(t, "Route on the health port", err, codes.Unimplemented)
+	_, err = healthpb.NewHealthClient(r.dial(nil)).Check(ctx, &healthpb.HealthCheckRequest{})
+	wantCode(t, "health without credentials on the main port, closed", err, codes.Unauthenticated)
 }

@@ -18,7 +18,6 @@ import (
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -157,11 +156,11 @@ func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *boo
 
 func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 	t.Helper()
-	return startProcessWith(t, bin, insecure.NewCredentials(), extra...)
+	return startProcessWith(t, bin, []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, extra...)
 }
 
-// startProcessWith is startProcess for a server that health checks reach with creds (TLS).
-func startProcessWith(t *testing.T, bin string, creds credentials.TransportCredentials, extra ...string) *serverProcess {
+// startProcessWith is startProcess for a server whose health checks need dial (TLS, a token).
+func startProcessWith(t *testing.T, bin string, dial []grpc.DialOption, extra ...string) *serverProcess {
 	t.Helper()
 	addr := freePort(t)
 	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
@@ -170,7 +169,7 @@ func startProcessWith(t *testing.T, bin string, creds credentials.TransportCrede
 	cmd.Stderr = logs
 	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
 	exited := runUntilCleanup(t, cmd, logs, &p.killed)
-	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(creds))
+	conn, err := grpc.NewClient("passthrough:///"+addr, dial...)
 	if err != nil {
 		t.Fatalf("grpc.NewClient() = %v", err)
 	}

@@ -42,6 +42,7 @@ type Options struct {
 	// Serving.
 	Listen               string        // gRPC address
 	MetricsListen        string        // HTTP address of /metrics ("" = off)
+	HealthListen         string        // plaintext gRPC address serving only health ("" = off)
 	Pprof                bool          // serve /debug/pprof/ on the metrics listener
 	LogLevel             string        // debug, info, warn, error
 	MaxPromptTokens      int           // longest accepted prompt

@@ -65,6 +65,7 @@ func mapping(s setting) setting {
 var settings = []setting{
 	layered.String("listen", "gRPC listen address", func(o *Options) *string { return &o.Listen }),
 	layered.String("metrics_listen", "HTTP listen address for /metrics (empty turns it off)", func(o *Options) *string { return &o.MetricsListen }),
+	layered.String("health_listen", "a second gRPC address, always plaintext and without credentials, serving only the health service (grpc.health.v1), for probes that cannot use the main port's TLS or tokens, such as Kubernetes' gRPC probes; empty turns it off", func(o *Options) *string { return &o.HealthListen }),
 	layered.Bool("pprof", "also serve Go's profiler at /debug/pprof/ on the metrics listener (CPU, heap, allocations, mutex and block profiles, goroutines); off by default: a profile costs CPU and shows internals", func(o *Options) *bool { return &o.Pprof }),
 	layered.String("log_level", "log level: debug, info, warn or error", func(o *Options) *string { return &o.LogLevel }),
 	layered.Int("max_prompt_tokens", "longest prompt Route accepts, in tokens", func(o *Options) *int { return &o.MaxPromptTokens }, 1),
