@@ -87,15 +87,15 @@ const (
 
 // Server is kvrouter's gRPC server.
 type Server struct {
-	grpc     *grpc.Server
-	health   *health.Server
+	grpc   *grpc.Server
+	health *health.Server
 	// healthOnly serves the health service alone, in plaintext (ServeHealth): probes that cannot
 	// speak TLS or carry credentials (Kubernetes' gRPC probes) check it there.
 	healthOnly *grpc.Server
-	stopping chan struct{}
-	stopOnce sync.Once
-	bg       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
-	logger   *slog.Logger
+	stopping   chan struct{}
+	stopOnce   sync.Once
+	bg         sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
+	logger     *slog.Logger
 }
 
 // serviceNames are the services whose health is reported (besides "", the whole server).
