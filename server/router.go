@@ -41,9 +41,11 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 	start := time.Now()
 	dec, err := s.dispatcher.Route(ctx, preq)
 	if err != nil {
+		traceRoute(ctx, req, nil)
 		return nil, toStatus(err)
 	}
 	s.metrics.observeRoute(req.GetModel(), dec, time.Since(start))
+	traceRoute(ctx, req, dec)
 	if cd := dec.CD; cd != nil && s.logger.Enabled(ctx, slog.LevelDebug) {
 		// The fields of Dynamo's "Conditional disagg decision" line (§5.6).
 		s.logger.DebugContext(ctx, "conditional disagg decision", "request_id", req.GetRequestId(),

@@ -15,6 +15,7 @@ import (
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"github.com/prometheus/client_golang/prometheus"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -63,6 +64,9 @@ type Options struct {
 	KeepaliveMinTime      time.Duration
 	MaxConnectionAge      time.Duration
 	MaxConnectionAgeGrace time.Duration
+	// TracerProvider records the spans of kvrouter.v1 calls and Publish messages (server/tracing.go);
+	// nil turns tracing off: no stats handler runs and no span is made.
+	TracerProvider trace.TracerProvider
 }
 
 // Services maps each service to the role (server/auth) its callers need.
@@ -172,6 +176,11 @@ func New(o Options) *Server {
 	if o.Creds != nil {
 		opts = append(opts, grpc.Creds(o.Creds))
 	}
+	var tracer trace.Tracer
+	if o.TracerProvider != nil {
+		opts = append(opts, grpc.StatsHandler(statsHandler(o.TracerProvider)))
+		tracer = o.TracerProvider.Tracer(TracerName)
+	}
 	s := &Server{
 		grpc:     grpc.NewServer(opts...),
 		health:   health.NewServer(),
@@ -184,7 +193,7 @@ func New(o Options) *Server {
 	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Dispatcher)
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel})
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4 << 10))

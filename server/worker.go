@@ -8,6 +8,7 @@ import (
 	"log/slog"
 	"time"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -35,6 +36,8 @@ type workerService struct {
 	limits   publishLimits
 	// maxWorkersPerModel bounds the ranks one model registers (0: no bound).
 	maxWorkersPerModel int
+	// tracer makes the spans of applied messages (server/tracing.go); nil: tracing is off.
+	tracer trace.Tracer
 }
 
 var roleFromProto = map[kvrouterv1.WorkerRole]kvstate.Role{
@@ -174,7 +177,11 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		}
 		s.presence.Disconnected(info.Key, s.now().UnixNano(), epoch)
 	}()
+	sp := s.startSpan(ctx, SpanPublishHello, info)
 	res, err := s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
+	if sp != nil {
+		sp.end(s.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(res.Epoch)))
+	}
 	if err != nil {
 		return toStatus(err)
 	}
@@ -316,7 +323,12 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return failedPrecondition("HELLO_CHANGED", "hello: a second hello on a stream must repeat the first (worker %v model %q role %v block_size %d total_kv_blocks %d max_num_batched_tokens %d) and must not set fresh_start; open a new stream to re-register",
 				ps.info.Key, ps.info.Model, ps.info.Role, ps.info.BlockSize, ps.info.TotalKVBlocks, ps.info.MaxNumBatchedTokens)
 		}
-		if _, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch}); err != nil {
+		sp := svc.startSpan(ctx, SpanPublishHello, info)
+		res, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch})
+		if sp != nil {
+			sp.end(svc.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(ps.epoch)))
+		}
+		if err != nil {
 			return ps.appendError(err)
 		}
 		ps.info = info
@@ -329,7 +341,11 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if len(events) == 0 {
 			return invalidArgument("events.events", "must not be empty")
 		}
+		sp := svc.startSpan(ctx, SpanPublishEvents, ps.info)
 		res, err := svc.log.Append(ctx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
+		if sp != nil {
+			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
+		}
 		if err != nil {
 			return ps.appendError(err)
 		}
@@ -373,7 +389,11 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return nil
 		}
 		ps.dump = nil
+		sp := svc.startSpan(ctx, SpanPublishDump, ps.info)
 		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
+		if sp != nil {
+			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
+		}
 		if err != nil {
 			return ps.appendError(err)
 		}

@@ -85,8 +85,13 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	if err := level.UnmarshalText([]byte(cfg.LogLevel)); err != nil {
 		return err
 	}
-	logger := slog.New(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level}))
+	logger := slog.New(withTraceIDs(slog.NewJSONHandler(stderr, &slog.HandlerOptions{Level: level})))
 	cfg.LogDerived(logger)
+	tracerProvider, stopTracing, err := startTracing(ctx, cfg, os.Getenv, logger)
+	if err != nil {
+		return err
+	}
+	defer stopTracing() // last: the spans of the server's last calls are flushed
 
 	state := kvstate.NewState()
 	state.SetMaxIndexBlocks(cfg.MaxIndexBlocks)
@@ -126,6 +131,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 		MaxWorkersPerModel: cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
 		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
+		TracerProvider: tracerProvider,
 	})
 
 	lis, err := net.Listen("tcp", cfg.Listen)

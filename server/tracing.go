@@ -1,0 +1,182 @@
+package server
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	"go.opentelemetry.io/contrib/instrumentation/google.golang.org/grpc/otelgrpc"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	metricnoop "go.opentelemetry.io/otel/metric/noop"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc/stats"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// Traces (docs/operations.md, "Traces"). With Options.TracerProvider set, otelgrpc makes the server
+// span of every kvrouter.v1 call, from the W3C trace context of the call's metadata; Route sets its
+// decision on that span, and Publish makes a span per applied message. Without one nothing of this
+// runs: no stats handler, no span, no attribute is built. No attribute ever holds a token id.
+
+// TracerName is the instrumentation scope of kvrouter's own spans.
+const TracerName = "github.com/kvrouter/kvrouter/server"
+
+// Names of the spans of Publish messages.
+const (
+	SpanPublishHello  = "kvrouter.publish.hello"
+	SpanPublishEvents = "kvrouter.publish.events"
+	SpanPublishDump   = "kvrouter.publish.dump"
+)
+
+// Attribute keys of kvrouter's spans.
+const (
+	AttrModel          = attribute.Key("kvrouter.model")
+	AttrRequestID      = attribute.Key("kvrouter.request_id")
+	AttrMode           = attribute.Key("kvrouter.mode")
+	AttrReason         = attribute.Key("kvrouter.reason")
+	AttrGate           = attribute.Key("kvrouter.gate")
+	AttrPrefillWorker  = attribute.Key("kvrouter.prefill_worker")
+	AttrDecodeWorker   = attribute.Key("kvrouter.decode_worker")
+	AttrOverlapBlocks  = attribute.Key("kvrouter.overlap_blocks")
+	AttrPrefillOverlap = attribute.Key("kvrouter.prefill_overlap_blocks")
+	AttrCachedTokens   = attribute.Key("kvrouter.cached_tokens")
+	AttrPromptTokens   = attribute.Key("kvrouter.prompt_tokens")
+	AttrEffectiveISL   = attribute.Key("kvrouter.effective_isl")
+	AttrQueryOnly      = attribute.Key("kvrouter.query_only")
+	AttrBooked         = attribute.Key("kvrouter.booked")
+
+	AttrWorkerID    = attribute.Key("kvrouter.worker_id")
+	AttrDPRank      = attribute.Key("kvrouter.dp_rank")
+	AttrRole        = attribute.Key("kvrouter.role")
+	AttrEpoch       = attribute.Key("kvrouter.epoch")
+	AttrEvents      = attribute.Key("kvrouter.events")
+	AttrBlocks      = attribute.Key("kvrouter.blocks")
+	AttrApplied     = attribute.Key("kvrouter.applied")
+	AttrAppendMS    = attribute.Key("kvrouter.append_ms")
+	AttrSharedLog   = attribute.Key("kvrouter.shared_log")
+	AttrBuffered    = attribute.Key("kvrouter.buffered")
+	AttrLastEventID = attribute.Key("kvrouter.last_event_id")
+	AttrGap         = attribute.Key("kvrouter.gap")
+)
+
+// propagator reads the W3C trace context and baggage of a call's metadata.
+var propagator = propagation.NewCompositeTextMapPropagator(propagation.TraceContext{}, propagation.Baggage{})
+
+// statsHandler makes the server spans of kvrouter.v1 calls; health checks and reflection are not
+// traced (probes would fill the collector). otelgrpc's metrics go nowhere: the service's metrics are
+// Prometheus'.
+func statsHandler(tp trace.TracerProvider) stats.Handler {
+	return otelgrpc.NewServerHandler(
+		otelgrpc.WithTracerProvider(tp),
+		otelgrpc.WithPropagators(propagator),
+		otelgrpc.WithMeterProvider(metricnoop.NewMeterProvider()),
+		otelgrpc.WithFilter(func(info *stats.RPCTagInfo) bool {
+			return strings.HasPrefix(info.FullMethodName, "/kvrouter.v1.")
+		}),
+	)
+}
+
+// traceRoute sets a Route call's decision (nil when it failed) on the call's span. It builds nothing
+// unless the span records.
+func traceRoute(ctx context.Context, req *kvrouterv1.RouteRequest, dec *policy.Decision) {
+	span := trace.SpanFromContext(ctx)
+	if !span.IsRecording() {
+		return
+	}
+	span.SetAttributes(routeAttributes(req, dec)...)
+}
+
+// routeAttributes describes a Route call: the request's model, id and size, and the decision's mode,
+// reason, workers and overlap. Never the prompt's tokens.
+func routeAttributes(req *kvrouterv1.RouteRequest, dec *policy.Decision) []attribute.KeyValue {
+	attrs := make([]attribute.KeyValue, 0, 16)
+	attrs = append(attrs, AttrModel.String(req.GetModel()), AttrQueryOnly.Bool(req.GetQueryOnly()))
+	if id := req.GetRequestId(); id != "" {
+		attrs = append(attrs, AttrRequestID.String(id))
+	}
+	if dec == nil {
+		return append(attrs, AttrPromptTokens.Int(len(req.GetTokenIds())))
+	}
+	attrs = append(attrs,
+		AttrPromptTokens.Int64(int64(dec.PromptTokens)),
+		AttrMode.String(dec.Mode.String()),
+		AttrReason.String(dec.Reason.String()),
+		AttrBooked.Bool(dec.Booked),
+		AttrDecodeWorker.String(dec.Decode.Worker.Info.Key.String()),
+		AttrOverlapBlocks.Int64(int64(dec.Decode.Overlap[kvstate.TierDevice])),
+		AttrCachedTokens.Float64(dec.Decode.CachedTokens),
+	)
+	if p := dec.Prefill; p != nil {
+		attrs = append(attrs,
+			AttrPrefillWorker.String(p.Worker.Info.Key.String()),
+			AttrPrefillOverlap.Int64(int64(p.Overlap[kvstate.TierDevice])))
+	}
+	if cd := dec.CD; cd != nil {
+		attrs = append(attrs, AttrEffectiveISL.Float64(cd.EffectiveISL))
+		if cd.Gate != "" {
+			attrs = append(attrs, AttrGate.String(string(cd.Gate)))
+		}
+	}
+	return attrs
+}
+
+// publishSpan is the span of one applied Publish message. Each is the root of its own trace, linked
+// to the stream's span: a stream lives as long as its worker, and one trace of all its messages
+// would grow without end.
+type publishSpan struct {
+	span  trace.Span
+	start time.Time
+}
+
+// startSpan starts the span of a Publish message; nil when tracing is off or the span would not be
+// recorded, so that an untraced message costs a nil check.
+func (s *workerService) startSpan(ctx context.Context, name string, info kvstate.WorkerInfo) *publishSpan {
+	t := s.tracer
+	if t == nil {
+		return nil
+	}
+	_, span := t.Start(ctx, name, trace.WithNewRoot(), trace.WithLinks(trace.LinkFromContext(ctx)))
+	if !span.IsRecording() {
+		span.End()
+		return nil
+	}
+	span.SetAttributes(AttrWorkerID.Int64(int64(info.Key.ID)), AttrDPRank.Int64(int64(info.Key.Rank)), AttrModel.String(info.Model))
+	return &publishSpan{span: span, start: time.Now()}
+}
+
+// end records the append that applied the message and ends the span.
+func (s *publishSpan) end(log kvstate.Log, res kvstate.Result, err error, attrs ...attribute.KeyValue) {
+	_, shared := log.(kvstate.SharedLog)
+	attrs = append(attrs,
+		AttrAppendMS.Float64(float64(time.Since(s.start).Microseconds())/1000),
+		// The append waited for the shared store (Redis), unless the store was unreachable and the
+		// change was kept in this replica's outage buffer (its ack then waits).
+		AttrSharedLog.Bool(shared),
+		AttrBuffered.Bool(res.Buffered),
+	)
+	if res.HasLastEvent {
+		attrs = append(attrs, AttrLastEventID.Int64(int64(res.LastEventID)))
+	}
+	if res.Gap {
+		attrs = append(attrs, AttrGap.Bool(true))
+	}
+	s.span.SetAttributes(attrs...)
+	if err != nil {
+		s.span.SetStatus(otelcodes.Error, err.Error())
+	}
+	s.span.End()
+}
+
+// eventAttributes counts a batch's events and blocks (stored and removed).
+func eventAttributes(events []kvstate.Event) []attribute.KeyValue {
+	blocks := 0
+	for _, ev := range events {
+		blocks += len(ev.Blocks) + len(ev.Removed)
+	}
+	return []attribute.KeyValue{AttrEvents.Int(len(events)), AttrBlocks.Int(blocks)}
+}
