@@ -43,6 +43,9 @@ func NewDecoder() *Decoder {
 func (d *Decoder) Decode(payload []byte, b *Batch) error {
 	b.TS, b.DPRank, b.HasDPRank = 0, 0, false
 	b.Events, b.Skipped = b.Events[:0], b.Skipped[:0]
+	if err := checkFraming(payload); err != nil {
+		return errorf(Malformed, "%v", err)
+	}
 	d.payload = payload
 	defer func() { d.payload = nil }()
 	d.batchBuf.Reset(payload)
