@@ -2,19 +2,32 @@ package server
 
 import (
 	"context"
+	"io"
+	"log/slog"
+	"net"
+	"sync/atomic"
+	"syscall"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/exporters/otlp/otlptrace/otlptracegrpc"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"go.opentelemetry.io/otel/trace"
+	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/test/bufconn"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // tracedEnv is a test server whose spans land in memory, as they end.
@@ -254,4 +267,156 @@ func TestUntracedAllocatesNothing(t *testing.T) {
 	if sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
 		t.Errorf("startSpan() of an unsampled span = %v, want nil (nothing to record)", sp)
 	}
+}
+
+// routeBench is an in-process server over bufconn holding 16 aggregated workers, worker w caching
+// the first 8(w+1) blocks of a 2,048-token prompt (block size 16), and a client for it.
+func routeBench(b *testing.B, mutate func(*Options)) (kvrouterv1.RouterServiceClient, []uint32) {
+	b.Helper()
+	state := kvstate.NewState()
+	log := kvstate.NewMemLog(state)
+	ctx := context.Background()
+	const blockSize, blocks = 16, 128
+	prompt := make([]uint32, blockSize*blocks)
+	for i := range prompt {
+		prompt[i] = uint32(i*7 + 3)
+	}
+	salt := blockhash.Salt("", "")
+	seq := blockhash.Sequence(nil, blockhash.Locals(nil, prompt, blockSize, salt))
+	for w := range 16 {
+		key := kvstate.WorkerKey{ID: uint64(w + 1)}
+		if _, err := log.Append(ctx, kvstate.WorkerUp{Info: kvstate.WorkerInfo{Key: key, Model: "bench", Role: kvstate.RoleAggregated,
+			BlockSize: blockSize, TotalKVBlocks: 1 << 16, KVEventsEnabled: true}}); err != nil {
+			b.Fatalf("WorkerUp: %v", err)
+		}
+		ev := kvstate.Event{Kind: kvstate.EventStored, Tier: kvstate.TierDevice}
+		for i := range 8 * (w + 1) {
+			ev.Blocks = append(ev.Blocks, kvstate.Block{Hash: seq[i], Local: blockhash.Local(prompt[i*blockSize:(i+1)*blockSize], salt)})
+		}
+		if _, err := log.Append(ctx, kvstate.KVEvents{Worker: key, Events: []kvstate.Event{ev}}); err != nil {
+			b.Fatalf("KVEvents: %v", err)
+		}
+	}
+	opts := Options{
+		State: state, Log: log, Registry: prometheus.NewRegistry(),
+		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)), MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
+	}
+	if mutate != nil {
+		mutate(&opts)
+	}
+	srv := New(opts)
+	lis := bufconn.Listen(1 << 20)
+	go srv.Serve(lis)
+	conn, err := grpc.NewClient("passthrough:///bufnet",
+		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		b.Fatalf("grpc.NewClient() = %v", err)
+	}
+	b.Cleanup(func() {
+		conn.Close()
+		srv.Stop()
+	})
+	return kvrouterv1.NewRouterServiceClient(conn), prompt
+}
+
+// otlpReceiver is an OTLP/gRPC trace receiver on loopback that counts and drops what it gets.
+type otlpReceiver struct {
+	coltracepb.UnimplementedTraceServiceServer
+	spans atomic.Int64
+}
+
+func (r *otlpReceiver) Export(_ context.Context, req *coltracepb.ExportTraceServiceRequest) (*coltracepb.ExportTraceServiceResponse, error) {
+	for _, rs := range req.GetResourceSpans() {
+		for _, ss := range rs.GetScopeSpans() {
+			r.spans.Add(int64(len(ss.GetSpans())))
+		}
+	}
+	return &coltracepb.ExportTraceServiceResponse{}, nil
+}
+
+// otlpProvider is the provider kvrouter serve builds with tracing on (sampler given), exporting
+// over OTLP/gRPC to a receiver on loopback in this process.
+func otlpProvider(b *testing.B, sampler sdktrace.Sampler) (*sdktrace.TracerProvider, *otlpReceiver) {
+	b.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		b.Fatalf("net.Listen() = %v", err)
+	}
+	recv := &otlpReceiver{}
+	gs := grpc.NewServer()
+	coltracepb.RegisterTraceServiceServer(gs, recv)
+	go gs.Serve(lis)
+	exp, err := otlptracegrpc.New(context.Background(), otlptracegrpc.WithEndpoint(lis.Addr().String()), otlptracegrpc.WithInsecure())
+	if err != nil {
+		b.Fatalf("otlptracegrpc.New() = %v", err)
+	}
+	tp := sdktrace.NewTracerProvider(sdktrace.WithBatcher(exp), sdktrace.WithSampler(sampler))
+	b.Cleanup(func() {
+		_ = tp.Shutdown(context.Background())
+		gs.Stop()
+	})
+	return tp, recv
+}
+
+// BenchmarkRouteTracing measures a query-only Route of 2,048 tokens over gRPC (client and server in
+// this process, 16 workers), from as many callers as GOMAXPROCS: off (no tracer provider, as
+// without OTEL_EXPORTER_OTLP_ENDPOINT), on (every call's span recorded and exported over OTLP/gRPC
+// to a receiver on loopback, as with the endpoint set and the default sampler), and unsampled (the
+// provider installed, no span sampled: the stats handler's own cost).
+func BenchmarkRouteTracing(b *testing.B) {
+	for _, v := range []string{"off", "on", "unsampled"} {
+		b.Run(v, func(b *testing.B) {
+			var mutate func(*Options)
+			var recv *otlpReceiver
+			var tp *sdktrace.TracerProvider
+			switch v {
+			case "on":
+				tp, recv = otlpProvider(b, sdktrace.ParentBased(sdktrace.AlwaysSample()))
+				mutate = func(o *Options) { o.TracerProvider = tp }
+			case "unsampled":
+				tp, _ := otlpProvider(b, sdktrace.ParentBased(sdktrace.NeverSample()))
+				mutate = func(o *Options) { o.TracerProvider = tp }
+			}
+			client, prompt := routeBench(b, mutate)
+			ctx := context.Background()
+			var n atomic.Int64
+			b.ReportAllocs()
+			b.ResetTimer()
+			cpu := processCPU()
+			b.RunParallel(func(pb *testing.PB) {
+				req := &kvrouterv1.RouteRequest{Model: "bench", TokenIds: prompt, QueryOnly: true}
+				for pb.Next() {
+					resp, err := client.Route(ctx, req)
+					if err != nil {
+						b.Errorf("Route() = %v", err)
+						return
+					}
+					if resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice() != 128 {
+						b.Errorf("Route() overlap %v, want 128 blocks", resp.GetDiagnostics().GetDecode().GetOverlapBlocks())
+						return
+					}
+					n.Add(1)
+				}
+			})
+			b.StopTimer()
+			if recv != nil {
+				// The batch processor drops spans when its queue is full: report what arrived.
+				_ = tp.ForceFlush(ctx)
+				b.ReportMetric(float64(recv.spans.Load())/float64(n.Load()), "exported/op")
+			}
+			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
+		})
+	}
+}
+
+// processCPU is the CPU time this process has used (user and system, every goroutine), in ns: on
+// shared cores, a benchmark's CPU per call varies less than its wall time.
+func processCPU() int64 {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		return 0
+	}
+	return ru.Utime.Nano() + ru.Stime.Nano()
 }
