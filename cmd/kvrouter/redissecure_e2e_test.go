@@ -111,28 +111,7 @@ func startSecureKvrouter(t *testing.T, bin string, env []string, args ...string)
 	t.Helper()
 	cmd, addr, logs := kvrouterCommand(t, bin, env, args...)
 	exited := runUntilCleanup(t, cmd, logs, nil)
-	health := healthpb.NewHealthClient(dial(t, addr))
-	var last string
-	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
-		select {
-		case err := <-exited:
-			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
-		default:
-		}
-		last = ""
-		for _, svc := range []string{"", server.SharedStateService} {
-			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-			resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
-			cancel()
-			if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
-				last = fmt.Sprintf("health %q = %v, %v", svc, resp.GetStatus(), err)
-				return false
-			}
-		}
-		return true
-	}) {
-		t.Fatalf("kvrouter not SERVING after %v: %s\n%s", defaultTestTimeout, last, logs)
-	}
+	waitServing(t, healthpb.NewHealthClient(dial(t, addr)), exited, logs, "", server.SharedStateService)
 	return addr, logs
 }
 

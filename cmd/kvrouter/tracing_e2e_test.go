@@ -122,20 +122,7 @@ func startTraced(t *testing.T, env []string, args ...string) *serverProcess {
 	cmd, addr, logs := kvrouterCommand(t, buildBinary(t), env, args...)
 	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
 	exited := runUntilCleanup(t, cmd, logs, nil)
-	health := healthpb.NewHealthClient(dial(t, addr))
-	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
-		select {
-		case err := <-exited:
-			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
-		default:
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{})
-		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
-	}) {
-		t.Fatalf("kvrouter not SERVING after %v\n%s", defaultTestTimeout, logs)
-	}
+	waitServing(t, healthpb.NewHealthClient(dial(t, addr)), exited, logs, "")
 	return p
 }
 

@@ -174,21 +174,34 @@ func startProcessWith(t *testing.T, bin string, dial []grpc.DialOption, extra ..
 		t.Fatalf("grpc.NewClient() = %v", err)
 	}
 	defer conn.Close()
+	waitServing(t, healthpb.NewHealthClient(conn), exited, logs, "")
+	return p
+}
+
+// waitServing polls health until every one of services ("" is the whole server) is SERVING; the
+// test fails if the process exits first (exited) or defaultTestTimeout passes, with its logs.
+func waitServing(t *testing.T, health healthpb.HealthClient, exited <-chan error, logs fmt.Stringer, services ...string) {
+	t.Helper()
+	var last string
 	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
 		select {
 		case err := <-exited:
 			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
 		default:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), time.Second)
-		defer cancel()
-		var resp *healthpb.HealthCheckResponse
-		resp, err = healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{})
-		return err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING
+		for _, svc := range services {
+			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+			resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{Service: svc})
+			cancel()
+			if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+				last = fmt.Sprintf("health %q = %v, %v", svc, resp.GetStatus(), err)
+				return false
+			}
+		}
+		return true
 	}) {
-		t.Fatalf("kvrouter not SERVING after %v: %v\n%s", defaultTestTimeout, err, logs)
+		t.Fatalf("kvrouter not SERVING after %v: %s\n%s", defaultTestTimeout, last, logs)
 	}
-	return p
 }
 
 // walkthroughBlocks returns the sh code blocks between the README's walkthrough markers.
