@@ -224,7 +224,7 @@ func (a *Authenticator) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 		if c == nil {
 			return handler(ctx, req)
 		}
-		if info.FullMethod == a.opts.RouteMethod {
+		if info.FullMethod == a.opts.RouteMethod && c.use.route.limited.Load() {
 			if wait, ok := c.use.route.take(1, a.opts.Now(), 0); !ok {
 				a.limited.WithLabelValues(c.Name, "route").Inc()
 				return nil, exhausted(wait, "credential %q is over its Route rate limit (%g calls/s); retry in %v", c.Name, c.use.route.rate, wait.Round(time.Millisecond))

@@ -13,12 +13,17 @@ import (
 )
 
 // BenchmarkUnaryCheck is the interceptor's cost on a Route call with a bearer token: the token's
-// SHA-256, the lookup, the role check and the credential's rate bucket.
+// SHA-256, the lookup, the role check and, for a credential with a Route rate limit, its bucket.
 func BenchmarkUnaryCheck(b *testing.B) {
+	b.Run("unlimited", func(b *testing.B) { benchmarkUnaryCheck(b, "") })
+	b.Run("rate-limited", func(b *testing.B) { benchmarkUnaryCheck(b, "    route_rate_limit: 1e12\n") })
+}
+
+func benchmarkUnaryCheck(b *testing.B, limit string) {
 	token := "kvr_0123456789abcdef0123456789abcdef0123456789abcdef"
 	sum := sha256.Sum256([]byte(token))
 	path := filepath.Join(b.TempDir(), "credentials.yaml")
-	file := "credentials:\n  - name: fe\n    roles: [frontend]\n    route_rate_limit: 1e12\n    token_sha256: " + hex.EncodeToString(sum[:]) + "\n"
+	file := "credentials:\n  - name: fe\n    roles: [frontend]\n" + limit + "    token_sha256: " + hex.EncodeToString(sum[:]) + "\n"
 	if err := os.WriteFile(path, []byte(file), 0o600); err != nil {
 		b.Fatal(err)
 	}

@@ -3,17 +3,21 @@ package auth
 import (
 	"math"
 	"sync"
+	"sync/atomic"
 	"time"
 )
 
 // bucket is a token bucket: rate tokens a second, up to burst. A taker may go into debt by up to
 // maxWait's worth and then waits that long, which is how a stream is slowed rather than refused.
 type bucket struct {
-	mu     sync.Mutex
-	rate   float64 // tokens a second; 0 means no limit
-	burst  float64
-	tokens float64
-	last   time.Time
+	// limited is rate > 0, read without the lock: a credential without a limit (the default) takes
+	// no lock on its calls.
+	limited atomic.Bool
+	mu      sync.Mutex
+	rate    float64 // tokens a second; 0 means no limit
+	burst   float64
+	tokens  float64
+	last    time.Time
 }
 
 func newBucket(rate, burst float64, now time.Time) *bucket {
@@ -30,6 +34,7 @@ func (b *bucket) set(rate, burst float64, now time.Time) {
 	b.refill(now)
 	b.rate, b.burst = rate, max(burst, 1)
 	b.tokens = min(b.tokens, b.burst)
+	b.limited.Store(rate > 0)
 }
 
 func (b *bucket) refill(now time.Time) {
@@ -43,6 +48,9 @@ func (b *bucket) refill(now time.Time) {
 // Otherwise it takes nothing and says how long until a take of n would succeed (retry). A bucket
 // of rate 0 never limits.
 func (b *bucket) take(n float64, now time.Time, maxWait time.Duration) (wait time.Duration, ok bool) {
+	if !b.limited.Load() {
+		return 0, true
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.rate == 0 {
