@@ -184,6 +184,16 @@ var (
 		[]string{"model"}, nil)
 	queueDepthDesc = prometheus.NewDesc("kvrouter_route_queue_depth",
 		"Route requests waiting because every eligible worker is over router_queue_threshold.", nil, nil)
+	// Per worker rank (worker is "id/rank"): one series each, so the dashboard can show which
+	// workers carry the load and the cache. Bounded by max_workers_per_model.
+	workerActiveBlocksDesc = prometheus.NewDesc("kvrouter_worker_active_blocks",
+		"KV blocks the router's bookings hold on a worker rank (active requests' prompt blocks).", []string{"model", "worker"}, nil)
+	workerPrefillTokensDesc = prometheus.NewDesc("kvrouter_worker_active_prefill_tokens",
+		"Prompt tokens booked on a worker rank that are not yet prefilled.", []string{"model", "worker"}, nil)
+	workerActiveRequestsDesc = prometheus.NewDesc("kvrouter_worker_active_requests",
+		"Requests booked on a worker rank and not yet freed.", []string{"model", "worker"}, nil)
+	workerCachedBlocksDesc = prometheus.NewDesc("kvrouter_worker_cached_blocks",
+		"KV blocks a worker rank holds, per storage tier, as its events told the router.", []string{"model", "worker", "tier"}, nil)
 	indexRefusedDesc = prometheus.NewDesc("kvrouter_index_blocks_refused_total",
 		"Stored blocks not indexed because all models' indexes together held max_index_blocks: alert on any increase, and raise the cap.", nil, nil)
 )
@@ -196,6 +206,10 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- silentDecodeDesc
 	ch <- queueDepthDesc
 	ch <- indexRefusedDesc
+	ch <- workerActiveBlocksDesc
+	ch <- workerPrefillTokensDesc
+	ch <- workerActiveRequestsDesc
+	ch <- workerCachedBlocksDesc
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
@@ -206,8 +220,17 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		counts := map[key]int{}
 		silent := 0
+		load := c.state.Load()
 		for _, w := range m.Workers() {
 			counts[key{w.Info.Role.String(), c.presence.IsConnected(w.Info.Key)}]++
+			name := w.Info.Key.String()
+			l := load.Slot(w.Slot)
+			ch <- prometheus.MustNewConstMetric(workerActiveBlocksDesc, prometheus.GaugeValue, float64(l.ActiveBlocks), m.Name, name)
+			ch <- prometheus.MustNewConstMetric(workerPrefillTokensDesc, prometheus.GaugeValue, float64(l.ActivePrefillTokens), m.Name, name)
+			ch <- prometheus.MustNewConstMetric(workerActiveRequestsDesc, prometheus.GaugeValue, float64(l.ActiveRequests), m.Name, name)
+			for tier, n := range m.Index.BlockCounts(w.Slot) {
+				ch <- prometheus.MustNewConstMetric(workerCachedBlocksDesc, prometheus.GaugeValue, float64(n), m.Name, name, kvstate.Tier(tier).String())
+			}
 			if w.Info.Role == kvstate.RoleDecode && !w.Info.KVEventsEnabled {
 				silent++
 			}
