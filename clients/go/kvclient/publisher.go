@@ -213,11 +213,11 @@ func (p *Publisher) Close(ctx context.Context) error {
 	err := p.flushLocked(ctx)
 	p.mu.Unlock()
 	if err == nil {
-		// Everything is acked: the stream half-closes by itself, and the run loop ends.
+		// Everything is acked: the stream half-closes by itself, and the run loop ends. If ctx ends
+		// first, the stream is cut instead, which loses nothing.
 		select {
 		case <-p.done:
 		case <-ctx.Done():
-			err = ctx.Err()
 		}
 	}
 	p.cancel()

@@ -134,6 +134,26 @@ func TestPublishAndClose(t *testing.T) {
 	}
 }
 
+// TestCloseWithNothingToFlush: a Close whose context has already ended (a drain of 0 s) returns
+// nil when the router acked everything: cutting the stream loses nothing.
+func TestCloseWithNothingToFlush(t *testing.T) {
+	s := startServer(t, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(8), Conns: []grpc.ClientConnInterface{s.conn}})
+	if err := p.Publish(ctx, storedEvent(0)); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	ended, stop := context.WithCancel(context.Background())
+	stop()
+	if err := p.Close(ended); err != nil {
+		t.Errorf("Close(an ended context) with everything acked = %v, want nil", err)
+	}
+}
+
 // TestResumeOnAnotherReplica stops the replica a publisher streams to in the middle of its events;
 // the publisher goes on through the other replica, and every event is applied exactly once.
 func TestResumeOnAnotherReplica(t *testing.T) {
