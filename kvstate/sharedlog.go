@@ -1,6 +1,9 @@
 package kvstate
 
-import "time"
+import (
+	"context"
+	"time"
+)
 
 // SharedLog is a Log that several replicas share through a store (kvstate/redislog is the Redis
 // one). Beyond appending, the edge needs from it a readiness, a health, a report of where this
@@ -67,4 +70,13 @@ type Observers struct {
 	Append func(took time.Duration)
 	// Apply is called for each applied entry with the time since it was appended.
 	Apply func(lag time.Duration)
+	// TraceParent returns the W3C traceparent of the traced call that ctx belongs to, or "" when
+	// the call is not traced. The log carries it in the entry it appends, so that each replica's
+	// apply of the entry can be linked to the call that appended it; kvstate itself knows nothing
+	// of tracing.
+	TraceParent func(ctx context.Context) string
+	// ApplyTraced is called as an entry carrying a traceparent starts to apply (on every replica,
+	// the appender's included), with the store's id of the entry; it returns the function to call
+	// once the entry is applied.
+	ApplyTraced func(traceParent, entryID string) (applied func())
 }

@@ -19,6 +19,9 @@ type metrics struct {
 	events         *prometheus.CounterVec
 	resyncs        prometheus.Counter
 	superseded     prometheus.Counter
+	// logObservers time a shared log's appends and applies; the server installs them (with its
+	// tracing hooks, when tracing is on). Zero without a shared log.
+	logObservers kvstate.Observers
 }
 
 func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvstate.Presence, log kvstate.Log, queue queueDepther) *metrics {
@@ -68,10 +71,10 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvsta
 			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 16),
 		})
 		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{sl})
-		sl.Observe(kvstate.Observers{
+		m.logObservers = kvstate.Observers{
 			Append: func(d time.Duration) { appendLatency.Observe(d.Seconds()) },
 			Apply:  func(d time.Duration) { applyLag.Observe(max(0, d.Seconds())) },
-		})
+		}
 	}
 	return m
 }

@@ -191,6 +191,13 @@ func New(o Options) *Server {
 		o.Presence = kvstate.NewPresence()
 	}
 	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Dispatcher)
+	if sl, ok := o.Log.(kvstate.SharedLog); ok {
+		obs := m.logObservers
+		if tracer != nil {
+			traceLog(tracer, &obs)
+		}
+		sl.Observe(obs)
+	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
 		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer})

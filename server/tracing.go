@@ -31,6 +31,9 @@ const (
 	SpanPublishHello  = "kvrouter.publish.hello"
 	SpanPublishEvents = "kvrouter.publish.events"
 	SpanPublishDump   = "kvrouter.publish.dump"
+	// SpanLogApply is a replica's apply of a shared-log entry appended by a traced call, linked to
+	// that call's span: one per replica that applies it.
+	SpanLogApply = "kvrouter.log.apply"
 )
 
 // Attribute keys of kvrouter's spans.
@@ -62,6 +65,7 @@ const (
 	AttrBuffered    = attribute.Key("kvrouter.buffered")
 	AttrLastEventID = attribute.Key("kvrouter.last_event_id")
 	AttrGap         = attribute.Key("kvrouter.gap")
+	AttrLogEntry    = attribute.Key("kvrouter.log_entry")
 )
 
 // propagator reads the W3C trace context and baggage of a call's metadata.
@@ -133,20 +137,46 @@ type publishSpan struct {
 	start time.Time
 }
 
-// startSpan starts the span of a Publish message; nil when tracing is off or the span would not be
-// recorded, so that an untraced message costs a nil check.
-func (s *workerService) startSpan(ctx context.Context, name string, info kvstate.WorkerInfo) *publishSpan {
+// startSpan starts the span of a Publish message, and returns it with ctx carrying it (for the
+// append, which a shared log links its replicas' applies to); the span is nil, and ctx unchanged,
+// when tracing is off or the span would not be recorded, so that an untraced message costs a nil
+// check.
+func (s *workerService) startSpan(ctx context.Context, name string, info kvstate.WorkerInfo) (context.Context, *publishSpan) {
 	t := s.tracer
 	if t == nil {
-		return nil
+		return ctx, nil
 	}
-	_, span := t.Start(ctx, name, trace.WithNewRoot(), trace.WithLinks(trace.LinkFromContext(ctx)))
+	spanCtx, span := t.Start(ctx, name, trace.WithNewRoot(), trace.WithLinks(trace.LinkFromContext(ctx)))
 	if !span.IsRecording() {
 		span.End()
-		return nil
+		return ctx, nil
 	}
 	span.SetAttributes(AttrWorkerID.Int64(int64(info.Key.ID)), AttrDPRank.Int64(int64(info.Key.Rank)), AttrModel.String(info.Model))
-	return &publishSpan{span: span, start: time.Now()}
+	return spanCtx, &publishSpan{span: span, start: time.Now()}
+}
+
+// traceLog adds to a shared log's observers the hooks that link each replica's apply of an entry
+// to the traced call that appended it: the entry carries the call's W3C traceparent (only a
+// sampled call's: an untraced append costs a nil check and a context lookup), and every replica
+// that applies it makes a SpanLogApply span, the root of its own trace, linked to the call's span.
+func traceLog(tracer trace.Tracer, obs *kvstate.Observers) {
+	traceContext := propagation.TraceContext{}
+	obs.TraceParent = func(ctx context.Context) string {
+		if !trace.SpanContextFromContext(ctx).IsSampled() {
+			return ""
+		}
+		carrier := propagation.MapCarrier{}
+		traceContext.Inject(ctx, carrier)
+		return carrier.Get("traceparent")
+	}
+	obs.ApplyTraced = func(traceParent, entryID string) func() {
+		appender := traceContext.Extract(context.Background(), propagation.MapCarrier{"traceparent": traceParent})
+		_, span := tracer.Start(context.Background(), SpanLogApply,
+			trace.WithNewRoot(),
+			trace.WithLinks(trace.LinkFromContext(appender)),
+			trace.WithAttributes(AttrLogEntry.String(entryID)))
+		return func() { span.End() }
+	}
 }
 
 // end records the append that applied the message and ends the span.

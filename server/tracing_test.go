@@ -257,14 +257,14 @@ func TestUntracedAllocatesNothing(t *testing.T) {
 	}
 	svc := &workerService{}
 	if n := testing.AllocsPerRun(100, func() {
-		if sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
+		if _, sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
 			t.Fatalf("startSpan() without a tracer = %v, want nil", sp)
 		}
 	}); n != 0 {
 		t.Errorf("startSpan() without a tracer allocates %v times, want 0", n)
 	}
 	svc.tracer = never.Tracer("t")
-	if sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
+	if _, sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
 		t.Errorf("startSpan() of an unsampled span = %v, want nil (nothing to record)", sp)
 	}
 }

@@ -177,8 +177,8 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		}
 		s.presence.Disconnected(info.Key, s.now().UnixNano(), epoch)
 	}()
-	sp := s.startSpan(ctx, SpanPublishHello, info)
-	res, err := s.log.Append(ctx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
+	spanCtx, sp := s.startSpan(ctx, SpanPublishHello, info)
+	res, err := s.log.Append(spanCtx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
 	if sp != nil {
 		sp.end(s.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(res.Epoch)))
 	}
@@ -323,8 +323,8 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return failedPrecondition("HELLO_CHANGED", "hello: a second hello on a stream must repeat the first (worker %v model %q role %v block_size %d total_kv_blocks %d max_num_batched_tokens %d) and must not set fresh_start; open a new stream to re-register",
 				ps.info.Key, ps.info.Model, ps.info.Role, ps.info.BlockSize, ps.info.TotalKVBlocks, ps.info.MaxNumBatchedTokens)
 		}
-		sp := svc.startSpan(ctx, SpanPublishHello, info)
-		res, err := svc.log.Append(ctx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch})
+		spanCtx, sp := svc.startSpan(ctx, SpanPublishHello, info)
+		res, err := svc.log.Append(spanCtx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch})
 		if sp != nil {
 			sp.end(svc.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(ps.epoch)))
 		}
@@ -341,8 +341,8 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if len(events) == 0 {
 			return invalidArgument("events.events", "must not be empty")
 		}
-		sp := svc.startSpan(ctx, SpanPublishEvents, ps.info)
-		res, err := svc.log.Append(ctx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
+		spanCtx, sp := svc.startSpan(ctx, SpanPublishEvents, ps.info)
+		res, err := svc.log.Append(spanCtx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
 		if sp != nil {
 			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
 		}
@@ -389,8 +389,8 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return nil
 		}
 		ps.dump = nil
-		sp := svc.startSpan(ctx, SpanPublishDump, ps.info)
-		res, err := svc.log.Append(ctx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
+		spanCtx, sp := svc.startSpan(ctx, SpanPublishDump, ps.info)
+		res, err := svc.log.Append(spanCtx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
 		if sp != nil {
 			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
 		}

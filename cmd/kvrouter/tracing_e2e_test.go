@@ -22,6 +22,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
 // otlpStub is an OTLP/gRPC trace receiver on loopback: it keeps every span exported to it.
@@ -359,5 +360,50 @@ func TestTracingOff(t *testing.T) {
 				t.Errorf("receiver got %d spans with tracing off, want 0", n)
 			}
 		})
+	}
+}
+
+// TestTracesLinkLogApplies: in Redis mode, every replica's apply of a traced Publish batch is a
+// kvrouter.log.apply span linked to the batch's span on the replica that appended it (the Redis
+// entry carries the batch's traceparent).
+func TestTracesLinkLogApplies(t *testing.T) {
+	stub, err := startOTLPStub(t, "127.0.0.1:0")
+	if err != nil {
+		t.Fatalf("OTLP stub: %v", err)
+	}
+	redis := redistest.Start(t)
+	appender := startTraced(t, tracingEnv(stub), "--redis-addr", redis.Addr, "--replica-id", "appender")
+	startTraced(t, tracingEnv(stub), "--redis-addr", redis.Addr, "--replica-id", "follower")
+	publishAndRouteTraced(t, appender.addr)
+
+	batch := stub.waitSpan(t, "kvrouter.publish.events")
+	if got := attrMap(batch.GetAttributes(), "kvrouter.")["kvrouter.shared_log"]; got != true {
+		t.Errorf("publish span kvrouter.shared_log = %v, want true", got)
+	}
+	// linkedApplies returns the replicas whose apply spans link to the batch's span.
+	linkedApplies := func() map[string]int {
+		out := map[string]int{}
+		for _, sp := range stub.spans() {
+			if sp.GetName() != "kvrouter.log.apply" {
+				continue
+			}
+			for _, l := range sp.GetLinks() {
+				if string(l.GetTraceId()) == string(batch.GetTraceId()) && string(l.GetSpanId()) == string(batch.GetSpanId()) {
+					out[fmt.Sprint(attrMap(sp.resource, "service.")["service.instance.id"])]++
+					if id, _ := attrMap(sp.GetAttributes(), "kvrouter.")["kvrouter.log_entry"].(string); !strings.Contains(id, "-") {
+						t.Errorf("apply span kvrouter.log_entry = %q, want a stream id", id)
+					}
+				}
+			}
+		}
+		return out
+	}
+	want := map[string]int{"appender": 1, "follower": 1}
+	var got map[string]int
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
+		got = linkedApplies()
+		return cmp.Equal(want, got)
+	}) {
+		t.Errorf("apply spans linked to the publish batch, by replica: %v, want %v", got, want)
 	}
 }

@@ -60,9 +60,10 @@ func (o Options) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
 // errFenced: an append was refused because the log's generation is not this replica's.
 var errFenced = errors.New("the shared log's generation changed")
 
-// fencedAdd appends one entry (ARGV[2], appender ARGV[3], sequence ARGV[4]) to the stream KEYS[2]
-// if the generation KEYS[1] is ARGV[1], tagging it with the generation and with its number, counted
-// in KEYS[3]. The counter and the stream change together, so a Redis that comes back from an AOF
+// fencedAdd appends one entry (ARGV[2], appender ARGV[3], sequence ARGV[4], and the traceparent
+// ARGV[5] of the call that appends it, when that call is traced) to the stream KEYS[2] if the
+// generation KEYS[1] is ARGV[1], tagging it with the generation and with its number, counted in
+// KEYS[3]. The counter and the stream change together, so a Redis that comes back from an AOF
 // missing its last writes has both rolled back alike: a replica that applied entry N and finds the
 // counter below N knows the log lost entries it holds.
 var fencedAdd = redis.NewScript(`
@@ -71,6 +72,9 @@ if g ~= ARGV[1] then
   return redis.error_reply('KVRFENCED ' .. (g or 'none'))
 end
 local n = redis.call('INCR', KEYS[3])
+if ARGV[5] then
+  return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n, 't', ARGV[5])
+end
 return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n)
 `)
 
@@ -401,7 +405,11 @@ func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 				if !l.fateOf(e.gen) {
 					continue
 				}
-				cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10))
+				if e.traceParent != "" {
+					cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10), e.traceParent)
+				} else {
+					cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10))
+				}
 			}
 			return nil
 		})

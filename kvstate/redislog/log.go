@@ -203,6 +203,9 @@ type outgoing struct {
 	seq  uint64
 	data []byte
 	gen  string // the generation it was applied locally in
+	// traceParent is the W3C traceparent of the traced call that appends it ("" when untraced):
+	// replicas link their apply of the entry to that call (Observers.ApplyTraced).
+	traceParent string
 }
 
 const (
@@ -213,6 +216,9 @@ const (
 	// (generation.go).
 	fieldGeneration = "g"
 	fieldNumber     = "n"
+	// fieldTraceParent is the traceparent of the traced call that appended the entry (absent when
+	// it was not traced).
+	fieldTraceParent = "t"
 )
 
 // New returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
@@ -324,8 +330,13 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 	l.mu.Lock()
 	l.waiters[seq] = done
 	l.mu.Unlock()
+	entry := outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}
+	o := l.observers.Load()
+	if o != nil && o.TraceParent != nil {
+		entry.traceParent = o.TraceParent(ctx)
+	}
 	start := time.Now()
-	if err := l.addEntries(ctx, []outgoing{{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}})[0]; err != nil {
+	if err := l.addEntries(ctx, []outgoing{entry})[0]; err != nil {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
@@ -339,7 +350,7 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 		return l.appendBuffered(c)
 	}
 	l.setDegraded(nil)
-	if o := l.observers.Load(); o != nil && o.Append != nil {
+	if o != nil && o.Append != nil {
 		o.Append(time.Since(start))
 	}
 	select {

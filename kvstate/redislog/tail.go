@@ -321,6 +321,11 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 			return true // applied when it was appended
 		}
 	}
+	if tp, ok := msg.Values[fieldTraceParent].(string); ok && tp != "" {
+		if o := l.observers.Load(); o != nil && o.ApplyTraced != nil {
+			defer o.ApplyTraced(tp, msg.ID)()
+		}
+	}
 	changes, err := kvstate.DecodeEntry([]byte(data))
 	var out appliedEntry
 	if err != nil {
