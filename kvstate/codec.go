@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"slices"
 )
 
 // EntryVersion is the version of the log entry encoding. A replica refuses entries of a newer
@@ -46,6 +47,34 @@ func EncodeEntry(dst []byte, changes ...Change) []byte {
 		dst = encodeChange(dst, c)
 	}
 	return dst
+}
+
+// JoinEntries appends to dst one entry holding the changes of entries, in order: what EncodeEntry
+// of all their changes would give, without decoding them. Every entry must be of this release's
+// version (EncodeEntry's); an entry that is not is an ErrCorruptEntry error, and dst is returned
+// as it was. A log joins the changes of many appenders into one store entry this way, so that the
+// store's cost (a command, an entry to read back on every replica) is paid once.
+func JoinEntries(dst []byte, entries ...[]byte) ([]byte, error) {
+	total, size := uint64(0), 0
+	for i, e := range entries {
+		if len(e) == 0 || e[0] != EntryVersion {
+			return dst, fmt.Errorf("%w: joining entry %d: not a version %d entry", ErrCorruptEntry, i, EntryVersion)
+		}
+		n, k := binary.Uvarint(e[1:])
+		if k <= 0 {
+			return dst, fmt.Errorf("%w: joining entry %d: bad change count", ErrCorruptEntry, i)
+		}
+		total += n
+		size += len(e) - 1 - k
+	}
+	dst = slices.Grow(dst, 1+binary.MaxVarintLen64+size)
+	dst = append(dst, EntryVersion)
+	dst = binary.AppendUvarint(dst, total)
+	for _, e := range entries {
+		_, k := binary.Uvarint(e[1:])
+		dst = append(dst, e[1+k:]...)
+	}
+	return dst, nil
 }
 
 func encodeChange(b []byte, c Change) []byte {

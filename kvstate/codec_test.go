@@ -54,6 +54,45 @@ func TestEntryRoundTrip(t *testing.T) {
 	}
 }
 
+// TestJoinEntries: joined entries decode to the changes of every entry, in order, as one entry
+// holding them all; an entry of another version is refused and dst left as it was.
+func TestJoinEntries(t *testing.T) {
+	all := everyChange()
+	var parts [][]byte
+	for i := 0; i < len(all); i += 3 { // entries of one to three changes
+		parts = append(parts, EncodeEntry(nil, all[i:min(i+3, len(all))]...))
+	}
+	joined, err := JoinEntries([]byte("prefix"), parts...)
+	if err != nil {
+		t.Fatalf("JoinEntries() = %v", err)
+	}
+	if string(joined[:6]) != "prefix" {
+		t.Fatalf("JoinEntries() dropped dst: %q", joined[:6])
+	}
+	if diff := cmp.Diff(EncodeEntry(nil, all...), joined[6:]); diff != "" {
+		t.Errorf("JoinEntries() differs from EncodeEntry of all changes (-want +got):\n%s", diff)
+	}
+	got, err := DecodeEntry(joined[6:])
+	if err != nil || !cmp.Equal(all, got) {
+		t.Errorf("DecodeEntry(joined) = %v, %v", err, cmp.Diff(all, got))
+	}
+	// More than 127 changes: the count takes two bytes.
+	many := make([][]byte, 200)
+	for i := range many {
+		many[i] = EncodeEntry(nil, Freed{RequestID: fmt.Sprint(i)})
+	}
+	joined, err = JoinEntries(nil, many...)
+	if got, derr := DecodeEntry(joined); err != nil || derr != nil || len(got) != 200 || got[199] != (Freed{RequestID: "199"}) {
+		t.Errorf("joining 200 entries: %v, %v, %d changes", err, derr, len(got))
+	}
+	for name, bad := range map[string][]byte{"empty": {}, "version 1": {1, 1, kindFreed}, "newer": {EntryVersion + 1, 0}, "no count": {EntryVersion}} {
+		out, err := JoinEntries([]byte("x"), parts[0], bad)
+		if !errors.Is(err, ErrCorruptEntry) || string(out) != "x" {
+			t.Errorf("JoinEntries(%s) = %q, %v; want dst unchanged and ErrCorruptEntry", name, out, err)
+		}
+	}
+}
+
 // v1Entry is everyChange (as it was before epochs) encoded by the release that wrote version 1.
 const v1Entry = "010a0180808080802003096c6c616d612d3730620240c0c40780400d31302e302e302e313a383030300101010209012a03090004000001000201000000000000000200000000000000ffffffffffffffff0000000000000080010101010700000000000000010300000000000000040000000000000002020202010000000000000003000000000000000303030409004d01000001000105000000000000000600000000000000050900640206057265712d318080d0e2c6bfce972f0202000084070900030b000000000000000c000000000000000d000000000000000006636861742d390907057265712d310a08057265712d310d09a4130a01"
 

@@ -75,8 +75,9 @@ type Observers struct {
 	// apply of the entry can be linked to the call that appended it; kvstate itself knows nothing
 	// of tracing.
 	TraceParent func(ctx context.Context) string
-	// ApplyTraced is called as an entry carrying a traceparent starts to apply (on every replica,
+	// ApplyTraced is called as an entry carrying traceparents starts to apply (on every replica,
 	// the appender's included), with the store's id of the entry; it returns the function to call
-	// once the entry is applied.
-	ApplyTraced func(traceParent, entryID string) (applied func())
+	// once the entry is applied. An entry joins the changes of several calls, so traceParents is
+	// a comma-separated list, one per traced call among them.
+	ApplyTraced func(traceParents, entryID string) (applied func())
 }

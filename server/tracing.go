@@ -158,7 +158,8 @@ func (s *workerService) startSpan(ctx context.Context, name string, info kvstate
 // traceLog adds to a shared log's observers the hooks that link each replica's apply of an entry
 // to the traced call that appended it: the entry carries the call's W3C traceparent (only a
 // sampled call's: an untraced append costs a nil check and a context lookup), and every replica
-// that applies it makes a SpanLogApply span, the root of its own trace, linked to the call's span.
+// that applies it makes a SpanLogApply span, the root of its own trace, linked to the call's span
+// (to each traced call's, when the entry joins the changes of several).
 func traceLog(tracer trace.Tracer, obs *kvstate.Observers) {
 	traceContext := propagation.TraceContext{}
 	obs.TraceParent = func(ctx context.Context) string {
@@ -169,11 +170,17 @@ func traceLog(tracer trace.Tracer, obs *kvstate.Observers) {
 		traceContext.Inject(ctx, carrier)
 		return carrier.Get("traceparent")
 	}
-	obs.ApplyTraced = func(traceParent, entryID string) func() {
-		appender := traceContext.Extract(context.Background(), propagation.MapCarrier{"traceparent": traceParent})
+	obs.ApplyTraced = func(traceParents, entryID string) func() {
+		var links []trace.Link
+		for tp := range strings.SplitSeq(traceParents, ",") {
+			appender := traceContext.Extract(context.Background(), propagation.MapCarrier{"traceparent": tp})
+			if link := trace.LinkFromContext(appender); link.SpanContext.IsValid() {
+				links = append(links, link)
+			}
+		}
 		_, span := tracer.Start(context.Background(), SpanLogApply,
 			trace.WithNewRoot(),
-			trace.WithLinks(trace.LinkFromContext(appender)),
+			trace.WithLinks(links...),
 			trace.WithAttributes(AttrLogEntry.String(entryID)))
 		return func() { span.End() }
 	}

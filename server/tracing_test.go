@@ -420,3 +420,49 @@ func processCPU() int64 {
 	}
 	return ru.Utime.Nano() + ru.Stime.Nano()
 }
+
+// TestTraceLogLinks: a sampled call's traceparent goes into the log entry, an unsampled one's does
+// not, and an entry joining several traced calls applies as one span linked to each of them.
+func TestTraceLogLinks(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	defer tp.Shutdown(context.Background())
+	var obs kvstate.Observers
+	traceLog(tp.Tracer("t"), &obs)
+
+	var parents []string
+	var want []trace.SpanContext
+	for range 2 {
+		ctx, span := tp.Tracer("t").Start(context.Background(), "publish")
+		parents = append(parents, obs.TraceParent(ctx))
+		want = append(want, span.SpanContext())
+		span.End()
+	}
+	if got := obs.TraceParent(context.Background()); got != "" {
+		t.Errorf("TraceParent(untraced) = %q, want \"\"", got)
+	}
+	never := sdktrace.NewTracerProvider(sdktrace.WithSampler(sdktrace.NeverSample()))
+	defer never.Shutdown(context.Background())
+	unsampled, span := never.Tracer("t").Start(context.Background(), "s")
+	span.End()
+	if got := obs.TraceParent(unsampled); got != "" {
+		t.Errorf("TraceParent(unsampled) = %q, want \"\"", got)
+	}
+
+	exp.Reset()
+	obs.ApplyTraced(parents[0]+","+parents[1]+",not-a-traceparent", "1700000000000-3")()
+	s := endedSpan(t, exp, SpanLogApply, nil)
+	var got []trace.SpanContext
+	for _, l := range s.Links {
+		got = append(got, l.SpanContext.WithRemote(false))
+	}
+	if diff := cmp.Diff(want, got, cmp.Comparer(func(a, b trace.SpanContext) bool { return a.Equal(b) })); diff != "" {
+		t.Errorf("apply span links (-want +got):\n%s", diff)
+	}
+	if diff := cmp.Diff(map[attribute.Key]any{AttrLogEntry: "1700000000000-3"}, kvAttrs(s)); diff != "" {
+		t.Errorf("apply span attributes (-want +got):\n%s", diff)
+	}
+	if s.Parent.IsValid() {
+		t.Errorf("apply span has parent %v, want a root", s.Parent)
+	}
+}

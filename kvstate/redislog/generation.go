@@ -60,8 +60,9 @@ func (o Options) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
 // errFenced: an append was refused because the log's generation is not this replica's.
 var errFenced = errors.New("the shared log's generation changed")
 
-// fencedAdd appends one entry (ARGV[2], appender ARGV[3], sequence ARGV[4], and the traceparent
-// ARGV[5] of the call that appends it, when that call is traced) to the stream KEYS[2] if the
+// fencedAdd appends one entry (ARGV[2], appender ARGV[3], the sequence numbers of its changes
+// ARGV[4], and the traceparents ARGV[5] of the calls that append them, when any is traced; both
+// comma-separated lists when the entry joins several changes) to the stream KEYS[2] if the
 // generation KEYS[1] is ARGV[1], tagging it with the generation and with its number, counted in
 // KEYS[3]. The counter and the stream change together, so a Redis that comes back from an AOF
 // missing its last writes has both rolled back alike: a replica that applied entry N and finds the
@@ -388,54 +389,71 @@ func (l *Log) fateOf(g string) (publish bool) {
 	return l.genFate[g]
 }
 
+// Limits of one stream entry joining several changes (addEntries): a reader applies an entry as a
+// whole, so these bound what one XREAD reply and one apply step hold.
+const (
+	maxJoinedChanges = 256
+	maxJoinedBytes   = 1 << 20
+)
+
 // addEntries appends entries to the stream in one round trip, fenced by this replica's generation,
-// and returns each one's error (nil: appended). Entries whose generation was replaced by a reseed
-// are dropped (reported appended: they are in the snapshot).
+// and returns each one's error (nil: appended). Consecutive entries are joined into one stream
+// entry (up to maxJoinedChanges changes and maxJoinedBytes), whose seq field lists their sequence
+// numbers in order: the store's cost per command and each replica's cost per entry read are then
+// paid once for many changes. A joined entry succeeds or fails as a whole. Entries whose
+// generation was replaced by a reseed are dropped (reported appended: they are in the snapshot).
 func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 	errs := make([]error, len(entries))
 	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SeqKey()}
 	for attempt := 0; attempt < 2; attempt++ {
 		g := l.Generation()
-		cmds := make([]*redis.Cmd, len(entries))
-		_, err := l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
-			for i, e := range entries {
-				if attempt > 0 && errs[i] == nil {
-					continue // appended in the first attempt
+		var send []int // the entries this attempt sends, in order
+		for i, e := range entries {
+			if attempt > 0 && errs[i] == nil {
+				continue // appended in the first attempt
+			}
+			if !l.fateOf(e.gen) {
+				if attempt == 0 {
+					errs[i] = nil
 				}
-				if !l.fateOf(e.gen) {
+				continue
+			}
+			send = append(send, i)
+		}
+		groups := joinGroups(entries, send)
+		cmds := make([]*redis.Cmd, len(groups))
+		_, _ = l.rdb.Pipelined(ctx, func(p redis.Pipeliner) error {
+			for gi, members := range groups {
+				args, err := l.joinedArgs(g, entries, members)
+				if err != nil {
+					// Only entries this release encoded are appended, so this is a bug: say so,
+					// and fail the group rather than publish what other replicas could not read.
+					l.opts.Logger.Error("joining log entries failed", "err", err)
+					for _, i := range members {
+						errs[i] = err
+					}
 					continue
 				}
-				if e.traceParent != "" {
-					cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10), e.traceParent)
-				} else {
-					cmds[i] = fencedAdd.EvalSha(ctx, p, keys, g, e.data, l.opts.Replica, strconv.FormatUint(e.seq, 10))
-				}
+				cmds[gi] = fencedAdd.EvalSha(ctx, p, keys, args...)
 			}
 			return nil
 		})
 		noScript := false
-		for i, c := range cmds {
+		for gi, c := range cmds {
+			var err error
 			switch {
 			case c == nil:
-				if attempt == 0 {
-					errs[i] = nil
-				}
+				continue
 			case c.Err() == nil:
-				errs[i] = nil
 			case redis.HasErrorPrefix(c.Err(), "NOSCRIPT"):
-				errs[i], noScript = c.Err(), true
+				err, noScript = c.Err(), true
 			case isFenced(c.Err()):
-				errs[i] = fmt.Errorf("%w (%v)", errFenced, c.Err())
+				err = fmt.Errorf("%w (%v)", errFenced, c.Err())
 			default:
-				errs[i] = c.Err()
+				err = c.Err() // a transport error fails every command of the pipeline with it
 			}
-		}
-		if err != nil && !noScript && !isFenced(err) {
-			// A transport error: whatever has no result of its own failed with it.
-			for i, c := range cmds {
-				if c != nil && errs[i] == nil && c.Err() != nil {
-					errs[i] = c.Err()
-				}
+			for _, i := range groups[gi] {
+				errs[i] = err
 			}
 		}
 		if !noScript {
@@ -453,4 +471,58 @@ func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 		}
 	}
 	return errs
+}
+
+// joinGroups splits the entries at indexes send into groups of consecutive ones that join into
+// one stream entry each, within the limits of a joined entry.
+func joinGroups(entries []outgoing, send []int) [][]int {
+	var groups [][]int
+	size := 0
+	for _, i := range send {
+		n := len(groups)
+		if n == 0 || len(groups[n-1]) == maxJoinedChanges || size+len(entries[i].data) > maxJoinedBytes {
+			groups = append(groups, nil)
+			n++
+			size = 0
+		}
+		groups[n-1] = append(groups[n-1], i)
+		size += len(entries[i].data)
+	}
+	return groups
+}
+
+// joinedArgs returns fencedAdd's arguments for one stream entry, in generation g, holding the
+// members' changes: the joined data, this replica, the members' sequence numbers (comma-separated)
+// and, when any member was traced, their traceparents (comma-separated).
+func (l *Log) joinedArgs(g string, entries []outgoing, members []int) ([]any, error) {
+	first := entries[members[0]]
+	if len(members) == 1 {
+		args := []any{g, first.data, l.opts.Replica, strconv.FormatUint(first.seq, 10)}
+		if first.traceParent != "" {
+			args = append(args, first.traceParent)
+		}
+		return args, nil
+	}
+	parts := make([][]byte, len(members))
+	seqs := make([]byte, 0, 8*len(members))
+	var traces []string
+	for k, i := range members {
+		parts[k] = entries[i].data
+		if k > 0 {
+			seqs = append(seqs, ',')
+		}
+		seqs = strconv.AppendUint(seqs, entries[i].seq, 10)
+		if entries[i].traceParent != "" {
+			traces = append(traces, entries[i].traceParent)
+		}
+	}
+	data, err := kvstate.JoinEntries(nil, parts...)
+	if err != nil {
+		return nil, err
+	}
+	args := []any{g, data, l.opts.Replica, string(seqs)}
+	if len(traces) > 0 {
+		args = append(args, strings.Join(traces, ","))
+	}
+	return args, nil
 }

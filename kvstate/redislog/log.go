@@ -116,6 +116,12 @@ type Log struct {
 
 	outbox chan outgoing // locally applied bookings to publish
 
+	// The committer (commit): worker changes waiting to be appended, joined into one entry.
+	commitMu      sync.Mutex
+	commitQueue   []commitRequest
+	commitStopped bool
+	commitKick    chan struct{}
+
 	// Degraded mode (Redis unreachable), under mu.
 	degraded   atomic.Bool
 	buffer     []buffered                // worker changes applied locally during an outage, oldest first
@@ -264,6 +270,7 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 		bufferedBy: make(map[kvstate.WorkerKey]int),
 		resync:     make(map[kvstate.WorkerKey]bool),
 		flushKick:  make(chan struct{}, 1),
+		commitKick: make(chan struct{}, 1),
 		genKick:    make(chan struct{}, 1),
 		genFate:    make(map[string]bool),
 		joined:     make(chan struct{}),
@@ -336,12 +343,15 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 		entry.traceParent = o.TraceParent(ctx)
 	}
 	start := time.Now()
-	if err := l.addEntries(ctx, []outgoing{entry})[0]; err != nil {
+	if err := l.commit(ctx, entry); err != nil {
 		l.mu.Lock()
 		delete(l.waiters, seq)
 		l.mu.Unlock()
 		if ctx.Err() != nil {
 			return kvstate.Result{}, ctx.Err()
+		}
+		if errors.Is(err, errStopped) {
+			return kvstate.Result{}, fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
 		}
 		if !errors.Is(err, errFenced) {
 			l.setDegraded(err)
@@ -362,5 +372,84 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 		delete(l.waiters, seq)
 		l.mu.Unlock()
 		return kvstate.Result{}, ctx.Err()
+	}
+}
+
+// errStopped: the log's Run has returned; nothing more is appended through it.
+var errStopped = errors.New("the shared log is stopping")
+
+// commitRequest is a worker change handed to the committer, and where its append's error goes.
+type commitRequest struct {
+	entry  outgoing
+	result chan error
+}
+
+// commit hands e to the committer and returns once it is in the stream (nil), the append failed, or
+// ctx ended (the entry may still be appended then; its apply wakes no one).
+//
+// Why a committer: every Publish stream appends its own batches, and with one Redis command each, a
+// replica's cost per block was dominated by per-command costs (the round trip, the script, the
+// entry every replica reads back). The committer appends whatever accumulated while its previous
+// append was in flight as one joined entry (addEntries), so an idle log appends at once and a busy
+// one pays those costs once for many batches (docs/BENCHMARKS.md, "Issue 15").
+func (l *Log) commit(ctx context.Context, e outgoing) error {
+	req := commitRequest{entry: e, result: make(chan error, 1)}
+	l.commitMu.Lock()
+	if l.commitStopped {
+		l.commitMu.Unlock()
+		return errStopped
+	}
+	l.commitQueue = append(l.commitQueue, req)
+	l.commitMu.Unlock()
+	select {
+	case l.commitKick <- struct{}{}:
+	default:
+	}
+	select {
+	case err := <-req.result:
+		return err
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+}
+
+// runCommitter appends the changes handed to commit until ctx ends; then it fails those still
+// queued, and any handed over later, with errStopped.
+func (l *Log) runCommitter(ctx context.Context) {
+	var batch []commitRequest
+	var entries []outgoing
+	for {
+		select {
+		case <-ctx.Done():
+			l.commitMu.Lock()
+			l.commitStopped = true
+			queued := l.commitQueue
+			l.commitQueue = nil
+			l.commitMu.Unlock()
+			for _, req := range queued {
+				req.result <- errStopped
+			}
+			return
+		case <-l.commitKick:
+		}
+		for {
+			l.commitMu.Lock()
+			batch, l.commitQueue = l.commitQueue, batch[:0]
+			l.commitMu.Unlock()
+			if len(batch) == 0 {
+				break
+			}
+			entries = entries[:0]
+			for _, req := range batch {
+				entries = append(entries, req.entry)
+			}
+			for i, err := range l.addEntries(ctx, entries) {
+				if err != nil && ctx.Err() != nil {
+					err = errStopped // cut by the stop, not by Redis: no outage to report
+				}
+				batch[i].result <- err
+			}
+			clear(batch) // drop the references to delivered requests
+		}
 	}
 }

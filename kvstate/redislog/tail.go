@@ -82,6 +82,7 @@ func (l *Log) Run(ctx context.Context) error {
 	defer helpers.Wait()
 	defer l.snapshots.Wait() // a snapshot being written ends with ctx
 	helpers.Go(func() { l.publish(ctx) })
+	helpers.Go(func() { l.runCommitter(ctx) })
 	helpers.Go(func() { l.probe(ctx) })
 	l.lastSnapshot = time.Now()
 	for ctx.Err() == nil {
@@ -250,6 +251,29 @@ func (l *Log) catchUp(ctx context.Context) error {
 	return nil
 }
 
+// wake hands the result of applying this replica's change seq to its appender, if one waits.
+func (l *Log) wake(seq uint64, out appliedEntry) {
+	l.mu.Lock()
+	w := l.waiters[seq]
+	delete(l.waiters, seq)
+	l.mu.Unlock()
+	if w != nil {
+		w <- out
+	}
+}
+
+// parseSeqs reads an entry's sequence numbers: one, or a comma-separated list for an entry that
+// joins several changes. Malformed numbers read as 0, which no change has.
+func parseSeqs(v any) []uint64 {
+	s, _ := v.(string)
+	out := make([]uint64, 0, strings.Count(s, ",")+1)
+	for part := range strings.SplitSeq(s, ",") {
+		n, _ := strconv.ParseUint(part, 10, 64)
+		out = append(out, n)
+	}
+	return out
+}
+
 // compareStreamIDs orders two Redis stream ids ("ms-seq").
 func compareStreamIDs(a, b string) int {
 	am, as := splitStreamID(a)
@@ -309,15 +333,23 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 			}
 		}
 	}()
-	own := msg.Values[fieldReplica] == l.opts.Replica
-	var seq uint64
-	if own {
-		seq, _ = strconv.ParseUint(fmt.Sprint(msg.Values[fieldSeq]), 10, 64)
+	// An entry of this replica's lists the sequence numbers of its changes: a change applied
+	// locally when it was appended is skipped, and the appender of each other one is woken with
+	// its result.
+	var seqs []uint64
+	var local []bool
+	if msg.Values[fieldReplica] == l.opts.Replica {
+		seqs = parseSeqs(msg.Values[fieldSeq])
+		local = make([]bool, len(seqs))
+		allLocal := len(seqs) > 0
 		l.mu.Lock()
-		appliedLocally := l.unechoed[seq]
-		delete(l.unechoed, seq)
+		for i, seq := range seqs {
+			local[i] = l.unechoed[seq]
+			delete(l.unechoed, seq)
+			allLocal = allLocal && local[i]
+		}
 		l.mu.Unlock()
-		if appliedLocally {
+		if allLocal {
 			return true // applied when it was appended
 		}
 	}
@@ -327,22 +359,22 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 		}
 	}
 	changes, err := kvstate.DecodeEntry([]byte(data))
-	var out appliedEntry
 	if err != nil {
 		l.opts.Logger.Error("skipping an undecodable log entry", "id", msg.ID, "err", err)
-		out.err = err
+		for _, seq := range seqs {
+			l.wake(seq, appliedEntry{err: err})
+		}
+		return true
 	}
-	for _, c := range changes {
-		out.res, out.err = l.state.ApplyReplicated(c)
+	for i, c := range changes {
 		weight += changeWeight(c)
-	}
-	if own {
-		l.mu.Lock()
-		w := l.waiters[seq]
-		delete(l.waiters, seq)
-		l.mu.Unlock()
-		if w != nil {
-			w <- out
+		if i < len(local) && local[i] {
+			continue
+		}
+		var out appliedEntry
+		out.res, out.err = l.state.ApplyReplicated(c)
+		if i < len(seqs) {
+			l.wake(seqs[i], out)
 		}
 	}
 	return true
