@@ -578,14 +578,26 @@ func (s *State) book(b Booking, lenient bool) error {
 		return err
 	}
 	if b.Session != "" && len(b.Hops) > 0 {
-		s.sessMu.Lock()
-		if s.sessions == nil {
-			s.sessions = make(map[string]sessionBinding)
-		}
-		s.sessions[b.Session] = sessionBinding{worker: b.Hops[len(b.Hops)-1].Worker, expires: b.SessionExpires}
-		s.sessMu.Unlock()
+		s.bindSession(b.Session, sessionBinding{worker: b.Hops[len(b.Hops)-1].Worker, expires: b.SessionExpires})
 	}
 	return nil
+}
+
+// bindSession binds a session to a booking's decode worker, unless it is bound by a booking whose
+// binding lasts longer (a later one: the same TTL applies to all). Which of two bookings binds does
+// not depend on the order they apply in: a replica applies its own bookings before the log's, and
+// the logs of two models (sharded) interleave differently on each replica, yet all end up bound
+// alike. Equal expiries go to the larger worker key.
+func (s *State) bindSession(id string, nb sessionBinding) {
+	s.sessMu.Lock()
+	defer s.sessMu.Unlock()
+	if s.sessions == nil {
+		s.sessions = make(map[string]sessionBinding)
+	}
+	if old, ok := s.sessions[id]; ok && (old.expires > nb.expires || old.expires == nb.expires && compareKeys(old.worker, nb.worker) >= 0) {
+		return
+	}
+	s.sessions[id] = nb
 }
 
 func compareKeys(a, b WorkerKey) int {

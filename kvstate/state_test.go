@@ -1059,6 +1059,39 @@ func TestSessionBindings(t *testing.T) {
 	}
 }
 
+// TestSessionBindingOrder: of two bookings of one session, the one whose binding lasts longer binds
+// it, in whichever order they apply (a replica applies its own bookings first; sharded logs
+// interleave differently on each replica); equal expiries go to the larger worker key. Both orders
+// end with the same digest.
+func TestSessionBindingOrder(t *testing.T) {
+	booking := func(id string, w WorkerKey, expires int64) Change {
+		return Booked{Booking: Booking{RequestID: id, Hops: []HopBooking{{Worker: w}}, At: 1, Session: "s", SessionExpires: expires}}
+	}
+	for _, tt := range []struct {
+		name         string
+		first, later Change
+		want         WorkerKey
+	}{
+		{"later booking last", booking("a", w1, 100), booking("b", w0r0, 200), w0r0},
+		{"later booking first", booking("b", w0r0, 200), booking("a", w1, 100), w0r0},
+		{"same expiry, larger key last", booking("a", w0r0, 100), booking("b", w1, 100), w1},
+		{"same expiry, larger key first", booking("b", w1, 100), booking("a", w0r0, 100), w1},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			s := NewState()
+			run(t, s, []step{up(w0r0), up(w1), apply(tt.first), apply(tt.later)})
+			if got, ok := s.Session("s", 0); !ok || got != tt.want {
+				t.Errorf("Session(s) = %v, %v; want %v, true", got, ok, tt.want)
+			}
+			other := NewState()
+			run(t, other, []step{up(w0r0), up(w1), apply(tt.later), apply(tt.first)})
+			if s.Digest() != other.Digest() {
+				t.Errorf("digests differ between the two orders")
+			}
+		})
+	}
+}
+
 // withoutEpoch zeroes the registration epoch, which TestWorkerEpochs covers, so the state tables
 // need not spell it out.
 func withoutEpoch(st WorkerStatus) WorkerStatus {
