@@ -412,17 +412,103 @@ func BenchmarkRedisIngest(b *testing.B) {
 			for _, batch := range []int{64, 512} {
 				for _, rate := range []int{0, 300_000, 500_000} {
 					name := fmt.Sprintf("batch=%d/rate=%s", batch, map[bool]string{true: "max", false: fmt.Sprintf("%dk", rate/1000)}[rate == 0])
-					b.Run(name, func(b *testing.B) { benchIngest(b, client, batch, rate) })
+					b.Run(name, func(b *testing.B) { benchIngest(b, client, batch, rate, 1) })
 				}
 			}
 		})
 	}
 }
 
-func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate int) {
+// BenchmarkRedisIngestShards measures what splitting the log over several streams, each under a
+// hash tag of its own on another master of a 3-master Redis Cluster, does to ingest: the layout of
+// a log sharded by model (docs/architecture.md), one state machine per shard. shards=3 runs three
+// deployments side by side (three prefixes, each with its two replicas and a state of its own, all
+// holding the same fill), the 64 workers split over them (worker w publishes to shard w mod 3);
+// shards=1 is BenchmarkRedisIngest on the cluster. Metrics as BenchmarkRedisIngest's, the lag probe
+// on shard 0, plus redis-cpu-max-% (the busiest master) and go-cpu-µs/event, the process's CPU per
+// block event.
+func BenchmarkRedisIngestShards(b *testing.B) {
+	client := clientsOf(b, redistest.StartCluster(b, 3).Addrs)
+	for _, shards := range []int{1, 3} {
+		b.Run(fmt.Sprintf("shards=%d/batch=64/rate=max", shards), func(b *testing.B) { benchIngest(b, client, 64, 0, shards) })
+	}
+}
+
+// shardPrefixes returns n deployment prefixes; on a cluster, each hash tag is chosen so that its
+// slot lives on another master (as many masters as there are, then round again).
+func shardPrefixes(tb testing.TB, rdb redis.UniversalClient, n int) []string {
+	tb.Helper()
+	cluster, ok := rdb.(*redis.ClusterClient)
+	if !ok || n == 1 {
+		out := make([]string, n)
+		for i := range out {
+			out[i] = newBenchPrefix()
+		}
+		return out
+	}
+	ctx := context.Background()
+	slots, err := cluster.ClusterSlots(ctx).Result()
+	if err != nil {
+		tb.Fatal(err)
+	}
+	masterOf := func(slot int64) string {
+		for _, r := range slots {
+			if int64(r.Start) <= slot && slot <= int64(r.End) {
+				return r.Nodes[0].Addr
+			}
+		}
+		return ""
+	}
+	masters := map[string]bool{}
+	for _, r := range slots {
+		masters[r.Nodes[0].Addr] = true
+	}
+	var out []string
+	used := map[string]int{}
+	for len(out) < n {
+		prefix := newBenchPrefix()
+		slot, err := cluster.ClusterKeySlot(ctx, prefix+":log").Result()
+		if err != nil {
+			tb.Fatal(err)
+		}
+		m := masterOf(slot)
+		if used[m] >= 1+len(out)/len(masters) {
+			continue // this master has its share already
+		}
+		used[m]++
+		out = append(out, prefix)
+	}
+	return out
+}
+
+// redisCPUByMaster returns the CPU time each Redis master behind rdb has used.
+func redisCPUByMaster(ctx context.Context, rdb redis.UniversalClient) map[string]time.Duration {
+	var mu sync.Mutex
+	out := map[string]time.Duration{}
+	eachMaster(ctx, rdb, func(ctx context.Context, c *redis.Client) error {
+		d := redisCPU(ctx, c)
+		mu.Lock()
+		out[c.Options().Addr] = d
+		mu.Unlock()
+		return nil
+	})
+	return out
+}
+
+// benchShard is one deployment of a sharded benchmark: its prefix and its two replicas.
+type benchShard struct {
+	prefix, stream string
+	a, b           replica
+}
+
+func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate, shards int) {
 	ring := kvtest.ApplyPrompts()
-	sa, sb := kvstate.NewState(), kvstate.NewState()
-	next := fillStates(b, sa, sb)
+	var states []*kvstate.State
+	for range 2 * shards {
+		states = append(states, kvstate.NewState())
+	}
+	next := fillStates(b, states...)
+	sa, sb := states[0], states[1] // shard 0's: the probe's
 
 	// The probe worker: its system prompt is stored in both states before the replicas start.
 	probe := kvstate.WorkerKey{ID: 1 << 20}
@@ -444,36 +530,40 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 		applyLags []time.Duration
 		applied   = make(chan struct{}, 1)
 	)
-	prefix := newBenchPrefix()
-	stream := redislog.Options{Prefix: prefix}.Stream()
-	seedFill(b, client(), prefix, sa)
-	rs := startBenchReplicas(b, client, prefix, []*kvstate.State{sa, sb}, func(i int, l *redislog.Log) {
-		if i != 1 {
-			return
-		}
-		l.Observe(kvstate.Observers{Apply: func(lag time.Duration) {
-			if recording.Load() {
-				applyMu.Lock()
-				applyLags = append(applyLags, lag)
-				applyMu.Unlock()
+	rdb := client()
+	var deployments []benchShard
+	for i, prefix := range shardPrefixes(b, rdb, shards) {
+		seedFill(b, client(), prefix, states[2*i])
+		rs := startBenchReplicas(b, client, prefix, states[2*i:2*i+2], func(j int, l *redislog.Log) {
+			if i != 0 || j != 1 {
+				return
 			}
-			select {
-			case applied <- struct{}{}:
-			default:
-			}
-		}})
-	})
-	a, rb := rs[0], rs[1]
-	// Both replicas load the fill's snapshot first (seconds); the timed part starts after that,
+			l.Observe(kvstate.Observers{Apply: func(lag time.Duration) {
+				if recording.Load() {
+					applyMu.Lock()
+					applyLags = append(applyLags, lag)
+					applyMu.Unlock()
+				}
+				select {
+				case applied <- struct{}{}:
+				default:
+				}
+			}})
+		})
+		d := benchShard{prefix: prefix, stream: redislog.Options{Prefix: prefix}.Stream(), a: rs[0], b: rs[1]}
+		deployments = append(deployments, d)
+		b.Cleanup(func() { rdb.Del(context.Background(), d.stream) })
+	}
+	a, rb := deployments[0].a, deployments[0].b
+	// The replicas load the fill's snapshot first (seconds); the timed part starts after that,
 	// without the garbage of the states the load replaced.
-	for _, r := range rs {
-		<-r.log.Ready()
+	for _, d := range deployments {
+		<-d.a.log.Ready()
+		<-d.b.log.Ready()
 	}
 	runtime.GC()
-	rdb := client()
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
-	b.Cleanup(func() { rdb.Del(context.Background(), stream) })
 
 	// One goroutine per worker, one batch in flight each, as one Publish stream per worker. Each
 	// worker keeps its own FIFO of prompts (its share of the ring, the first of which fillStates
@@ -502,11 +592,12 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 			b.Fatalf("worker %d holds all of its %d prompts: the ring is too small to evict before re-storing", w, len(own[w]))
 		}
 		key := kvtest.WorkerKey(uint32(w))
+		via := deployments[w%shards].a
 		publish := func(evs []kvstate.Event) bool {
 			if _, ok := <-tokens; !ok {
 				return false
 			}
-			res, err := a.log.Append(ctx, kvstate.KVEvents{Worker: key, Events: evs})
+			res, err := via.log.Append(ctx, kvstate.KVEvents{Worker: key, Events: evs})
 			if err != nil || res.Buffered || res.Applied != len(evs) || res.ParentNotFound+res.InvalidSequence > 0 || res.Gap {
 				fail(fmt.Errorf("worker %v: Append = %+v, %v", key, res, err))
 				return true
@@ -577,7 +668,7 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 	}()
 
 	resetStats(ctx, rdb)
-	cpu0, rcpu0 := cpuTime(), redisCPU(ctx, rdb)
+	cpu0, rcpu0, masters0 := cpuTime(), redisCPU(ctx, rdb), redisCPUByMaster(ctx, rdb)
 	recording.Store(true)
 	var start time.Time
 	dispatched := 0
@@ -598,17 +689,25 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 	if failure != nil {
 		b.Fatal(failure)
 	}
-	waitCaughtUp(b, rdb, stream, a, rb)
+	for _, d := range deployments {
+		waitCaughtUp(b, rdb, d.stream, d.a, d.b)
+	}
 	elapsed := time.Since(start)
 	recording.Store(false)
 	cpu, rcpu := cpuTime()-cpu0, redisCPU(ctx, rdb)-rcpu0
+	var busiest time.Duration
+	for addr, d := range redisCPUByMaster(ctx, rdb) {
+		busiest = max(busiest, d-masters0[addr])
+	}
 	stopProbe.Store(true)
 	<-probeDone
 	if failure != nil {
 		b.Fatal(failure)
 	}
-	if da, db := sa.Digest(), sb.Digest(); da != db {
-		b.Fatalf("replicas differ after the run: digests %x and %x", da, db)
+	for _, d := range deployments {
+		if da, db := d.a.state.Digest(), d.b.state.Digest(); da != db {
+			b.Fatalf("%s: replicas differ after the run: digests %x and %x", d.prefix, da, db)
+		}
 	}
 
 	b.ReportMetric(float64(events.Load())/elapsed.Seconds(), "block-events/s")
@@ -626,6 +725,10 @@ func benchIngest(b *testing.B, client func() redis.UniversalClient, batch, rate 
 	applyMu.Unlock()
 	b.ReportMetric(100*cpu.Seconds()/elapsed.Seconds(), "go-cpu-%")
 	b.ReportMetric(100*rcpu.Seconds()/elapsed.Seconds(), "redis-cpu-%")
+	if shards > 1 {
+		b.ReportMetric(100*busiest.Seconds()/elapsed.Seconds(), "redis-cpu-max-%")
+	}
+	b.ReportMetric(float64(cpu.Microseconds())/float64(max(1, events.Load())), "go-cpu-µs/event")
 	stats := commandStats(ctx, rdb)
 	var line []string
 	for _, c := range []string{"evalsha", "xadd", "xread", "xlen", "xrange", "mget"} {
