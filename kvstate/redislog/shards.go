@@ -1,0 +1,253 @@
+package redislog
+
+// Sharding: one log, and one state, per model, each under a hash tag of its own so that a Redis
+// Cluster spreads the models' streams over its masters (docs/architecture.md, "The shared log's
+// order, and sharding it by model").
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/url"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+)
+
+// ErrModelNotServed: this replica is configured to serve other models only (ShardsOptions.Models).
+var ErrModelNotServed = errors.New("model is not served by this replica")
+
+// ShardsOptions configure a log sharded by model.
+type ShardsOptions struct {
+	// Cluster names the deployment. Its registry of shards is RegistryKey; the shard of a model
+	// lives under the prefix "kvr:{<Cluster>/<model, query-escaped>[#n]}", n chosen so that on a
+	// Redis Cluster each master holds as few shards as possible.
+	Cluster string
+	// Models are the models this replica serves (it tails their shards only); empty: every model
+	// in the registry, including those added later.
+	Models []string
+	// Log configures every shard's Log; its Prefix is replaced by the shard's.
+	Log Options
+	// NewState returns the state of a new shard; nil means kvstate.NewState.
+	NewState func() *kvstate.State
+	// Poll is how often the registry is read for shards that other replicas added; zero means 1 s.
+	Poll time.Duration
+}
+
+// Shards is a log sharded by model: a kvstate.Shard (a State and a redislog.Log) per model, found in
+// a registry that every replica shares, so that the first replica to meet a model (a worker's hello
+// naming it) creates its shard and every other replica serving all models picks it up. Each shard's
+// Log runs on its own goroutine (its own tailer): shards apply in parallel, and in no order relative
+// to one another, which nothing in the state needs.
+type Shards struct {
+	rdb  redis.UniversalClient
+	opts ShardsOptions
+
+	mu     sync.Mutex
+	shards map[string]*shardRun // by model
+	run    context.Context      // Run's, once it runs: shards added after start at once
+	wg     sync.WaitGroup
+}
+
+// shardRun is a shard and its Log.
+type shardRun struct {
+	shard  *kvstate.Shard
+	log    *Log
+	prefix string
+}
+
+// NewShards returns a sharded log over rdb. Call Run to read the registry and run the shards.
+func NewShards(rdb redis.UniversalClient, opts ShardsOptions) *Shards {
+	if opts.NewState == nil {
+		opts.NewState = kvstate.NewState
+	}
+	if opts.Poll <= 0 {
+		opts.Poll = time.Second
+	}
+	return &Shards{rdb: rdb, opts: opts, shards: make(map[string]*shardRun)}
+}
+
+// RegistryKey is the hash of the deployment's shards: model -> the shard's key prefix.
+func (s *Shards) RegistryKey() string { return "kvr:{" + s.opts.Cluster + "}:shards" }
+
+// serves says whether this replica serves model.
+func (s *Shards) serves(model string) bool {
+	return len(s.opts.Models) == 0 || slices.Contains(s.opts.Models, model)
+}
+
+// Shard returns the shard of model, creating it (in the registry, and here) if no replica has yet.
+func (s *Shards) Shard(ctx context.Context, model string) (*kvstate.Shard, error) {
+	if !s.serves(model) {
+		return nil, fmt.Errorf("%w: %q (this replica serves %v)", ErrModelNotServed, model, s.opts.Models)
+	}
+	s.mu.Lock()
+	r := s.shards[model]
+	s.mu.Unlock()
+	if r != nil {
+		return r.shard, nil
+	}
+	prefix, err := s.rdb.HGet(ctx, s.RegistryKey(), model).Result()
+	if errors.Is(err, redis.Nil) {
+		if prefix, err = s.choosePrefix(ctx, model); err == nil {
+			// The first replica to register the model wins; the others take its prefix.
+			if _, err = s.rdb.HSetNX(ctx, s.RegistryKey(), model, prefix).Result(); err == nil {
+				prefix, err = s.rdb.HGet(ctx, s.RegistryKey(), model).Result()
+			}
+		}
+	}
+	if err != nil {
+		return nil, fmt.Errorf("%w: finding the shard of model %q: %v", kvstate.ErrLogUnavailable, model, err)
+	}
+	return s.add(model, prefix).shard, nil
+}
+
+// add makes the shard of model under prefix, unless it exists, and starts its Log if Run runs.
+func (s *Shards) add(model, prefix string) *shardRun {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.shards[model]; r != nil {
+		return r
+	}
+	opts := s.opts.Log
+	opts.Prefix = prefix
+	st := s.opts.NewState()
+	l := New(s.rdb, st, opts)
+	r := &shardRun{shard: &kvstate.Shard{Model: model, State: st, Log: l}, log: l, prefix: prefix}
+	s.shards[model] = r
+	if s.run != nil {
+		s.start(r)
+	}
+	return r
+}
+
+// start runs r's Log until Run's context ends. The caller holds mu.
+func (s *Shards) start(r *shardRun) {
+	ctx := s.run
+	s.wg.Go(func() { _ = r.log.Run(ctx) })
+}
+
+// Shards returns the shards this replica holds, by model name.
+func (s *Shards) Shards() []*kvstate.Shard {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make([]*kvstate.Shard, 0, len(s.shards))
+	for _, r := range s.shards {
+		out = append(out, r.shard)
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Model < out[j].Model })
+	return out
+}
+
+// Log returns the Log of model's shard, or nil when this replica holds none.
+func (s *Shards) Log(model string) *Log {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.shards[model]; r != nil {
+		return r.log
+	}
+	return nil
+}
+
+// Prefix returns the key prefix of model's shard, or "" when this replica holds none.
+func (s *Shards) Prefix(model string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.shards[model]; r != nil {
+		return r.prefix
+	}
+	return ""
+}
+
+// Run runs every shard's Log, and reads the registry every Poll for the shards of the models this
+// replica serves that other replicas added, until ctx ends; it returns once every Log has.
+func (s *Shards) Run(ctx context.Context) error {
+	s.mu.Lock()
+	s.run = ctx
+	for _, r := range s.shards {
+		s.start(r)
+	}
+	s.mu.Unlock()
+	defer s.wg.Wait()
+	readRegistry := func(ctx context.Context) {
+		registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
+		if err != nil {
+			return // Redis unreachable: each shard's Log reports it; the registry is read again later
+		}
+		for model, prefix := range registry {
+			if s.serves(model) {
+				s.add(model, prefix)
+			}
+		}
+	}
+	readRegistry(ctx)
+	kvstate.Every(ctx, s.opts.Poll, readRegistry)
+	return nil
+}
+
+// choosePrefix returns a prefix for a new shard of model. On a Redis Cluster the hash tag is chosen
+// so that the shard's keys land on a master holding the fewest shards of the registry; elsewhere it
+// is the model's plain tag.
+func (s *Shards) choosePrefix(ctx context.Context, model string) (string, error) {
+	base := "kvr:{" + s.opts.Cluster + "/" + url.QueryEscape(model)
+	cluster, ok := s.rdb.(*redis.ClusterClient)
+	if !ok {
+		return base + "}", nil
+	}
+	slots, err := cluster.ClusterSlots(ctx).Result()
+	if err != nil {
+		return "", err
+	}
+	masterOf := func(slot int64) string {
+		for _, r := range slots {
+			if int64(r.Start) <= slot && slot <= int64(r.End) && len(r.Nodes) > 0 {
+				return r.Nodes[0].ID
+			}
+		}
+		return ""
+	}
+	keySlot := func(prefix string) (int64, error) { return cluster.ClusterKeySlot(ctx, prefix+":log").Result() }
+	load := map[string]int{} // shards per master
+	for _, r := range slots {
+		if len(r.Nodes) > 0 {
+			load[r.Nodes[0].ID] += 0
+		}
+	}
+	registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
+	if err != nil {
+		return "", err
+	}
+	for _, prefix := range registry {
+		slot, err := keySlot(prefix)
+		if err != nil {
+			return "", err
+		}
+		load[masterOf(slot)]++
+	}
+	least := -1
+	for _, n := range load {
+		if least < 0 || n < least {
+			least = n
+		}
+	}
+	// Each candidate tag lands on a master at random; 64 tries miss the least loaded of three
+	// masters with a chance of (2/3)^64.
+	for n := range 64 {
+		prefix := base + "}"
+		if n > 0 {
+			prefix = fmt.Sprintf("%s#%d}", base, n)
+		}
+		slot, err := keySlot(prefix)
+		if err != nil {
+			return "", err
+		}
+		if load[masterOf(slot)] == least {
+			return prefix, nil
+		}
+	}
+	return base + "}", nil
+}

@@ -1,0 +1,202 @@
+package redislog_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+)
+
+// runShards starts a sharded log over rdb for the test's deployment, serving models (none: all),
+// until the test ends.
+func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *redislog.Shards {
+	t.Helper()
+	s := redislog.NewShards(rdb, redislog.ShardsOptions{
+		Cluster: t.Name(), Models: models, Poll: 50 * time.Millisecond,
+		Log: redislog.Options{Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: quietLogger},
+	})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = s.Run(ctx); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return s
+}
+
+// shardOf returns model's shard on s, failing the test on error.
+func shardOf(t *testing.T, s *redislog.Shards, model string) *kvstate.Shard {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	sh, err := s.Shard(ctx, model)
+	if err != nil {
+		t.Fatalf("Shard(%q) = %v", model, err)
+	}
+	return sh
+}
+
+// publishTo registers worker id of the shard's model and stores n blocks through the shard's log.
+func publishTo(t *testing.T, sh *kvstate.Shard, id uint64, n int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	key := kvstate.WorkerKey{ID: id}
+	inf := kvstate.WorkerInfo{Key: key, Model: sh.Model, Role: kvstate.RoleAggregated, BlockSize: 16, TotalKVBlocks: 1000, KVEventsEnabled: true}
+	if _, err := sh.Log.Append(ctx, kvstate.WorkerUp{Info: inf}); err != nil {
+		t.Fatalf("%s: WorkerUp = %v", sh.Model, err)
+	}
+	var blocks []kvstate.Block
+	for i := range n {
+		blocks = append(blocks, kvstate.Block{Hash: id<<32 | uint64(i+1), Local: uint64(i + 1)})
+	}
+	res, err := sh.Log.Append(ctx, kvstate.KVEvents{Worker: key, Events: []kvstate.Event{{ID: 0, Kind: kvstate.EventStored, Tier: kvstate.TierDevice, Blocks: blocks}}})
+	if err != nil || res.Applied != 1 {
+		t.Fatalf("%s: KVEvents = %+v, %v", sh.Model, res, err)
+	}
+}
+
+// TestShardsSpreadOverMasters: on a 3-master cluster, the shards of three models land on three
+// different masters, although the models' plain tags would all land on one; and another replica
+// finds the same shards (the registry) rather than making its own.
+func TestShardsSpreadOverMasters(t *testing.T) {
+	if testing.Short() {
+		t.Skip("Redis Cluster runs skipped in -short mode")
+	}
+	c := redistest.StartCluster(t, 3)
+	rdb := c.Client()
+	a, b := runShards(t, rdb, "a"), runShards(t, rdb, "b")
+	// Three model names whose plain tags share a master.
+	byMaster := map[string][]string{}
+	var models []string
+	for i := 0; models == nil; i++ {
+		m := fmt.Sprintf("model-%d", i)
+		master, err := masterOfKey(rdb, "kvr:{"+t.Name()+"/"+m+"}:log")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if byMaster[master] = append(byMaster[master], m); len(byMaster[master]) == 3 {
+			models = byMaster[master]
+		}
+	}
+	masters := map[string]string{}
+	for _, m := range models {
+		shardOf(t, a, m)
+		prefix := a.Prefix(m)
+		master, err := masterOfKey(rdb, redislog.Options{Prefix: prefix}.Stream())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if other, taken := masters[master]; taken {
+			t.Errorf("models %q and %q both have their shard on master %s", other, m, master)
+		}
+		masters[master] = m
+		shardOf(t, b, m)
+		if got := b.Prefix(m); got != prefix {
+			t.Errorf("replica b's shard of %q is under %q, replica a's under %q", m, got, prefix)
+		}
+	}
+}
+
+// masterOfKey returns the address of the master holding key's slot.
+func masterOfKey(rdb redis.UniversalClient, key string) (string, error) {
+	ctx := context.Background()
+	slot, err := rdb.ClusterKeySlot(ctx, key).Result()
+	if err != nil {
+		return "", err
+	}
+	ranges, err := rdb.ClusterSlots(ctx).Result()
+	if err != nil {
+		return "", err
+	}
+	for _, r := range ranges {
+		if int64(r.Start) <= slot && slot <= int64(r.End) {
+			return r.Nodes[0].Addr, nil
+		}
+	}
+	return "", fmt.Errorf("no master holds slot %d", slot)
+}
+
+// TestShardsServeSubset: a replica serving one model holds that model's shard only, applies it as
+// the replica that wrote it did, and refuses the other models; a replica serving all models finds
+// every shard, including those created after it started.
+func TestShardsServeSubset(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	writer := runShards(t, rdb, "writer")
+	one := runShards(t, rdb, "one", "m1")
+	all := runShards(t, rdb, "all")
+
+	publishTo(t, shardOf(t, writer, "m1"), 1, 8)
+	publishTo(t, shardOf(t, writer, "m2"), 2, 5)
+	late := runShards(t, rdb, "late") // starts after both shards exist
+	publishTo(t, shardOf(t, writer, "m3"), 3, 3)
+
+	digests := func(s *redislog.Shards) map[string]uint64 {
+		out := map[string]uint64{}
+		for _, sh := range s.Shards() {
+			out[sh.Model] = sh.State.Digest()
+		}
+		return out
+	}
+	want := digests(writer)
+	if len(want) != 3 {
+		t.Fatalf("writer holds shards %v, want m1, m2, m3", want)
+	}
+	eventually(t, "the replica serving all models holds every shard, as applied by the writer", func() bool {
+		return cmp.Equal(want, digests(all)) && cmp.Equal(want, digests(late))
+	})
+	eventually(t, "the replica serving m1 applies m1's shard", func() bool {
+		return cmp.Equal(map[string]uint64{"m1": want["m1"]}, digests(one))
+	})
+	time.Sleep(200 * time.Millisecond) // four registry polls: m2 and m3 must stay out
+	if got := digests(one); len(got) != 1 {
+		t.Errorf("the replica serving m1 holds shards %v, want m1 only", got)
+	}
+	if one.Log("m2") != nil {
+		t.Errorf("the replica serving m1 runs a log for m2")
+	}
+	ctx := context.Background()
+	if _, err := one.Shard(ctx, "m2"); !errors.Is(err, redislog.ErrModelNotServed) {
+		t.Errorf("Shard(m2) on the replica serving m1 = %v, want ErrModelNotServed", err)
+	}
+	// Each model's state holds only its own worker.
+	for m, id := range map[string]uint64{"m1": 1, "m2": 2, "m3": 3} {
+		st := shardOf(t, all, m).State
+		if st.Worker(kvstate.WorkerKey{ID: id}) == nil || len(st.Model(m).Workers()) != 1 {
+			t.Errorf("shard %s: worker %d missing or not alone", m, id)
+		}
+	}
+}
+
+// TestShardsCreatedAtOnce: replicas meeting a new model at the same moment agree on its shard.
+func TestShardsCreatedAtOnce(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	var replicas []*redislog.Shards
+	for i := range 4 {
+		replicas = append(replicas, runShards(t, rdb, fmt.Sprint("r", i)))
+	}
+	var wg sync.WaitGroup
+	for _, r := range replicas {
+		wg.Go(func() { shardOf(t, r, "new-model") })
+	}
+	wg.Wait()
+	for i, r := range replicas {
+		if got, want := r.Prefix("new-model"), replicas[0].Prefix("new-model"); got != want {
+			t.Errorf("replica %d: shard under %q, replica 0's under %q", i, got, want)
+		}
+	}
+	n, err := rdb.HLen(context.Background(), "kvr:{"+t.Name()+"}:shards").Result()
+	if err != nil || n != 1 {
+		t.Errorf("registry holds %d shards (%v), want 1", n, err)
+	}
+}
