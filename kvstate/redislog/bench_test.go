@@ -284,11 +284,16 @@ func numbered(evs []kvstate.Event, next *uint64) []kvstate.Event {
 // State.Apply: the same changes in the same order, so the states are equal. It returns the next
 // event id of every worker.
 func fillStates(tb testing.TB, states ...*kvstate.State) []uint64 {
+	return fillStatesOf(tb, kvtest.Model, states...)
+}
+
+// fillStatesOf is fillStates with the workers registered for model.
+func fillStatesOf(tb testing.TB, model string, states ...*kvstate.State) []uint64 {
 	tb.Helper()
 	ring := kvtest.ApplyPrompts()
 	for _, st := range states {
 		for pod := range uint32(kvtest.Workers) {
-			inf := kvstate.WorkerInfo{Key: kvtest.WorkerKey(pod), Model: kvtest.Model, Role: kvstate.RoleAggregated, BlockSize: kvtest.BlockSize, TotalKVBlocks: 1 << 20, KVEventsEnabled: true}
+			inf := kvstate.WorkerInfo{Key: kvtest.WorkerKey(pod), Model: model, Role: kvstate.RoleAggregated, BlockSize: kvtest.BlockSize, TotalKVBlocks: 1 << 20, KVEventsEnabled: true}
 			if _, err := st.Apply(kvstate.WorkerUp{Info: inf}); err != nil {
 				tb.Fatalf("State.Apply(WorkerUp) = %v", err)
 			}

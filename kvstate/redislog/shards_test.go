@@ -200,3 +200,21 @@ func TestShardsCreatedAtOnce(t *testing.T) {
 		t.Errorf("registry holds %d shards (%v), want 1", n, err)
 	}
 }
+
+// TestReadyOnIdleLog: a replica starting on a log with nothing to read (a fresh deployment, or one
+// whose entries a snapshot covers) is ready once it has read it, not after a blocking read's wait
+// (20 s here, longer than the test waits).
+func TestReadyOnIdleLog(t *testing.T) {
+	srv := redistest.Start(t)
+	// As serve's client: a blocking read ends with its context, so the replica stops at cleanup.
+	rdb := redis.NewClient(&redis.Options{Addr: srv.Addr, ContextTimeoutEnabled: true})
+	defer rdb.Close()
+	r := startReplicasNamed(t, rdb, "idle", 1, func(o *redislog.Options) { o.ReadBlock = 20 * time.Second })[0]
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	select {
+	case <-r.log.Ready():
+	case <-ctx.Done():
+		t.Fatalf("a replica starting on an empty log was not ready within %v (its blocking reads wait 20 s)", redisTestTimeout)
+	}
+}

@@ -145,10 +145,18 @@ func (l *Log) Run(ctx context.Context) error {
 			}
 		}
 		l.maybeSnapshot(ctx)
+		block := l.opts.ReadBlock
+		select {
+		case <-l.ready:
+		default:
+			// Not caught up yet: read without blocking, so that a replica starting on an idle log
+			// is ready as soon as it has read it, not a ReadBlock later.
+			block = -1
+		}
 		streams, err := l.rdb.XRead(ctx, &redis.XReadArgs{
 			Streams: []string{l.opts.Stream(), l.LastID()},
 			Count:   l.opts.ReadCount,
-			Block:   l.opts.ReadBlock,
+			Block:   block,
 		}).Result()
 		switch {
 		case errors.Is(err, redis.Nil):
