@@ -37,6 +37,10 @@ type ShardsOptions struct {
 	NewState func() *kvstate.State
 	// Poll is how often the registry is read for shards that other replicas added; zero means 1 s.
 	Poll time.Duration
+	// WorkerGracePeriod, when set, gives every shard its worker leases (Leases, under the shard's
+	// prefix), swept every min(1 s, grace/3): a worker whose replica died is removed from its
+	// model's shard by whichever replica sees its lease run out. Zero: no leases.
+	WorkerGracePeriod time.Duration
 }
 
 // Shards is a log sharded by model: a kvstate.Shard (a State and a redislog.Log) per model, found in
@@ -54,10 +58,11 @@ type Shards struct {
 	wg     sync.WaitGroup
 }
 
-// shardRun is a shard and its Log.
+// shardRun is a shard, its Log and its worker leases (nil without a grace period).
 type shardRun struct {
 	shard  *kvstate.Shard
 	log    *Log
+	leases *Leases
 	prefix string
 }
 
@@ -118,6 +123,10 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	st := s.opts.NewState()
 	l := New(s.rdb, st, opts)
 	r := &shardRun{shard: &kvstate.Shard{Model: model, State: st, Log: l}, log: l, prefix: prefix}
+	if g := s.opts.WorkerGracePeriod; g > 0 {
+		r.leases = NewLeases(s.rdb, prefix, l, g, opts.Logger)
+		r.leases.AfterOutages(l)
+	}
 	s.shards[model] = r
 	if s.run != nil {
 		s.start(r)
@@ -125,10 +134,13 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	return r
 }
 
-// start runs r's Log until Run's context ends. The caller holds mu.
+// start runs r's Log, and its leases, until Run's context ends. The caller holds mu.
 func (s *Shards) start(r *shardRun) {
 	ctx := s.run
 	s.wg.Go(func() { _ = r.log.Run(ctx) })
+	if r.leases != nil {
+		s.wg.Go(func() { r.leases.Run(ctx, min(time.Second, s.opts.WorkerGracePeriod/3+time.Millisecond)) })
+	}
 }
 
 // Shards returns the shards this replica holds, by model name.
@@ -149,6 +161,17 @@ func (s *Shards) Log(model string) *Log {
 	defer s.mu.Unlock()
 	if r := s.shards[model]; r != nil {
 		return r.log
+	}
+	return nil
+}
+
+// Liveness returns the worker leases of model's shard, or nil when this replica holds none or
+// runs no leases (ShardsOptions.WorkerGracePeriod).
+func (s *Shards) Liveness(model string) kvstate.Liveness {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.shards[model]; r != nil && r.leases != nil {
+		return r.leases
 	}
 	return nil
 }

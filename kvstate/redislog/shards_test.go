@@ -20,18 +20,29 @@ import (
 // until the test ends.
 func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *redislog.Shards {
 	t.Helper()
-	s := redislog.NewShards(rdb, redislog.ShardsOptions{
-		Cluster: t.Name(), Models: models, Poll: 50 * time.Millisecond,
-		Log: redislog.Options{Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: quietLogger},
-	})
+	s, _ := runShardsWith(t, rdb, redislog.ShardsOptions{Models: models, Log: redislog.Options{Replica: replica}})
+	return s
+}
+
+// runShardsWith starts a sharded log with opts (the test's deployment, short polls and reads)
+// until the test ends, or until stop.
+func runShardsWith(t *testing.T, rdb redis.UniversalClient, opts redislog.ShardsOptions) (s *redislog.Shards, stop func()) {
+	t.Helper()
+	opts.Cluster, opts.Poll = t.Name(), 50*time.Millisecond
+	opts.Log.ReadBlock, opts.Log.Logger = 100*time.Millisecond, quietLogger
+	s = redislog.NewShards(rdb, opts)
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
 	go func() { _ = s.Run(ctx); close(done) }()
-	t.Cleanup(func() {
-		cancel()
-		<-done
-	})
-	return s
+	var once sync.Once
+	stop = func() {
+		once.Do(func() {
+			cancel()
+			<-done
+		})
+	}
+	t.Cleanup(stop)
+	return s, stop
 }
 
 // shardOf returns model's shard on s, failing the test on error.
@@ -216,5 +227,36 @@ func TestReadyOnIdleLog(t *testing.T) {
 	case <-r.log.Ready():
 	case <-ctx.Done():
 		t.Fatalf("a replica starting on an empty log was not ready within %v (its blocking reads wait 20 s)", redisTestTimeout)
+	}
+}
+
+// TestShardsLeases: each shard keeps its workers' leases under its own prefix; when the replica
+// holding a worker's stream dies, another replica removes the worker from that model's shard a
+// grace period later, and leaves the other shard's worker, whose replica lives, alone.
+func TestShardsLeases(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	const grace = 300 * time.Millisecond
+	a, stopA := runShardsWith(t, rdb, redislog.ShardsOptions{WorkerGracePeriod: grace, Log: redislog.Options{Replica: "a"}})
+	b, _ := runShardsWith(t, rdb, redislog.ShardsOptions{WorkerGracePeriod: grace, Log: redislog.Options{Replica: "b"}})
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+
+	onA, onB := shardOf(t, a, "m1"), shardOf(t, b, "m2")
+	publishTo(t, onA, 1, 4)
+	publishTo(t, onB, 2, 4)
+	a.Liveness("m1").Hold(ctx, kvstate.WorkerKey{ID: 1}, onA.State.Worker(kvstate.WorkerKey{ID: 1}).Status().Epoch)
+	releaseB := b.Liveness("m2").Hold(ctx, kvstate.WorkerKey{ID: 2}, onB.State.Worker(kvstate.WorkerKey{ID: 2}).Status().Epoch)
+	defer releaseB()
+	for m, holder := range map[string]*redislog.Shards{"m1": a, "m2": b} {
+		key := holder.Prefix(m) + ":leases"
+		eventually(t, "a lease under "+key, func() bool { n, err := rdb.ZCard(ctx, key).Result(); return err == nil && n == 1 })
+	}
+
+	stopA() // replica a dies with worker 1's stream
+	m1 := shardOf(t, b, "m1").State
+	eventually(t, "replica b removes worker 1 from m1's shard", func() bool { return m1.Worker(kvstate.WorkerKey{ID: 1}) == nil })
+	time.Sleep(2 * grace)
+	if shardOf(t, b, "m2").State.Worker(kvstate.WorkerKey{ID: 2}) == nil {
+		t.Errorf("worker 2, held by the live replica b, was removed from m2's shard")
 	}
 }
