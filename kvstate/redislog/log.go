@@ -449,7 +449,8 @@ func (l *Log) runCommitter(ctx context.Context) {
 				}
 				batch[i].result <- err
 			}
-			clear(batch) // drop the references to delivered requests
+			clear(batch) // drop the references to delivered requests and their data
+			clear(entries)
 		}
 	}
 }
