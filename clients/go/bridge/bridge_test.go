@@ -45,14 +45,36 @@ type engine struct {
 	buffer []enginefeed.Message // every batch sent, for replay
 }
 
-func freeTCP(t testing.TB) string {
+func freeTCP(t testing.TB) string { return freeTCPRun(t, 1) }
+
+// freeTCPRun returns the endpoint of a loopback port that is free, with the n-1 ports after it (a
+// bridge serving n data-parallel ranks subscribes to them): another package's test, running at
+// the same time, may hold the port after a free one.
+func freeTCPRun(t testing.TB, n int) string {
 	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
+	for range 100 {
+		lis, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		port := lis.Addr().(*net.TCPAddr).Port
+		held := []net.Listener{lis}
+		for i := 1; i < n; i++ {
+			next, err := net.Listen("tcp", fmt.Sprintf("127.0.0.1:%d", port+i))
+			if err != nil {
+				break
+			}
+			held = append(held, next)
+		}
+		for _, l := range held {
+			l.Close()
+		}
+		if len(held) == n {
+			return fmt.Sprintf("tcp://127.0.0.1:%d", port)
+		}
 	}
-	defer lis.Close()
-	return "tcp://" + lis.Addr().String()
+	t.Fatalf("no run of %d free loopback ports found", n)
+	return ""
 }
 
 func startEngine(t *testing.T, ctx context.Context, endpoint string, withReplay bool) *engine {
@@ -180,6 +202,7 @@ type fixtureOptions struct {
 	replay      bool
 	dialOptions []grpc.DialOption
 	mutate      func(*bridge.Options)
+	ports       int // free ports from the engine's endpoint on, one per data-parallel rank (0: 1)
 }
 
 func newFixture(t *testing.T, fo fixtureOptions) *fixture {
@@ -199,7 +222,7 @@ func newFixture(t *testing.T, fo fixtureOptions) *fixture {
 	t.Cleanup(func() { conn.Close() })
 	f := &fixture{t: t, ctx: ctx, reg: prometheus.NewRegistry(), admin: kvrouterv1.NewAdminServiceClient(conn),
 		router: kvrouterv1.NewRouterServiceClient(conn), done: make(chan error, 1)}
-	f.engine = startEngine(t, ctx, freeTCP(t), fo.replay)
+	f.engine = startEngine(t, ctx, freeTCPRun(t, max(1, fo.ports)), fo.replay)
 	opts := bridge.Options{
 		Hello: &kvrouterv1.WorkerHello{WorkerId: workerID, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 			BlockSize: blockSize, TotalKvBlocks: 1 << 20, Endpoint: "10.0.0.9:8000", KvEventsEnabled: true},
@@ -442,7 +465,7 @@ func TestResyncRequestIsAnsweredFromTheMirror(t *testing.T) {
 // TestDataParallelRanks: one bridge serves two ranks, on the endpoint's port and the next one.
 func TestDataParallelRanks(t *testing.T) {
 	var rank1 *engine
-	f := newFixture(t, fixtureOptions{mutate: func(o *bridge.Options) {
+	f := newFixture(t, fixtureOptions{ports: 2, mutate: func(o *bridge.Options) {
 		o.DPRanks = 2
 		ep, err := bridge.RankEndpoint(o.Endpoint, 1)
 		if err != nil {
