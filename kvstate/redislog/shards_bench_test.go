@@ -7,68 +7,76 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
 // BenchmarkRedisShardsColdStart measures a replica's cold start from the snapshots of a sharded
 // log: shards=N models, each shard's snapshot holding the ~1.06M-block fill of fillStates (64
-// workers of its model), so N=10 is 10.6M blocks. A new replica serving all models (redislog.Shards)
-// is timed from the start of its Run until every shard's Log is ready (snapshot read and restored,
-// stream read to its end); its shards' digests must equal the states the snapshots were made from.
-// One Redis server on loopback. Metrics: coldstart-ms, blocks (in all shards).
+// workers of its model), so N=10 is 10.6M blocks. The shards are registered through
+// redislog.Shards, so on the 3-master cluster their tags spread over the masters. A new replica
+// serving all models is timed from the start of its Run until every shard's Log is ready (snapshot
+// read and restored, stream read to its end); its shards' digests must equal the states the
+// snapshots were made from. Metrics: coldstart-ms, blocks (in all shards).
 func BenchmarkRedisShardsColdStart(b *testing.B) {
-	srv := redistest.Start(b)
-	for _, shards := range []int{1, 10} {
-		b.Run(fmt.Sprintf("shards=%d", shards), func(b *testing.B) {
-			rdb := srv.Client()
-			ctx := context.Background()
-			cluster := fmt.Sprintf("coldstart%d", shards)
-			registry := "kvr:{" + cluster + "}:shards"
-			want := map[string]uint64{}
-			blocks := 0
-			for i := range shards {
-				model := fmt.Sprintf("m%d", i)
-				st := kvstate.NewState()
-				fillStatesOf(b, model, st)
-				prefix := "kvr:{" + cluster + "/" + model + "}"
-				seedFill(b, rdb, prefix, st)
-				if err := rdb.HSet(ctx, registry, model, prefix).Err(); err != nil {
-					b.Fatal(err)
-				}
-				want[model] = st.Digest()
-				blocks += int(st.IndexBlocks())
+	for _, target := range redisTargets {
+		b.Run("redis="+target.name, func(b *testing.B) {
+			client := clientsOf(b, target.start(b))
+			for _, shards := range []int{1, 10} {
+				b.Run(fmt.Sprintf("shards=%d", shards), func(b *testing.B) { benchShardsColdStart(b, client, shards) })
 			}
-			runtime.GC()
-			var took time.Duration
-			for b.Loop() {
-				s := redislog.NewShards(srv.Client(), redislog.ShardsOptions{Cluster: cluster, Poll: time.Hour,
-					Log: redislog.Options{Replica: "cold", Logger: quietLogger}})
-				runCtx, cancel := context.WithCancel(ctx)
-				done := make(chan struct{})
-				start := time.Now()
-				go func() { _ = s.Run(runCtx); close(done) }()
-				for len(s.Shards()) < shards {
-					time.Sleep(100 * time.Microsecond)
-				}
-				for _, sh := range s.Shards() {
-					<-s.Log(sh.Model).Ready()
-				}
-				took += time.Since(start)
-				b.StopTimer()
-				for _, sh := range s.Shards() {
-					if got := sh.State.Digest(); got != want[sh.Model] {
-						b.Fatalf("shard %s: digest %x after the cold start, want %x", sh.Model, got, want[sh.Model])
-					}
-				}
-				cancel()
-				<-done
-				runtime.GC()
-				b.StartTimer()
-			}
-			b.ReportMetric(millis(took)/float64(b.N), "coldstart-ms")
-			b.ReportMetric(float64(blocks), "blocks")
 		})
 	}
+}
+
+func benchShardsColdStart(b *testing.B, client func() redis.UniversalClient, shards int) {
+	rdb := client()
+	ctx := context.Background()
+	cluster := fmt.Sprintf("coldstart%d", benchPrefixes.Add(1))
+	// A sharded log that never runs: it registers the shards and tells their prefixes.
+	registrar := redislog.NewShards(rdb, redislog.ShardsOptions{Cluster: cluster})
+	want := map[string]uint64{}
+	blocks := 0
+	for i := range shards {
+		model := fmt.Sprintf("m%d", i)
+		if _, err := registrar.Shard(ctx, model); err != nil {
+			b.Fatal(err)
+		}
+		st := kvstate.NewState()
+		fillStatesOf(b, model, st)
+		seedFill(b, rdb, registrar.Prefix(model), st)
+		want[model] = st.Digest()
+		blocks += int(st.IndexBlocks())
+	}
+	runtime.GC()
+	var took time.Duration
+	for b.Loop() {
+		s := redislog.NewShards(client(), redislog.ShardsOptions{Cluster: cluster, Poll: time.Hour,
+			Log: redislog.Options{Replica: "cold", Logger: quietLogger}})
+		runCtx, cancel := context.WithCancel(ctx)
+		done := make(chan struct{})
+		start := time.Now()
+		go func() { _ = s.Run(runCtx); close(done) }()
+		for len(s.Shards()) < shards {
+			time.Sleep(100 * time.Microsecond)
+		}
+		for _, sh := range s.Shards() {
+			<-s.Log(sh.Model).Ready()
+		}
+		took += time.Since(start)
+		b.StopTimer()
+		for _, sh := range s.Shards() {
+			if got := sh.State.Digest(); got != want[sh.Model] {
+				b.Fatalf("shard %s: digest %x after the cold start, want %x", sh.Model, got, want[sh.Model])
+			}
+		}
+		cancel()
+		<-done
+		runtime.GC()
+		b.StartTimer()
+	}
+	b.ReportMetric(millis(took)/float64(b.N), "coldstart-ms")
+	b.ReportMetric(float64(blocks), "blocks")
 }
