@@ -78,24 +78,32 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 		opts.Presence = kvstate.NewPresence()
 	}
 	srv := New(opts)
+	conn := serveBufconn(t, srv)
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	t.Cleanup(cancel)
+	return &testEnv{
+		t: t, state: state, presence: opts.Presence, log: opts.Log, srv: srv, registry: registry, conn: conn, ctx: ctx,
+		router: kvrouterv1.NewRouterServiceClient(conn), workers: kvrouterv1.NewWorkerServiceClient(conn), admin: kvrouterv1.NewAdminServiceClient(conn),
+	}
+}
+
+// serveBufconn serves srv on an in-memory listener until the test ends, and returns a client
+// connection to it.
+func serveBufconn(tb testing.TB, srv *Server) *grpc.ClientConn {
+	tb.Helper()
 	lis := bufconn.Listen(1 << 20)
 	go srv.Serve(lis)
 	conn, err := grpc.NewClient("passthrough:///bufnet",
 		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
 		grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
-		t.Fatalf("grpc.NewClient() = %v", err)
+		tb.Fatalf("grpc.NewClient() = %v", err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
-	t.Cleanup(func() {
-		cancel()
+	tb.Cleanup(func() {
 		conn.Close()
 		srv.Stop()
 	})
-	return &testEnv{
-		t: t, state: state, presence: opts.Presence, log: opts.Log, srv: srv, registry: registry, conn: conn, ctx: ctx,
-		router: kvrouterv1.NewRouterServiceClient(conn), workers: kvrouterv1.NewWorkerServiceClient(conn), admin: kvrouterv1.NewAdminServiceClient(conn),
-	}
+	return conn
 }
 
 // eventually waits until cond holds (kvtest.Eventually, with the tests' timeout).

@@ -18,10 +18,8 @@ import (
 	"go.opentelemetry.io/otel/trace"
 	coltracepb "go.opentelemetry.io/proto/otlp/collector/trace/v1"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/grpc/test/bufconn"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -305,20 +303,7 @@ func routeBench(b *testing.B, mutate func(*Options)) (kvrouterv1.RouterServiceCl
 	if mutate != nil {
 		mutate(&opts)
 	}
-	srv := New(opts)
-	lis := bufconn.Listen(1 << 20)
-	go srv.Serve(lis)
-	conn, err := grpc.NewClient("passthrough:///bufnet",
-		grpc.WithContextDialer(func(ctx context.Context, _ string) (net.Conn, error) { return lis.DialContext(ctx) }),
-		grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		b.Fatalf("grpc.NewClient() = %v", err)
-	}
-	b.Cleanup(func() {
-		conn.Close()
-		srv.Stop()
-	})
-	return kvrouterv1.NewRouterServiceClient(conn), prompt
+	return kvrouterv1.NewRouterServiceClient(serveBufconn(b, New(opts))), prompt
 }
 
 // otlpReceiver is an OTLP/gRPC trace receiver on loopback that counts and drops what it gets.
