@@ -359,6 +359,14 @@ func (l *Load) Bookings() int {
 	return len(l.bookings)
 }
 
+// Booked reports whether request id has a live booking here.
+func (l *Load) Booked(id string) bool {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	_, ok := l.bookings[id]
+	return ok
+}
+
 // BookingIDs returns the ids of live bookings, sorted (for digests and tests).
 func (l *Load) BookingIDs() []string {
 	l.mu.RLock()

@@ -11,3 +11,22 @@ type Shard struct {
 	State *State
 	Log   Log
 }
+
+// ShardSource finds the shards a replica holds: redislog.Shards for a log sharded by model, OneShard
+// otherwise.
+type ShardSource interface {
+	// Lookup returns the shard holding model on this replica, if there is one.
+	Lookup(model string) (*Shard, bool)
+	// Shards returns every shard this replica holds.
+	Shards() []*Shard
+}
+
+// OneShard is the ShardSource of a replica whose log is not sharded: its one shard holds every
+// model.
+type OneShard struct{ Shard *Shard }
+
+// Lookup returns the one shard, whatever the model.
+func (o OneShard) Lookup(string) (*Shard, bool) { return o.Shard, true }
+
+// Shards returns the one shard.
+func (o OneShard) Shards() []*Shard { return []*Shard{o.Shard} }

@@ -155,6 +155,20 @@ func (s *Shards) Shards() []*kvstate.Shard {
 	return out
 }
 
+// Lookup returns the shard of model, if this replica holds one; unlike Shard it never creates
+// one (a Route for a model no worker registered has nothing to route to).
+func (s *Shards) Lookup(model string) (*kvstate.Shard, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if r := s.shards[model]; r != nil {
+		return r.shard, true
+	}
+	return nil, false
+}
+
+// A sharded log is a source of shards for the edge.
+var _ kvstate.ShardSource = (*Shards)(nil)
+
 // Log returns the Log of model's shard, or nil when this replica holds none.
 func (s *Shards) Log(model string) *Log {
 	s.mu.Lock()

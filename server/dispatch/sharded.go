@@ -1,0 +1,116 @@
+package dispatch
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// Sharded routes over the shards of a log sharded by model (docs/architecture.md, "The shared
+// log's order, and sharding it by model"): each shard is a state machine of its own, so each gets
+// a Dispatcher of its own (its kernel reads that shard's state, its bookings go through that
+// shard's log, its queue waits for that shard's capacity), and a request goes to its model's. It
+// offers what a Dispatcher does, so the edge can hold either.
+type Sharded struct {
+	source kvstate.ShardSource
+	config policy.Config
+	// Now is the clock of every shard's dispatcher (Dispatcher.Now); tests replace it before use.
+	Now func() time.Time
+
+	mu          sync.Mutex
+	dispatchers map[*kvstate.Shard]*Dispatcher
+}
+
+// NewSharded returns a router over the shards source holds, deciding with cfg in each.
+func NewSharded(source kvstate.ShardSource, cfg policy.Config) *Sharded {
+	return &Sharded{source: source, config: cfg, Now: time.Now, dispatchers: make(map[*kvstate.Shard]*Dispatcher)}
+}
+
+// Config returns the routing configuration.
+func (s *Sharded) Config() policy.Config { return s.config }
+
+// dispatcher returns the dispatcher of sh, made on first use.
+func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	d := s.dispatchers[sh]
+	if d == nil {
+		d = New(sh.State, sh.Log, policy.NewKernel(sh.State, s.config))
+		d.Now = s.Now
+		s.dispatchers[sh] = d
+	}
+	return d
+}
+
+// Route routes req in its model's shard. A model this replica holds no shard of has no worker
+// here: policy.ErrUnknownModel, as a Dispatcher answers for a model without workers.
+func (s *Sharded) Route(ctx context.Context, req *Request) (*policy.Decision, error) {
+	sh, ok := s.source.Lookup(req.Model)
+	if !ok {
+		return nil, fmt.Errorf("%w: %q", policy.ErrUnknownModel, req.Model)
+	}
+	return s.dispatcher(sh).Route(ctx, req)
+}
+
+// PrefillComplete ends the prefill part of request id's booking, in the shard that holds it.
+func (s *Sharded) PrefillComplete(ctx context.Context, id string) error {
+	return s.endBooking(ctx, id, (*Dispatcher).PrefillComplete)
+}
+
+// Free ends request id's booking, in the shard that holds it.
+func (s *Sharded) Free(ctx context.Context, id string) error {
+	return s.endBooking(ctx, id, (*Dispatcher).Free)
+}
+
+// endBooking ends request id's booking with end, in the shard whose state holds it. A request names
+// no model, so when no shard here holds it yet (another replica booked it moments ago and the
+// booking is still on its way through its shard's log), every shard is asked at once: each waits
+// for the booking to arrive as its log does (redislog's BookingArrivalWait), at most one holds it,
+// and the others append nothing.
+func (s *Sharded) endBooking(ctx context.Context, id string, end func(*Dispatcher, context.Context, string) error) error {
+	shards := s.source.Shards()
+	for _, sh := range shards {
+		if sh.State.Load().Booked(id) {
+			return end(s.dispatcher(sh), ctx, id)
+		}
+	}
+	switch len(shards) {
+	case 0:
+		return fmt.Errorf("request_id %q: %w (never booked, already freed, or expired)", id, kvstate.ErrUnknownRequest)
+	case 1:
+		return end(s.dispatcher(shards[0]), ctx, id)
+	}
+	errs := make([]error, len(shards))
+	var wg sync.WaitGroup
+	for i, sh := range shards {
+		wg.Go(func() { errs[i] = end(s.dispatcher(sh), ctx, id) })
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err == nil {
+			return nil
+		}
+	}
+	for _, err := range errs {
+		if !errors.Is(err, kvstate.ErrUnknownRequest) {
+			return err // a shard could not tell (its log unreachable): the caller may retry
+		}
+	}
+	return errs[0]
+}
+
+// QueueDepth returns the number of requests waiting for capacity, in every shard.
+func (s *Sharded) QueueDepth() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	n := 0
+	for _, d := range s.dispatchers {
+		n += d.QueueDepth()
+	}
+	return n
+}

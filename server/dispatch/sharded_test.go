@@ -1,0 +1,150 @@
+package dispatch
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"slices"
+	"testing"
+	"time"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/policy"
+)
+
+// modelShards is a ShardSource of in-process shards, one per model.
+type modelShards map[string]*kvstate.Shard
+
+func (m modelShards) Lookup(model string) (*kvstate.Shard, bool) { sh, ok := m[model]; return sh, ok }
+func (m modelShards) Shards() []*kvstate.Shard {
+	var out []*kvstate.Shard
+	for _, sh := range m {
+		out = append(out, sh)
+	}
+	return out
+}
+
+// register registers aggregated worker id of the shard's model through its log, caching the first
+// blocks of tokens.
+func register(t *testing.T, sh *kvstate.Shard, id uint64, tokens []uint32, blocks int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	key := kvstate.WorkerKey{ID: id}
+	if _, err := sh.Log.Append(ctx, kvstate.WorkerUp{Info: kvstate.WorkerInfo{Key: key, Model: sh.Model, Role: kvstate.RoleAggregated,
+		BlockSize: testBlockSize, TotalKVBlocks: 1000, MaxNumBatchedTokens: 8192, KVEventsEnabled: true}}); err != nil {
+		t.Fatalf("%s: WorkerUp = %v", sh.Model, err)
+	}
+	local := blockhash.Locals(nil, tokens, testBlockSize, blockhash.Salt("", ""))[:blocks]
+	var stored []kvstate.Block
+	for i, h := range local {
+		stored = append(stored, kvstate.Block{Hash: id<<32 | uint64(i), Local: h})
+	}
+	if _, err := sh.Log.Append(ctx, kvstate.KVEvents{Worker: key, Events: []kvstate.Event{{ID: 0, Tier: kvstate.TierDevice, Kind: kvstate.EventStored, Blocks: stored}}}); err != nil {
+		t.Fatalf("%s: KVEvents = %v", sh.Model, err)
+	}
+}
+
+// TestShardedRoutesInTheModelsShard: each request decides and books in its model's shard; ending a
+// booking finds the shard that holds it; a model with no shard here is unknown, as is a request
+// no shard holds.
+func TestShardedRoutesInTheModelsShard(t *testing.T) {
+	source := modelShards{}
+	for _, m := range []string{"a", "b"} {
+		st := kvstate.NewState()
+		source[m] = &kvstate.Shard{Model: m, State: st, Log: kvstate.NewMemLog(st)}
+	}
+	tokens := prompt(4 * testBlockSize)
+	register(t, source["a"], 1, tokens, 4)
+	register(t, source["b"], 2, tokens, 2)
+	s := NewSharded(source, policy.DefaultConfig())
+	ctx := context.Background()
+
+	for model, worker := range map[string]uint64{"a": 1, "b": 2} {
+		req := &Request{Request: policy.Request{ID: "req-" + model, Model: model, Tokens: tokens}}
+		dec, err := s.Route(ctx, req)
+		if err != nil || !dec.Booked || dec.Decode.Worker.Info.Key.ID != worker {
+			t.Fatalf("Route(model %s) = %+v, %v; want booked on worker %d", model, dec, err, worker)
+		}
+		if got := source[model].State.Load().BookingIDs(); !slices.Equal(got, []string{req.ID}) {
+			t.Errorf("shard %s bookings = %v, want only %s", model, got, req.ID)
+		}
+	}
+	if _, err := s.Route(ctx, &Request{Request: policy.Request{ID: "c", Model: "c", Tokens: tokens}}); !errors.Is(err, policy.ErrUnknownModel) {
+		t.Errorf("Route(model c) = %v, want ErrUnknownModel", err)
+	}
+	if err := s.PrefillComplete(ctx, "req-b"); err != nil {
+		t.Errorf("PrefillComplete(req-b) = %v", err)
+	}
+	if err := s.Free(ctx, "req-a"); err != nil {
+		t.Errorf("Free(req-a) = %v", err)
+	}
+	if a, b := source["a"].State.Load().Bookings(), source["b"].State.Load().Bookings(); a != 0 || b != 1 {
+		t.Errorf("bookings after freeing req-a: a %d, b %d; want 0 and 1", a, b)
+	}
+	if err := s.Free(ctx, "req-a"); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("Free(req-a) again = %v, want ErrUnknownRequest", err)
+	}
+	if n := s.QueueDepth(); n != 0 {
+		t.Errorf("QueueDepth() = %d, want 0", n)
+	}
+}
+
+// TestShardedFreeOnAnotherReplica: with a log sharded by model in Redis, a request routed on one
+// replica is freed on another at once, while its booking may still be on its way through its
+// shard's log, although that replica holds another shard too.
+func TestShardedFreeOnAnotherReplica(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	run := func(replica string) *redislog.Shards {
+		s := redislog.NewShards(rdb, redislog.ShardsOptions{Cluster: t.Name(), Poll: 20 * time.Millisecond,
+			Log: redislog.Options{Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = s.Run(ctx); close(done) }()
+		t.Cleanup(func() {
+			cancel()
+			<-done
+		})
+		return s
+	}
+	a, b := run("a"), run("b")
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	tokens := prompt(4 * testBlockSize)
+	for i, m := range []string{"m1", "m2"} {
+		sh, err := a.Shard(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		register(t, sh, uint64(i+1), tokens, 4)
+	}
+	kvtest.Eventually(t, testTimeout, "replica b to hold both shards", func() bool {
+		for i, m := range []string{"m1", "m2"} {
+			if sh, ok := b.Lookup(m); !ok || sh.State.Worker(kvstate.WorkerKey{ID: uint64(i + 1)}) == nil {
+				return false
+			}
+		}
+		return true
+	})
+	onA, onB := NewSharded(a, policy.DefaultConfig()), NewSharded(b, policy.DefaultConfig())
+	for i := range 20 {
+		id := "req-" + string(rune('a'+i))
+		if _, err := onA.Route(ctx, &Request{Request: policy.Request{ID: id, Model: "m1", Tokens: tokens}}); err != nil {
+			t.Fatalf("Route on a = %v", err)
+		}
+		if err := onB.Free(ctx, id); err != nil {
+			t.Fatalf("Free(%s) on b right after its Route on a = %v", id, err)
+		}
+	}
+	m1 := func(s *redislog.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
+	kvtest.Eventually(t, testTimeout, "no booking left on either replica", func() bool {
+		return m1(a).Load().Bookings() == 0 && m1(b).Load().Bookings() == 0
+	})
+	if err := onB.Free(ctx, "req-a"); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("Free(req-a) again on b = %v, want ErrUnknownRequest", err)
+	}
+}
