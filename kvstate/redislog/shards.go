@@ -41,6 +41,9 @@ type ShardsOptions struct {
 	// prefix), swept every min(1 s, grace/3): a worker whose replica died is removed from its
 	// model's shard by whichever replica sees its lease run out. Zero: no leases.
 	WorkerGracePeriod time.Duration
+	// Observers are installed on every shard's Log as it is made (the edge's metrics and tracing
+	// hooks), so that a shard another replica added later is observed like the first.
+	Observers kvstate.Observers
 }
 
 // Shards is a log sharded by model: a kvstate.Shard (a State and a redislog.Log) per model, found in
@@ -122,6 +125,7 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	opts.Prefix = prefix
 	st := s.opts.NewState()
 	l := New(s.rdb, st, opts)
+	l.Observe(s.opts.Observers)
 	r := &shardRun{shard: &kvstate.Shard{Model: model, State: st, Log: l}, log: l, prefix: prefix}
 	if g := s.opts.WorkerGracePeriod; g > 0 {
 		r.leases = NewLeases(s.rdb, prefix, l, g, opts.Logger)

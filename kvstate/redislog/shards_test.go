@@ -149,7 +149,10 @@ func TestShardsServeSubset(t *testing.T) {
 
 	publishTo(t, shardOf(t, writer, "m1"), 1, 8)
 	publishTo(t, shardOf(t, writer, "m2"), 2, 5)
-	late := runShards(t, rdb, "late") // starts after both shards exist
+	var appliedMu sync.Mutex
+	applied := 0                                                                                    // entries the late replica applied, in any shard (its observers)
+	late, _ := runShardsWith(t, rdb, redislog.ShardsOptions{Log: redislog.Options{Replica: "late"}, // starts after both shards exist
+		Observers: kvstate.Observers{Apply: func(time.Duration) { appliedMu.Lock(); applied++; appliedMu.Unlock() }}})
 	publishTo(t, shardOf(t, writer, "m3"), 3, 3)
 
 	digests := func(s *redislog.Shards) map[string]uint64 {
@@ -165,6 +168,11 @@ func TestShardsServeSubset(t *testing.T) {
 	}
 	eventually(t, "the replica serving all models holds every shard, as applied by the writer", func() bool {
 		return cmp.Equal(want, digests(all)) && cmp.Equal(want, digests(late))
+	})
+	eventually(t, "the late replica's observers to see the entries of every shard", func() bool {
+		appliedMu.Lock()
+		defer appliedMu.Unlock()
+		return applied >= 6 // two entries (a hello, a batch) in each of the three shards
 	})
 	eventually(t, "the replica serving m1 applies m1's shard", func() bool {
 		return cmp.Equal(map[string]uint64{"m1": want["m1"]}, digests(one))
