@@ -238,3 +238,50 @@ func TestHousekeeperRemovesOnce(t *testing.T) {
 		t.Error("the worker that registered elsewhere was removed")
 	}
 }
+
+// TestHousekeeperShards: over a shard per model, a worker whose stream closed past the grace period
+// is removed from its model's shard only (the other shard's log gets nothing), and bookings
+// expire in the shard that holds them.
+func TestHousekeeperShards(t *testing.T) {
+	ctx := context.Background()
+	shards := &MemShards{}
+	presence := NewPresence()
+	t0 := time.Unix(1_000_000, 0)
+	for i, model := range []string{"a", "b"} {
+		sh, _ := shards.Open(ctx, model)
+		key := WorkerKey{ID: uint64(i + 1)}
+		wi := info(key)
+		wi.Model = model
+		res, err := sh.Log.Append(ctx, WorkerUp{Info: wi})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := sh.Log.Append(ctx, bookReq("r-"+model, t0.UnixNano(), hop(key, 10, seq(la)...))); err != nil {
+			t.Fatal(err)
+		}
+		presence.Connected(key)
+		if model == "b" {
+			presence.Disconnected(key, t0.UnixNano(), res.Epoch)
+		}
+	}
+	a, _ := shards.Lookup("a")
+	b, _ := shards.Lookup("b")
+	aBefore := a.Log.Position()
+	h := &Housekeeper{Shards: shards, Presence: presence, Grace: time.Second, BookingExpiry: time.Minute,
+		Now: func() time.Time { return t0.Add(2 * time.Second) }, Logger: slog.New(slog.DiscardHandler)}
+	h.Sweep(ctx)
+	if b.State.Worker(WorkerKey{ID: 2}) != nil || a.State.Worker(WorkerKey{ID: 1}) == nil {
+		t.Errorf("after the grace period: worker 2 (model b, disconnected) should be gone and worker 1 (model a) kept")
+	}
+	if got := a.Log.Position() - aBefore; got != 0 {
+		t.Errorf("model a's shard got %d changes from the removal of model b's worker, want 0", got)
+	}
+	if len(presence.Disconnections()) != 0 {
+		t.Errorf("the removed worker's disconnection is still owed: %v", presence.Disconnections())
+	}
+	h.Now = func() time.Time { return t0.Add(2 * time.Minute) }
+	h.Sweep(ctx)
+	if n := a.State.Load().Bookings(); n != 0 {
+		t.Errorf("model a's shard holds %d bookings past the expiry, want 0", n)
+	}
+}

@@ -1,5 +1,13 @@
 package kvstate
 
+import (
+	"context"
+	"errors"
+	"slices"
+	"strings"
+	"sync"
+)
+
 // Shard is one state machine: a State and the Log every change to it goes through. A deployment
 // whose shared log is split by model (kvstate/redislog.Shards) runs one shard per model, each
 // applied on its own and in its own order; otherwise one shard holds every model. Nothing in a
@@ -10,23 +18,114 @@ type Shard struct {
 	Model string
 	State *State
 	Log   Log
+	// Liveness keeps the shard's workers alive while their streams are open on some replica; nil
+	// means LocalLiveness (one process).
+	Liveness Liveness
 }
 
+// ErrModelNotServed: the replica is configured to serve other models only, so it holds no shard
+// for this one.
+var ErrModelNotServed = errors.New("model is not served by this replica")
+
 // ShardSource finds the shards a replica holds: redislog.Shards for a log sharded by model, OneShard
-// otherwise.
+// otherwise. The edge holds one and never knows which.
 type ShardSource interface {
-	// Lookup returns the shard holding model on this replica, if there is one.
+	// Open returns the shard that holds model, creating it if no replica has yet (a worker's hello
+	// naming a new model). ErrModelNotServed when this replica serves other models only;
+	// ErrLogUnavailable when the store could not be asked.
+	Open(ctx context.Context, model string) (*Shard, error)
+	// Lookup returns the shard holding model on this replica, if there is one; unlike Open it
+	// never creates one.
 	Lookup(model string) (*Shard, bool)
-	// Shards returns every shard this replica holds.
+	// Shards returns every shard this replica holds, in model order.
 	Shards() []*Shard
+	// Ready is closed once this replica has caught up with the shards it found at start (a
+	// replica routing before would route from a partial view); nil when there is nothing to catch
+	// up with (an unshared, in-process log).
+	Ready() <-chan struct{}
+	// Observe installs timing hooks on every shard's shared log, including shards added later.
+	Observe(Observers)
 }
 
 // OneShard is the ShardSource of a replica whose log is not sharded: its one shard holds every
 // model.
 type OneShard struct{ Shard *Shard }
 
+// Open returns the one shard, whatever the model.
+func (o OneShard) Open(context.Context, string) (*Shard, error) { return o.Shard, nil }
+
 // Lookup returns the one shard, whatever the model.
 func (o OneShard) Lookup(string) (*Shard, bool) { return o.Shard, true }
 
 // Shards returns the one shard.
 func (o OneShard) Shards() []*Shard { return []*Shard{o.Shard} }
+
+// Ready is the shared log's (nil for a log that is not shared).
+func (o OneShard) Ready() <-chan struct{} {
+	if sl, ok := o.Shard.Log.(SharedLog); ok {
+		return sl.Ready()
+	}
+	return nil
+}
+
+// Observe installs obs on the shared log (nothing for a log that is not shared).
+func (o OneShard) Observe(obs Observers) {
+	if sl, ok := o.Shard.Log.(SharedLog); ok {
+		sl.Observe(obs)
+	}
+}
+
+// MemShards is an in-process ShardSource with a shard (a State and a MemLog) per model, made when
+// a worker of the model first registers: the layout of a sharded shared log, in one process.
+type MemShards struct {
+	mu     sync.Mutex
+	shards map[string]*Shard
+	// NewState returns the state of a new shard; nil means NewState.
+	NewState func() *State
+}
+
+// Open returns model's shard, making it on first use.
+func (m *MemShards) Open(_ context.Context, model string) (*Shard, error) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if sh := m.shards[model]; sh != nil {
+		return sh, nil
+	}
+	newState := m.NewState
+	if newState == nil {
+		newState = NewState
+	}
+	st := newState()
+	sh := &Shard{Model: model, State: st, Log: NewMemLog(st)}
+	if m.shards == nil {
+		m.shards = make(map[string]*Shard)
+	}
+	m.shards[model] = sh
+	return sh, nil
+}
+
+// Lookup returns model's shard, if one was made.
+func (m *MemShards) Lookup(model string) (*Shard, bool) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	sh, ok := m.shards[model]
+	return sh, ok
+}
+
+// Shards returns every shard, in model order.
+func (m *MemShards) Shards() []*Shard {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	out := make([]*Shard, 0, len(m.shards))
+	for _, sh := range m.shards {
+		out = append(out, sh)
+	}
+	slices.SortFunc(out, func(a, b *Shard) int { return strings.Compare(a.Model, b.Model) })
+	return out
+}
+
+// Ready is nil: an in-process log has nothing to catch up with.
+func (m *MemShards) Ready() <-chan struct{} { return nil }
+
+// Observe does nothing: an in-process log has no timings to report.
+func (m *MemShards) Observe(Observers) {}

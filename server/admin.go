@@ -3,6 +3,8 @@ package server
 import (
 	"context"
 	"fmt"
+	"hash/fnv"
+	"strings"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -12,32 +14,82 @@ import (
 // adminService implements AdminService.
 type adminService struct {
 	kvrouterv1.UnimplementedAdminServiceServer
-	state    *kvstate.State
+	shards kvstate.ShardSource
+	// sharded: the log is sharded by model, and GetState reports each shard.
+	sharded  bool
 	presence *kvstate.Presence
-	log      kvstate.Log
 	config   []config.Entry
 }
 
 func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*kvrouterv1.GetStateResponse, error) {
-	resp := &kvrouterv1.GetStateResponse{Log: "embedded", LogPosition: s.log.Position(), SharedStateComplete: true}
-	if sl, ok := s.log.(kvstate.SharedLog); ok {
-		resp.Log, resp.LogLastId, resp.PendingChanges = sl.Backend(), sl.LastID(), uint64(sl.Pending())
-		resp.LogGeneration, resp.SharedStateComplete = sl.Generation(), !sl.Incomplete()
+	shards := s.shards.Shards()
+	states := make([]*kvrouterv1.ShardState, len(shards))
+	for i, sh := range shards {
+		states[i] = shardState(sh)
 	}
-	resp.Digest = fmt.Sprintf("%016x", s.state.Digest())
-	for _, m := range s.state.Models() {
-		resp.Workers += uint64(len(m.Workers()))
-		resp.IndexBlocks += uint64(m.Index.Len())
+	if !s.sharded && len(states) == 1 {
+		one := states[0]
+		return &kvrouterv1.GetStateResponse{Log: logBackend(shards[0].Log), LogPosition: one.LogPosition, LogLastId: one.LogLastId,
+			PendingChanges: one.PendingChanges, Digest: one.Digest, Workers: one.Workers, IndexBlocks: one.IndexBlocks,
+			Bookings: one.Bookings, LogGeneration: one.LogGeneration, SharedStateComplete: one.SharedStateComplete}, nil
 	}
-	resp.Bookings = uint64(s.state.Load().Bookings())
+	resp := &kvrouterv1.GetStateResponse{Log: "embedded", SharedStateComplete: true, Shards: states}
+	var lastIDs, generations []string
+	digest := fnv.New64a()
+	for i, st := range states {
+		resp.Log = logBackend(shards[i].Log)
+		resp.LogPosition += st.LogPosition
+		resp.PendingChanges += st.PendingChanges
+		resp.Workers += st.Workers
+		resp.IndexBlocks += st.IndexBlocks
+		resp.Bookings += st.Bookings
+		resp.SharedStateComplete = resp.SharedStateComplete && st.SharedStateComplete
+		lastIDs = append(lastIDs, st.Model+"="+st.LogLastId)
+		generations = append(generations, st.Model+"="+st.LogGeneration)
+		fmt.Fprintf(digest, "%s=%s;", st.Model, st.Digest)
+	}
+	resp.LogLastId, resp.LogGeneration = strings.Join(lastIDs, ","), strings.Join(generations, ",")
+	resp.Digest = fmt.Sprintf("%016x", digest.Sum64())
 	return resp, nil
+}
+
+// logBackend names the store of log: "embedded" for an in-process one.
+func logBackend(l kvstate.Log) string {
+	if sl, ok := l.(kvstate.SharedLog); ok {
+		return sl.Backend()
+	}
+	return "embedded"
+}
+
+// shardState reports where this replica stands in sh.
+func shardState(sh *kvstate.Shard) *kvrouterv1.ShardState {
+	st := &kvrouterv1.ShardState{Model: sh.Model, LogPosition: sh.Log.Position(), SharedStateComplete: true,
+		Digest: fmt.Sprintf("%016x", sh.State.Digest()), Bookings: uint64(sh.State.Load().Bookings())}
+	if sl, ok := sh.Log.(kvstate.SharedLog); ok {
+		st.LogLastId, st.PendingChanges = sl.LastID(), uint64(sl.Pending())
+		st.LogGeneration, st.SharedStateComplete = sl.Generation(), !sl.Incomplete()
+	}
+	for _, m := range sh.State.Models() {
+		st.Workers += uint64(len(m.Workers()))
+		st.IndexBlocks += uint64(m.Index.Len())
+	}
+	return st
 }
 
 func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorkersRequest) (*kvrouterv1.ListWorkersResponse, error) {
 	resp := &kvrouterv1.ListWorkersResponse{}
-	load := s.state.Load()
-	for _, m := range s.state.Models() {
-		if req.GetModel() != "" && m.Name != req.GetModel() {
+	for _, sh := range s.shards.Shards() {
+		resp.Workers = append(resp.Workers, s.listWorkers(sh.State, req.GetModel())...)
+	}
+	return resp, nil
+}
+
+// listWorkers lists the workers of state's models (of model only, unless it is empty).
+func (s *adminService) listWorkers(state *kvstate.State, model string) []*kvrouterv1.WorkerStatus {
+	var out []*kvrouterv1.WorkerStatus
+	load := state.Load()
+	for _, m := range state.Models() {
+		if model != "" && m.Name != model {
 			continue
 		}
 		for _, w := range m.Workers() {
@@ -63,10 +115,10 @@ func (s *adminService) ListWorkers(_ context.Context, req *kvrouterv1.ListWorker
 			if st.HasLastEvent {
 				ws.LastEventId = &st.LastEventID
 			}
-			resp.Workers = append(resp.Workers, ws)
+			out = append(out, ws)
 		}
 	}
-	return resp, nil
+	return out
 }
 
 var sourceToProto = map[config.Source]kvrouterv1.ConfigSource{

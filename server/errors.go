@@ -43,6 +43,7 @@ var domainErrors = []struct {
 	{kvstate.ErrStaleDump, codes.FailedPrecondition, "STALE_DUMP"},
 	{kvstate.ErrSuperseded, codes.FailedPrecondition, "WORKER_SUPERSEDED"},
 	{kvstate.ErrLogUnavailable, codes.Unavailable, "LOG_UNAVAILABLE"},
+	{kvstate.ErrModelNotServed, codes.FailedPrecondition, "MODEL_NOT_SERVED"},
 }
 
 // retryDelay is suggested to clients on RESOURCE_EXHAUSTED: long enough for some prefill to finish.

@@ -24,7 +24,7 @@ type metrics struct {
 	logObservers kvstate.Observers
 }
 
-func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvstate.Presence, log kvstate.Log, queue queueDepther) *metrics {
+func newMetrics(reg prometheus.Registerer, shards kvstate.ShardSource, presence *kvstate.Presence, queue queueDepther) *metrics {
 	m := &metrics{
 		routeDecisions: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_route_decisions_total",
@@ -58,8 +58,8 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvsta
 		}),
 	}
 	reg.MustRegister(m.routeDecisions, m.routeDuration, m.gate, m.effectiveISL, m.events, m.resyncs, m.superseded,
-		&stateCollector{state: state, presence: presence, log: log, queue: queue})
-	if sl, ok := log.(kvstate.SharedLog); ok {
+		&stateCollector{shards: shards, presence: presence, queue: queue})
+	if shards.Ready() != nil { // a shared log
 		appendLatency := prometheus.NewHistogram(prometheus.HistogramOpts{
 			Name:    "kvrouter_shared_log_append_seconds",
 			Help:    "Time to append a worker change to the shared log (the ack to the worker waits for it).",
@@ -70,7 +70,7 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvsta
 			Help:    "Time from a change's append to the stream to its apply on this replica: how stale this replica's view is.",
 			Buckets: prometheus.ExponentialBuckets(100e-6, 2, 16),
 		})
-		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{sl})
+		reg.MustRegister(appendLatency, applyLag, sharedLogCollector{shards})
 		m.logObservers = kvstate.Observers{
 			Append: func(d time.Duration) { appendLatency.Observe(d.Seconds()) },
 			Apply:  func(d time.Duration) { applyLag.Observe(max(0, d.Seconds())) },
@@ -79,8 +79,34 @@ func newMetrics(reg prometheus.Registerer, state *kvstate.State, presence *kvsta
 	return m
 }
 
-// sharedLogCollector reports a shared log's gauges at scrape time.
-type sharedLogCollector struct{ l kvstate.SharedLog }
+// sharedLogCollector reports the shared log's gauges at scrape time: over every shard of a log
+// sharded by model, a flag is set when it is set in any shard, a count is summed, and the snapshot
+// age is the oldest shard's.
+type sharedLogCollector struct{ shards kvstate.ShardSource }
+
+// sharedLogStats sums the stats of every shard's shared log.
+func sharedLogStats(shards kvstate.ShardSource) kvstate.SharedLogStats {
+	var sum kvstate.SharedLogStats
+	for _, sh := range shards.Shards() {
+		sl, ok := sh.Log.(kvstate.SharedLog)
+		if !ok {
+			continue
+		}
+		st := sl.Stats()
+		sum.Degraded = sum.Degraded || st.Degraded
+		sum.Incomplete = sum.Incomplete || st.Incomplete
+		sum.NewerVersion = sum.NewerVersion || st.NewerVersion
+		sum.BufferedChanges += st.BufferedChanges
+		sum.LostChanges += st.LostChanges
+		sum.Length += st.Length
+		sum.SnapshotBytes += st.SnapshotBytes
+		sum.GenerationChanges += st.GenerationChanges
+		if !st.SnapshotAt.IsZero() && (sum.SnapshotAt.IsZero() || st.SnapshotAt.Before(sum.SnapshotAt)) {
+			sum.SnapshotAt = st.SnapshotAt
+		}
+	}
+	return sum
+}
 
 var (
 	degradedDesc = prometheus.NewDesc("kvrouter_shared_log_degraded",
@@ -110,7 +136,7 @@ func (c sharedLogCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c sharedLogCollector) Collect(ch chan<- prometheus.Metric) {
-	st := c.l.Stats()
+	st := sharedLogStats(c.shards)
 	degraded := 0.0
 	if st.Degraded {
 		degraded = 1
@@ -165,11 +191,11 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 // queueDepther reports how many Route requests wait for capacity (dispatch.Dispatcher).
 type queueDepther interface{ QueueDepth() int }
 
-// stateCollector reports gauges of the state when scraped.
+// stateCollector reports gauges of the state when scraped: of every shard's, for a log sharded by
+// model (each model is in one shard, so no series repeats).
 type stateCollector struct {
-	state    *kvstate.State
+	shards   kvstate.ShardSource
 	presence *kvstate.Presence
-	log      kvstate.Log
 	queue    queueDepther
 }
 
@@ -216,14 +242,29 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
-	for _, m := range c.state.Models() {
+	var bookings, position, refused uint64
+	for _, sh := range c.shards.Shards() {
+		c.collectShard(ch, sh.State)
+		bookings += uint64(sh.State.Load().Bookings())
+		position += sh.Log.Position()
+		refused += sh.State.IndexBlocksRefused()
+	}
+	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(bookings))
+	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(position))
+	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
+	ch <- prometheus.MustNewConstMetric(indexRefusedDesc, prometheus.CounterValue, float64(refused))
+}
+
+// collectShard reports the per-model and per-worker gauges of one shard's state.
+func (c *stateCollector) collectShard(ch chan<- prometheus.Metric, state *kvstate.State) {
+	for _, m := range state.Models() {
 		type key struct {
 			role      string
 			connected bool
 		}
 		counts := map[key]int{}
 		silent := 0
-		load := c.state.Load()
+		load := state.Load()
 		for _, w := range m.Workers() {
 			counts[key{w.Info.Role.String(), c.presence.IsConnected(w.Info.Key)}]++
 			name := w.Info.Key.String()
@@ -248,8 +289,4 @@ func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
 		}
 		ch <- prometheus.MustNewConstMetric(indexBlocksDesc, prometheus.GaugeValue, float64(m.Index.Len()), m.Name)
 	}
-	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(c.state.Load().Bookings()))
-	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(c.log.Position()))
-	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
-	ch <- prometheus.MustNewConstMetric(indexRefusedDesc, prometheus.CounterValue, float64(c.state.IndexBlocksRefused()))
 }

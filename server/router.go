@@ -26,7 +26,7 @@ const (
 // routerService implements RouterService: validate, call the dispatcher, map the result.
 type routerService struct {
 	kvrouterv1.UnimplementedRouterServiceServer
-	dispatcher      *dispatch.Dispatcher
+	dispatcher      dispatch.Router
 	metrics         *metrics
 	logger          *slog.Logger
 	maxPromptTokens int

@@ -118,7 +118,7 @@ func newFuzzRouter(t *testing.T, config int) *fuzzRouter {
 	disp := dispatch.New(state, log, kernel)
 	disp.Now = func() time.Time { return fuzzClock }
 	svc := &routerService{dispatcher: disp, maxPromptTokens: fuzzMaxPromptTokens,
-		metrics: newMetrics(prometheus.NewRegistry(), state, kvstate.NewPresence(), log, disp),
+		metrics: newMetrics(prometheus.NewRegistry(), kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: log}}, kvstate.NewPresence(), disp),
 		logger:  slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))}
 	return &fuzzRouter{state: state, log: log, disp: disp, svc: svc}
 }

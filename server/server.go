@@ -34,14 +34,18 @@ import (
 
 // Options configure a Server.
 type Options struct {
-	State      *kvstate.State
-	Log        kvstate.Log
-	Dispatcher *dispatch.Dispatcher
+	// Shards hold the state and log of each model (kvstate/redislog.Shards for a shared log sharded
+	// by model); nil means one shard of State, Log and Liveness, which holds every model.
+	Shards   kvstate.ShardSource
+	State    *kvstate.State
+	Log      kvstate.Log
+	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
+	// Dispatcher routes: a dispatch.Dispatcher over the one shard, or a dispatch.Sharded.
+	Dispatcher dispatch.Router
 	Config     []config.Entry // the effective configuration, for GetConfig
 	Logger     *slog.Logger
 	Registry   *prometheus.Registry
 	Now        func() time.Time
-	Liveness   kvstate.Liveness  // nil: kvstate.LocalLiveness (embedded mode)
 	Presence   *kvstate.Presence // this replica's streams (the housekeeper's too); nil: a new one
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
@@ -114,8 +118,9 @@ func New(o Options) *Server {
 	if o.Now == nil {
 		o.Now = time.Now
 	}
-	if o.Liveness == nil {
-		o.Liveness = kvstate.LocalLiveness{}
+	sharded := o.Shards != nil
+	if !sharded {
+		o.Shards = kvstate.OneShard{Shard: &kvstate.Shard{State: o.State, Log: o.Log, Liveness: o.Liveness}}
 	}
 	limits := publishLimits{maxBytes: o.MaxPublishMsgBytes, maxBlocks: o.MaxBatchBlocks, maxDumpBlocks: o.MaxDumpBlocks}
 	if limits.maxBytes <= 0 {
@@ -190,26 +195,26 @@ func New(o Options) *Server {
 	if o.Presence == nil {
 		o.Presence = kvstate.NewPresence()
 	}
-	m := newMetrics(o.Registry, o.State, o.Presence, o.Log, o.Dispatcher)
-	if sl, ok := o.Log.(kvstate.SharedLog); ok {
+	m := newMetrics(o.Registry, o.Shards, o.Presence, o.Dispatcher)
+	ready := o.Shards.Ready() // nil: nothing to catch up with
+	if ready != nil {
 		obs := m.logObservers
 		if tracer != nil {
 			traceLog(tracer, &obs)
 		}
-		sl.Observe(obs)
+		o.Shards.Observe(obs)
 	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
-	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{state: o.State, presence: o.Presence, log: o.Log, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, liveness: o.Liveness, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer})
-	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{state: o.State, presence: o.Presence, log: o.Log, config: o.Config})
+	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer})
+	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4 << 10))
 	healthpb.RegisterHealthServer(s.healthOnly, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
 	serving := healthpb.HealthCheckResponse_SERVING
-	sl, shared := o.Log.(kvstate.SharedLog)
-	if shared {
+	if ready != nil {
 		// A replica sharing state through a store serves once it has caught up with the log: before,
 		// it would route from a partial view.
 		serving = healthpb.HealthCheckResponse_NOT_SERVING
@@ -217,8 +222,8 @@ func New(o Options) *Server {
 	for _, name := range append([]string{""}, serviceNames...) {
 		s.health.SetServingStatus(name, serving)
 	}
-	if shared {
-		s.bg.Go(func() { s.watchSharedLog(sl) })
+	if ready != nil {
+		s.bg.Go(func() { s.watchSharedLog(ready, o.Shards) })
 	}
 	return s
 }
@@ -230,9 +235,9 @@ func New(o Options) *Server {
 // routing services stay SERVING meanwhile, since routing goes on from local state.
 const SharedStateService = "kvrouter.v1.SharedState"
 
-func (s *Server) watchSharedLog(l kvstate.SharedLog) {
+func (s *Server) watchSharedLog(ready <-chan struct{}, shards kvstate.ShardSource) {
 	select {
-	case <-l.Ready():
+	case <-ready:
 		for _, name := range append([]string{""}, serviceNames...) {
 			s.health.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
 		}
@@ -244,7 +249,7 @@ func (s *Server) watchSharedLog(l kvstate.SharedLog) {
 	last := healthpb.HealthCheckResponse_UNKNOWN
 	for {
 		want := healthpb.HealthCheckResponse_SERVING
-		if l.Degraded() || l.Incomplete() {
+		if st := sharedLogStats(shards); st.Degraded || st.Incomplete {
 			want = healthpb.HealthCheckResponse_NOT_SERVING
 		}
 		if want != last {

@@ -22,18 +22,16 @@ import (
 // workerService implements WorkerService: one Publish stream per worker rank.
 type workerService struct {
 	kvrouterv1.UnimplementedWorkerServiceServer
-	state    *kvstate.State
+	// shards holds the state and log of each model; a stream works in its worker's model's shard.
+	shards   kvstate.ShardSource
 	presence *kvstate.Presence // this replica's streams
-	log      kvstate.Log
 	metrics  *metrics
 	logger   *slog.Logger
 	now      func() time.Time
 	stopping <-chan struct{} // closed when the server shuts down: streams end so workers reconnect elsewhere
 	// conditionalDisagg is on: decode workers without KV events are worth a warning (§8 item 8).
 	conditionalDisagg bool
-	// liveness keeps a worker alive (for every replica) while its stream is open here.
-	liveness kvstate.Liveness
-	limits   publishLimits
+	limits            publishLimits
 	// maxWorkersPerModel bounds the ranks one model registers (0: no bound).
 	maxWorkersPerModel int
 	// tracer makes the spans of applied messages (server/tracing.go); nil: tracing is off.
@@ -61,7 +59,9 @@ var tierFromProto = map[kvrouterv1.StorageTier]kvstate.Tier{
 
 // publishStream is the per-stream state of one Publish call.
 type publishStream struct {
-	svc     *workerService
+	svc *workerService
+	// shard is the state and log of the worker's model: every change of the stream goes to it.
+	shard   *kvstate.Shard
 	stream  grpc.BidiStreamingServer[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
 	info    kvstate.WorkerInfo // the registered hello
 	acked   uint64
@@ -86,9 +86,14 @@ type pendingDump struct {
 	blocks  int
 }
 
-// hold takes the worker's lease at the stream's registration epoch.
+// hold takes the worker's lease at the stream's registration epoch: it keeps the worker alive, for
+// every replica, while the stream is open here.
 func (ps *publishStream) hold(ctx context.Context) {
-	ps.release = ps.svc.liveness.Hold(ctx, ps.info.Key, ps.epoch)
+	var liveness kvstate.Liveness = kvstate.LocalLiveness{}
+	if ps.shard.Liveness != nil {
+		liveness = ps.shard.Liveness
+	}
+	ps.release = liveness.Hold(ctx, ps.info.Key, ps.epoch)
 }
 
 // recvResult is one message (or the error that ended the stream) from the receiving goroutine.
@@ -162,7 +167,11 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err := caller.MayPublishFor(info.Key.ID, info.Model); err != nil {
 		return err
 	}
-	if err := s.admit(info); err != nil {
+	sh, err := s.shards.Open(ctx, info.Model)
+	if err != nil {
+		return toStatus(fmt.Errorf("hello.model: %w", err))
+	}
+	if err := s.admit(sh.State, info); err != nil {
 		return err
 	}
 	// The worker counts as connected before its hello applies, so the housekeeper cannot remove it
@@ -178,16 +187,16 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		s.presence.Disconnected(info.Key, s.now().UnixNano(), epoch)
 	}()
 	spanCtx, sp := s.startSpan(ctx, SpanPublishHello, info)
-	res, err := s.log.Append(spanCtx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
+	res, err := sh.Log.Append(spanCtx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})
 	if sp != nil {
-		sp.end(s.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(res.Epoch)))
+		sp.end(sh.Log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(res.Epoch)))
 	}
 	if err != nil {
 		return toStatus(err)
 	}
-	ps = &publishStream{svc: s, stream: stream, info: info, epoch: res.Epoch, restores: s.state.Restores(),
+	ps = &publishStream{svc: s, shard: sh, stream: stream, info: info, epoch: res.Epoch, restores: sh.State.Restores(),
 		logger: s.logger.With("worker", info.Key.String(), "model", info.Model, "role", info.Role.String())}
-	ended = s.state.EpochEnds(info.Key, ps.epoch)
+	ended = sh.State.EpochEnds(info.Key, ps.epoch)
 	ps.hold(ctx)
 	defer func() { ps.release() }()
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
@@ -200,7 +209,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	// With a shared log that may buffer (Redis mode), acks of buffered events wait until they are
 	// published, and a resync may be asked after an outage: both are checked between messages and
 	// on a timer, for an idle worker.
-	buffering, _ := s.log.(kvstate.BufferingLog)
+	buffering, _ := sh.Log.(kvstate.BufferingLog)
 	var tick <-chan time.Time
 	if buffering != nil {
 		t := time.NewTicker(time.Second)
@@ -236,11 +245,11 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 // admit refuses a new worker rank of a model that has max_workers_per_model already. A rank the
 // state knows re-registers freely. Replicas admit on their own view of the state, so registrations
 // racing on several replicas may pass the cap by one per replica.
-func (s *workerService) admit(info kvstate.WorkerInfo) error {
-	if s.maxWorkersPerModel <= 0 || s.state.Worker(info.Key) != nil {
+func (s *workerService) admit(state *kvstate.State, info kvstate.WorkerInfo) error {
+	if s.maxWorkersPerModel <= 0 || state.Worker(info.Key) != nil {
 		return nil
 	}
-	if m := s.state.Model(info.Model); m != nil {
+	if m := state.Model(info.Model); m != nil {
 		if n := len(m.Workers()); n >= s.maxWorkersPerModel {
 			return status.Errorf(codes.ResourceExhausted, "hello.model: model %q has %d worker ranks registered, the most max_workers_per_model allows (%d)", info.Model, n, s.maxWorkersPerModel)
 		}
@@ -250,9 +259,9 @@ func (s *workerService) admit(info kvstate.WorkerInfo) error {
 
 // lost returns the status that ends a stream that no longer holds its worker rank.
 func (ps *publishStream) lost() error {
-	err := ps.svc.state.Holds(ps.info.Key, ps.epoch)
+	err := ps.shard.State.Holds(ps.info.Key, ps.epoch)
 	switch {
-	case err != nil && ps.svc.state.Restores() != ps.restores:
+	case err != nil && ps.shard.State.Restores() != ps.restores:
 		// The state was reloaded from a snapshot that does not hold this registration (the shared
 		// log was lost and reseeded, or this replica fell behind its trim point): register again.
 		return status.Errorf(codes.Unavailable, "worker %v: the router reloaded its shared state, which does not hold this stream's registration; reconnect and register again", ps.info.Key)
@@ -276,7 +285,7 @@ func (ps *publishStream) refresh(l kvstate.BufferingLog) error {
 	if l.Buffered(ps.info.Key) > 0 {
 		return nil
 	}
-	w := ps.svc.state.Worker(ps.info.Key)
+	w := ps.shard.State.Worker(ps.info.Key)
 	if w == nil {
 		return nil
 	}
@@ -324,9 +333,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 				ps.info.Key, ps.info.Model, ps.info.Role, ps.info.BlockSize, ps.info.TotalKVBlocks, ps.info.MaxNumBatchedTokens)
 		}
 		spanCtx, sp := svc.startSpan(ctx, SpanPublishHello, info)
-		res, err := svc.log.Append(spanCtx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch})
+		res, err := ps.shard.Log.Append(spanCtx, kvstate.WorkerUp{Info: info, Epoch: ps.epoch})
 		if sp != nil {
-			sp.end(svc.log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(ps.epoch)))
+			sp.end(ps.shard.Log, res, err, AttrRole.String(info.Role.String()), AttrEpoch.Int64(int64(ps.epoch)))
 		}
 		if err != nil {
 			return ps.appendError(err)
@@ -342,9 +351,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			return invalidArgument("events.events", "must not be empty")
 		}
 		spanCtx, sp := svc.startSpan(ctx, SpanPublishEvents, ps.info)
-		res, err := svc.log.Append(spanCtx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
+		res, err := ps.shard.Log.Append(spanCtx, kvstate.KVEvents{Worker: ps.info.Key, Epoch: ps.epoch, Events: events})
 		if sp != nil {
-			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
+			sp.end(ps.shard.Log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
 		}
 		if err != nil {
 			return ps.appendError(err)
@@ -390,9 +399,9 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		}
 		ps.dump = nil
 		spanCtx, sp := svc.startSpan(ctx, SpanPublishDump, ps.info)
-		res, err := svc.log.Append(spanCtx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
+		res, err := ps.shard.Log.Append(spanCtx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
 		if sp != nil {
-			sp.end(svc.log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
+			sp.end(ps.shard.Log, res, err, append(eventAttributes(events), AttrApplied.Int(res.Applied))...)
 		}
 		if err != nil {
 			return ps.appendError(err)
@@ -408,7 +417,7 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		if m.Load.GetDpRank() != ps.info.Key.Rank {
 			return invalidArgumentf("load.dp_rank", "must equal the stream's registered dp_rank %d (got %d)", ps.info.Key.Rank, m.Load.GetDpRank())
 		}
-		_, err := svc.log.Append(ctx, kvstate.LoadReported{Worker: ps.info.Key, Epoch: ps.epoch, KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
+		_, err := ps.shard.Log.Append(ctx, kvstate.LoadReported{Worker: ps.info.Key, Epoch: ps.epoch, KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
 		return ps.appendError(err)
 	}
 	return invalidArgument("message", "must set one of hello, events, dump, load")
@@ -426,7 +435,7 @@ func (ps *publishStream) appendError(err error) error {
 // sendRegistered answers a hello with the last event id held for the rank, and asks for a dump at
 // once if the rank is waiting for one (the request may have been lost with a previous stream).
 func (ps *publishStream) sendRegistered() error {
-	w := ps.svc.state.Worker(ps.info.Key)
+	w := ps.shard.State.Worker(ps.info.Key)
 	if w == nil {
 		return status.Errorf(codes.Unavailable, "worker %v was removed while registering; reconnect", ps.info.Key)
 	}

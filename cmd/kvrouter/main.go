@@ -99,7 +99,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	log, liveness, mode := b.log, b.liveness, b.mode
+	mode := b.mode
 	// Every long-lived goroutine runs in background; those of the log under runCtx, which ends only
 	// after the gRPC server has stopped (so every stream has released its lease before the leases'
 	// Run returns); the Redis client closes once they all have returned.
@@ -113,7 +113,12 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	for _, run := range b.run {
 		background.Go(func() error { return run(runCtx) })
 	}
-	dispatcher := dispatch.New(state, log, policy.NewKernel(state, cfg.Router))
+	var dispatcher dispatch.Router
+	if b.shards != nil {
+		dispatcher = dispatch.NewSharded(b.shards, cfg.Router)
+	} else {
+		dispatcher = dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router))
+	}
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 
 	registry := prometheus.NewRegistry()
@@ -126,7 +131,8 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		background.Go(func() error { return watch(runCtx) })
 	}
 	srv := server.New(server.Options{
-		State: state, Log: log, Dispatcher: dispatcher, Config: cfg.Entries(), Logger: logger, Registry: registry, Liveness: liveness, Presence: presence,
+		Shards: b.shards, State: state, Log: b.log, Liveness: b.liveness, Dispatcher: dispatcher,
+		Config: cfg.Entries(), Logger: logger, Registry: registry, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 		MaxWorkersPerModel: cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
@@ -181,7 +187,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 
 	housekeeper := &kvstate.Housekeeper{
-		State: state, Log: log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
+		Shards: b.shards, State: state, Log: b.log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
 	}
 	background.Go(func() error {
 		housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
@@ -219,10 +225,12 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 }
 
 // logBackend is the state's log and what comes with it: the liveness of workers, the goroutines
-// that keep it (run until their context ends), and what to close once they have returned.
+// that keep it (run until their context ends), and what to close once they have returned. A log
+// sharded by model has shards (each with its state, log and liveness) in place of log and liveness.
 type logBackend struct {
 	log      kvstate.Log
 	liveness kvstate.Liveness
+	shards   kvstate.ShardSource
 	mode     string
 	run      []func(context.Context) error
 	close    func()
@@ -251,11 +259,30 @@ func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (lo
 		host, _ := os.Hostname()
 		replica = fmt.Sprintf("%s-%d", host, os.Getpid())
 	}
-	l := redislog.New(rdb, state, redislog.Options{
+	opts := redislog.Options{
 		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
 		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second), SnapshotChunkBytes: cfg.SnapshotChunkBytes,
 		ReseedWindow: cfg.RedisReseedWindow,
-	})
+	}
+	if cfg.RedisShardByModel {
+		shards := redislog.NewShards(rdb, redislog.ShardsOptions{
+			Models: cfg.Models(), Log: opts, WorkerGracePeriod: cfg.WorkerGracePeriod,
+			NewState: func() *kvstate.State {
+				st := kvstate.NewState()
+				st.SetMaxIndexBlocks(cfg.MaxIndexBlocks)
+				return st
+			},
+		})
+		served := "all"
+		if m := cfg.Models(); m != nil {
+			served = strings.Join(m, ",")
+		}
+		logger.Info("sharing state through Redis, a log per model", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix,
+			"registry", shards.RegistryKey(), "models", served, "replica", replica, "tls", cfg.RedisTLS, "user", cfg.RedisUsername)
+		return logBackend{shards: shards, mode: "redis sharded by model " + strings.Join(addrs, ","), run: []func(context.Context) error{shards.Run},
+			close: func() { rdb.Close() }}, nil
+	}
+	l := redislog.New(rdb, state, opts)
 	// Workers whose replica died are removed by whichever replica sees their lease run out.
 	leases := redislog.NewLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
 	leases.AfterOutages(l)

@@ -8,9 +8,11 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/url"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -19,19 +21,16 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 )
 
-// ErrModelNotServed: this replica is configured to serve other models only (ShardsOptions.Models).
-var ErrModelNotServed = errors.New("model is not served by this replica")
-
 // ShardsOptions configure a log sharded by model.
 type ShardsOptions struct {
-	// Cluster names the deployment. Its registry of shards is RegistryKey; the shard of a model
-	// lives under the prefix "kvr:{<Cluster>/<model, query-escaped>[#n]}", n chosen so that on a
-	// Redis Cluster each master holds as few shards as possible.
-	Cluster string
 	// Models are the models this replica serves (it tails their shards only); empty: every model
 	// in the registry, including those added later.
 	Models []string
-	// Log configures every shard's Log; its Prefix is replaced by the shard's.
+	// Log configures every shard's Log. Its Prefix names the deployment and must hold a hash tag
+	// ("kvr:{prod}"): the registry of shards is "<Prefix>:shards" (RegistryKey), and the shard of a
+	// model lives under the prefix with the model added to the tag ("kvr:{prod/<model,
+	// query-escaped>[#n]}"), n chosen so that on a Redis Cluster each master holds as few shards as
+	// possible. None of these keys is a key of the unsharded log under the same Prefix.
 	Log Options
 	// NewState returns the state of a new shard; nil means kvstate.NewState.
 	NewState func() *kvstate.State
@@ -59,6 +58,10 @@ type Shards struct {
 	shards map[string]*shardRun // by model
 	run    context.Context      // Run's, once it runs: shards added after start at once
 	wg     sync.WaitGroup
+	ready  chan struct{} // closed by Run once the shards found at start have caught up
+	// conflicts are the models the registry names another prefix for than the one held here (by
+	// Run's goroutine only).
+	conflicts map[string]string
 }
 
 // shardRun is a shard, its Log and its worker leases (nil without a grace period).
@@ -77,21 +80,37 @@ func NewShards(rdb redis.UniversalClient, opts ShardsOptions) *Shards {
 	if opts.Poll <= 0 {
 		opts.Poll = time.Second
 	}
-	return &Shards{rdb: rdb, opts: opts, shards: make(map[string]*shardRun)}
+	if opts.Log.Logger == nil {
+		opts.Log.Logger = slog.Default()
+	}
+	return &Shards{rdb: rdb, opts: opts, shards: make(map[string]*shardRun), ready: make(chan struct{}), conflicts: make(map[string]string)}
 }
 
 // RegistryKey is the hash of the deployment's shards: model -> the shard's key prefix.
-func (s *Shards) RegistryKey() string { return "kvr:{" + s.opts.Cluster + "}:shards" }
+func (s *Shards) RegistryKey() string { return s.opts.Log.Prefix + ":shards" }
+
+// shardPrefix returns the prefix of model's shard, with n added to tell it apart on a cluster.
+func (s *Shards) shardPrefix(model string, n int) string {
+	p := s.opts.Log.Prefix
+	tag := "/" + url.QueryEscape(model)
+	if n > 0 {
+		tag += fmt.Sprintf("#%d", n)
+	}
+	if i := strings.Index(p, "}"); i > strings.Index(p, "{") && strings.Contains(p, "{") {
+		return p[:i] + tag + p[i:]
+	}
+	return p + "{" + tag[1:] + "}" // a prefix without a tag: the model's becomes the tag
+}
 
 // serves says whether this replica serves model.
 func (s *Shards) serves(model string) bool {
 	return len(s.opts.Models) == 0 || slices.Contains(s.opts.Models, model)
 }
 
-// Shard returns the shard of model, creating it (in the registry, and here) if no replica has yet.
-func (s *Shards) Shard(ctx context.Context, model string) (*kvstate.Shard, error) {
+// Open returns the shard of model, creating it (in the registry, and here) if no replica has yet.
+func (s *Shards) Open(ctx context.Context, model string) (*kvstate.Shard, error) {
 	if !s.serves(model) {
-		return nil, fmt.Errorf("%w: %q (this replica serves %v)", ErrModelNotServed, model, s.opts.Models)
+		return nil, fmt.Errorf("%w: %q (this replica serves %s)", kvstate.ErrModelNotServed, model, strings.Join(s.opts.Models, ", "))
 	}
 	s.mu.Lock()
 	r := s.shards[model]
@@ -130,6 +149,7 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	if g := s.opts.WorkerGracePeriod; g > 0 {
 		r.leases = NewLeases(s.rdb, prefix, l, g, opts.Logger)
 		r.leases.AfterOutages(l)
+		r.shard.Liveness = r.leases
 	}
 	s.shards[model] = r
 	if s.run != nil {
@@ -204,6 +224,21 @@ func (s *Shards) Prefix(model string) string {
 	return ""
 }
 
+// Ready is closed once the registry was read and every shard this replica serves that it names
+// has caught up with its log (Log.Ready): the shards a starting replica finds. A shard added later
+// starts empty everywhere, so it has nothing to catch up with before routing.
+func (s *Shards) Ready() <-chan struct{} { return s.ready }
+
+// Observe installs obs on every shard's Log, and on those made later.
+func (s *Shards) Observe(obs kvstate.Observers) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.opts.Observers = obs
+	for _, r := range s.shards {
+		r.log.Observe(obs)
+	}
+}
+
 // Run runs every shard's Log, and reads the registry every Poll for the shards of the models this
 // replica serves that other replicas added, until ctx ends; it returns once every Log has.
 func (s *Shards) Run(ctx context.Context) error {
@@ -214,15 +249,39 @@ func (s *Shards) Run(ctx context.Context) error {
 	}
 	s.mu.Unlock()
 	defer s.wg.Wait()
+	found := make(chan []*Log, 1) // the logs of the first registry read, for Ready
+	first := true
+	s.wg.Go(func() {
+		var logs []*Log
+		select {
+		case logs = <-found:
+		case <-ctx.Done():
+			return
+		}
+		for _, l := range logs {
+			select {
+			case <-l.Ready():
+			case <-ctx.Done():
+				return
+			}
+		}
+		close(s.ready)
+	})
 	readRegistry := func(ctx context.Context) {
 		registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
 		if err != nil {
 			return // Redis unreachable: each shard's Log reports it; the registry is read again later
 		}
+		var logs []*Log
 		for model, prefix := range registry {
 			if s.serves(model) {
-				s.add(model, prefix)
+				logs = append(logs, s.add(model, prefix).log)
 			}
+		}
+		s.repairRegistry(ctx, registry)
+		if first {
+			first = false
+			found <- logs
 		}
 	}
 	readRegistry(ctx)
@@ -230,14 +289,40 @@ func (s *Shards) Run(ctx context.Context) error {
 	return nil
 }
 
+// repairRegistry registers again the shards this replica holds that registry lacks: Redis lost its
+// data (restarted empty, or failed over to a replica that had not copied the registry yet), and a
+// replica starting now must find the shards where the running ones keep them. Each shard's Log
+// repairs its own keys (a reseed from its state). A model registered under another prefix than the
+// one held here (a replica registered it anew before this one repaired) is logged: this replica
+// then applies a log the others no longer write.
+func (s *Shards) repairRegistry(ctx context.Context, registry map[string]string) {
+	s.mu.Lock()
+	held := make(map[string]string, len(s.shards))
+	for model, r := range s.shards {
+		held[model] = r.prefix
+	}
+	s.mu.Unlock()
+	for model, prefix := range held {
+		switch got, ok := registry[model]; {
+		case !ok:
+			if _, err := s.rdb.HSetNX(ctx, s.RegistryKey(), model, prefix).Result(); err == nil {
+				s.opts.Log.Logger.Warn("registered a shard again that Redis lost", "model", model, "prefix", prefix, "registry", s.RegistryKey())
+			}
+		case got != prefix && s.conflicts[model] != got:
+			s.conflicts[model] = got // logged once
+			s.opts.Log.Logger.Error("the registry names another shard for this model than the one this replica applies: restart this replica",
+				"model", model, "held", prefix, "registry", got)
+		}
+	}
+}
+
 // choosePrefix returns a prefix for a new shard of model. On a Redis Cluster the hash tag is chosen
 // so that the shard's keys land on a master holding the fewest shards of the registry; elsewhere it
 // is the model's plain tag.
 func (s *Shards) choosePrefix(ctx context.Context, model string) (string, error) {
-	base := "kvr:{" + s.opts.Cluster + "/" + url.QueryEscape(model)
 	cluster, ok := s.rdb.(*redis.ClusterClient)
 	if !ok {
-		return base + "}", nil
+		return s.shardPrefix(model, 0), nil
 	}
 	slots, err := cluster.ClusterSlots(ctx).Result()
 	if err != nil {
@@ -278,10 +363,7 @@ func (s *Shards) choosePrefix(ctx context.Context, model string) (string, error)
 	// Each candidate tag lands on a master at random; 64 tries miss the least loaded of three
 	// masters with a chance of (2/3)^64.
 	for n := range 64 {
-		prefix := base + "}"
-		if n > 0 {
-			prefix = fmt.Sprintf("%s#%d}", base, n)
-		}
+		prefix := s.shardPrefix(model, n)
 		slot, err := keySlot(prefix)
 		if err != nil {
 			return "", err
@@ -290,5 +372,5 @@ func (s *Shards) choosePrefix(ctx context.Context, model string) (string, error)
 			return prefix, nil
 		}
 	}
-	return base + "}", nil
+	return s.shardPrefix(model, 0), nil
 }

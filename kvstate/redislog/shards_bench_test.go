@@ -34,14 +34,14 @@ func BenchmarkRedisShardsColdStart(b *testing.B) {
 func benchShardsColdStart(b *testing.B, client func() redis.UniversalClient, shards int) {
 	rdb := client()
 	ctx := context.Background()
-	cluster := fmt.Sprintf("coldstart%d", benchPrefixes.Add(1))
+	prefix := fmt.Sprintf("kvr:{coldstart%d}", benchPrefixes.Add(1))
 	// A sharded log that never runs: it registers the shards and tells their prefixes.
-	registrar := redislog.NewShards(rdb, redislog.ShardsOptions{Cluster: cluster})
+	registrar := redislog.NewShards(rdb, redislog.ShardsOptions{Log: redislog.Options{Prefix: prefix}})
 	want := map[string]uint64{}
 	blocks := 0
 	for i := range shards {
 		model := fmt.Sprintf("m%d", i)
-		if _, err := registrar.Shard(ctx, model); err != nil {
+		if _, err := registrar.Open(ctx, model); err != nil {
 			b.Fatal(err)
 		}
 		st := kvstate.NewState()
@@ -53,20 +53,18 @@ func benchShardsColdStart(b *testing.B, client func() redis.UniversalClient, sha
 	runtime.GC()
 	var took time.Duration
 	for b.Loop() {
-		s := redislog.NewShards(client(), redislog.ShardsOptions{Cluster: cluster, Poll: time.Hour,
-			Log: redislog.Options{Replica: "cold", Logger: quietLogger}})
+		s := redislog.NewShards(client(), redislog.ShardsOptions{Poll: time.Hour,
+			Log: redislog.Options{Prefix: prefix, Replica: "cold", Logger: quietLogger}})
 		runCtx, cancel := context.WithCancel(ctx)
 		done := make(chan struct{})
 		start := time.Now()
 		go func() { _ = s.Run(runCtx); close(done) }()
-		for len(s.Shards()) < shards {
-			time.Sleep(100 * time.Microsecond)
-		}
-		for _, sh := range s.Shards() {
-			<-s.Log(sh.Model).Ready()
-		}
+		<-s.Ready() // every shard in the registry caught up
 		took += time.Since(start)
 		b.StopTimer()
+		if n := len(s.Shards()); n != shards {
+			b.Fatalf("ready with %d shards, want %d", n, shards)
+		}
 		for _, sh := range s.Shards() {
 			if got := sh.State.Digest(); got != want[sh.Model] {
 				b.Fatalf("shard %s: digest %x after the cold start, want %x", sh.Model, got, want[sh.Model])

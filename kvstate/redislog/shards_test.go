@@ -28,7 +28,7 @@ func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models .
 // until the test ends, or until stop.
 func runShardsWith(t *testing.T, rdb redis.UniversalClient, opts redislog.ShardsOptions) (s *redislog.Shards, stop func()) {
 	t.Helper()
-	opts.Cluster, opts.Poll = t.Name(), 50*time.Millisecond
+	opts.Log.Prefix, opts.Poll = "kvr:{"+t.Name()+"}", 50*time.Millisecond
 	opts.Log.ReadBlock, opts.Log.Logger = 100*time.Millisecond, quietLogger
 	s = redislog.NewShards(rdb, opts)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -50,11 +50,20 @@ func shardOf(t *testing.T, s *redislog.Shards, model string) *kvstate.Shard {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
 	defer cancel()
-	sh, err := s.Shard(ctx, model)
+	sh, err := s.Open(ctx, model)
 	if err != nil {
-		t.Fatalf("Shard(%q) = %v", model, err)
+		t.Fatalf("Open(%q) = %v", model, err)
 	}
 	return sh
+}
+
+// digests returns the digest of each shard s holds, by model.
+func digests(s *redislog.Shards) map[string]uint64 {
+	out := map[string]uint64{}
+	for _, sh := range s.Shards() {
+		out[sh.Model] = sh.State.Digest()
+	}
+	return out
 }
 
 // publishTo registers worker id of the shard's model and stores n blocks through the shard's log.
@@ -155,13 +164,6 @@ func TestShardsServeSubset(t *testing.T) {
 		Observers: kvstate.Observers{Apply: func(time.Duration) { appliedMu.Lock(); applied++; appliedMu.Unlock() }}})
 	publishTo(t, shardOf(t, writer, "m3"), 3, 3)
 
-	digests := func(s *redislog.Shards) map[string]uint64 {
-		out := map[string]uint64{}
-		for _, sh := range s.Shards() {
-			out[sh.Model] = sh.State.Digest()
-		}
-		return out
-	}
 	want := digests(writer)
 	if len(want) != 3 {
 		t.Fatalf("writer holds shards %v, want m1, m2, m3", want)
@@ -185,8 +187,8 @@ func TestShardsServeSubset(t *testing.T) {
 		t.Errorf("the replica serving m1 runs a log for m2")
 	}
 	ctx := context.Background()
-	if _, err := one.Shard(ctx, "m2"); !errors.Is(err, redislog.ErrModelNotServed) {
-		t.Errorf("Shard(m2) on the replica serving m1 = %v, want ErrModelNotServed", err)
+	if _, err := one.Open(ctx, "m2"); !errors.Is(err, kvstate.ErrModelNotServed) {
+		t.Errorf("Open(m2) on the replica serving m1 = %v, want ErrModelNotServed", err)
 	}
 	// Each model's state holds only its own worker.
 	for m, id := range map[string]uint64{"m1": 1, "m2": 2, "m3": 3} {
@@ -267,4 +269,35 @@ func TestShardsLeases(t *testing.T) {
 	if shardOf(t, b, "m2").State.Worker(kvstate.WorkerKey{ID: 2}) == nil {
 		t.Errorf("worker 2, held by the live replica b, was removed from m2's shard")
 	}
+}
+
+// TestShardsRedisRestartedEmpty: Redis restarts empty under running replicas. Each shard's log
+// reseeds itself from the replicas' state, and the registry is repaired with the shards where the
+// replicas keep them, so that a replica starting afterwards finds every shard, not a new empty one,
+// and holds what the others hold.
+func TestShardsRedisRestartedEmpty(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	a := runShards(t, rdb, "a")
+	for i, m := range []string{"m1", "m2"} {
+		publishTo(t, shardOf(t, a, m), uint64(i+1), 8)
+	}
+	want := digests(a)
+	prefixes := map[string]string{"m1": a.Prefix("m1"), "m2": a.Prefix("m2")}
+	srv.Restart() // empty: no persistence
+
+	ctx := context.Background()
+	eventually(t, "the registry to name the shards again", func() bool {
+		got, err := rdb.HGetAll(ctx, "kvr:{"+t.Name()+"}:shards").Result()
+		return err == nil && cmp.Equal(prefixes, got)
+	})
+	late := runShards(t, rdb, "late")
+	select {
+	case <-late.Ready():
+	case <-time.After(redisTestTimeout):
+		t.Fatalf("the replica started after the restart was not ready within %v", redisTestTimeout)
+	}
+	eventually(t, "the late replica to hold both shards as replica a does", func() bool {
+		return cmp.Equal(want, digests(late)) && cmp.Equal(want, digests(a))
+	})
 }

@@ -94,6 +94,8 @@ type Options struct {
 	RedisTLSCertFile   string        // client certificate for Redis
 	RedisTLSKeyFile    string        // its key
 	RedisTLSServerName string        // name checked in Redis's certificate ("" = the address's host)
+	RedisShardByModel  bool          // one log (stream, snapshots, leases) per model, each under its own hash tag
+	RedisModels        string        // comma-separated models this replica serves ("" = every model)
 
 	// Routing. Router.ConditionalDisagg is derived by Validate from the two settings below it.
 	Router                  policy.Config

@@ -130,6 +130,14 @@ func TestBadConfig(t *testing.T) {
 			want: "KVROUTER_REDIS_PASSWORD and --redis-password-file: set one, not both"},
 		{name: "redis CA without TLS", args: []string{"--redis-tls-ca-file", "ca.pem"},
 			want: "redis_tls (default): must be true when a redis_tls_* file or name is set"},
+		{name: "sharding without Redis", args: []string{"--redis-shard-by-model"},
+			want: "--redis-shard-by-model: shards the shared log in Redis; needs redis_addr (default) or redis_cluster_addrs (default)"},
+		{name: "models without sharding", args: []string{"--redis-addr", "127.0.0.1:6379", "--redis-models", "a"},
+			want: "--redis-models: needs redis_shard_by_model (default) (an unsharded log holds every model)"},
+		{name: "an empty model", file: "redis_addr: 127.0.0.1:6379\nredis_shard_by_model: true\nredis_models: a,,b\n",
+			want: `redis_models (config file): model 2 is empty (got "a,,b")`},
+		{name: "a model twice", env: map[string]string{"KVROUTER_REDIS_MODELS": "a, b,a"}, args: []string{"--redis-addr", "127.0.0.1:6379", "--redis-shard-by-model"},
+			want: `KVROUTER_REDIS_MODELS: model "a" is listed twice`},
 		{name: "missing config file", args: []string{"--config", "/nonexistent/kvrouter.yaml"}, want: "no such file or directory"},
 	}
 	for _, tt := range tests {

@@ -58,6 +58,9 @@ func (o *Options) Validate() error {
 	if open, close := strings.Index(o.RedisPrefix, "{"), strings.Index(o.RedisPrefix, "}"); open < 0 || close < open+2 {
 		return fmt.Errorf("%s: must contain a non-empty hash tag such as {default} (got %q)", o.describe("redis_prefix"), o.RedisPrefix)
 	}
+	if err := o.validateSharding(); err != nil {
+		return err
+	}
 	if o.WorkerGracePeriod == 0 {
 		return fmt.Errorf("%s: must be > 0", o.describe("worker_grace_period"))
 	}
@@ -68,6 +71,44 @@ func (o *Options) Validate() error {
 		return fmt.Errorf("%s: must be > 0", o.describe("booking_expiry"))
 	}
 	return nil
+}
+
+// validateSharding checks the settings of a log sharded by model: it is a Redis layout, and the
+// models served are named once each.
+func (o *Options) validateSharding() error {
+	if o.RedisShardByModel && o.RedisAddr == "" && o.RedisClusterAddrs == "" {
+		return fmt.Errorf("%s: shards the shared log in Redis; needs %s or %s", o.describe("redis_shard_by_model"), o.describe("redis_addr"), o.describe("redis_cluster_addrs"))
+	}
+	if o.RedisModels == "" {
+		return nil
+	}
+	if !o.RedisShardByModel {
+		return fmt.Errorf("%s: needs %s (an unsharded log holds every model)", o.describe("redis_models"), o.describe("redis_shard_by_model"))
+	}
+	seen := map[string]bool{}
+	for i, m := range strings.Split(o.RedisModels, ",") {
+		m = strings.TrimSpace(m)
+		switch {
+		case m == "":
+			return fmt.Errorf("%s: model %d is empty (got %q)", o.describe("redis_models"), i+1, o.RedisModels)
+		case seen[m]:
+			return fmt.Errorf("%s: model %q is listed twice", o.describe("redis_models"), m)
+		}
+		seen[m] = true
+	}
+	return nil
+}
+
+// Models returns the models of redis_models, trimmed; nil means every model.
+func (o *Options) Models() []string {
+	if o.RedisModels == "" {
+		return nil
+	}
+	models := strings.Split(o.RedisModels, ",")
+	for i, m := range models {
+		models[i] = strings.TrimSpace(m)
+	}
+	return models
 }
 
 // validateSecurity checks the TLS, credentials and Redis-credential settings: files come in pairs,

@@ -114,3 +114,18 @@ func (s *Sharded) QueueDepth() int {
 	}
 	return n
 }
+
+// Router is what the edge routes with: a Dispatcher over one state, or Sharded over a state per
+// model.
+type Router interface {
+	Route(ctx context.Context, req *Request) (*policy.Decision, error)
+	PrefillComplete(ctx context.Context, id string) error
+	Free(ctx context.Context, id string) error
+	Config() policy.Config
+	QueueDepth() int
+}
+
+var (
+	_ Router = (*Dispatcher)(nil)
+	_ Router = (*Sharded)(nil)
+)

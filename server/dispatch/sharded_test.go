@@ -16,18 +16,6 @@ import (
 	"github.com/kvrouter/kvrouter/policy"
 )
 
-// modelShards is a ShardSource of in-process shards, one per model.
-type modelShards map[string]*kvstate.Shard
-
-func (m modelShards) Lookup(model string) (*kvstate.Shard, bool) { sh, ok := m[model]; return sh, ok }
-func (m modelShards) Shards() []*kvstate.Shard {
-	var out []*kvstate.Shard
-	for _, sh := range m {
-		out = append(out, sh)
-	}
-	return out
-}
-
 // register registers aggregated worker id of the shard's model through its log, caching the first
 // blocks of tokens.
 func register(t *testing.T, sh *kvstate.Shard, id uint64, tokens []uint32, blocks int) {
@@ -53,14 +41,13 @@ func register(t *testing.T, sh *kvstate.Shard, id uint64, tokens []uint32, block
 // booking finds the shard that holds it; a model with no shard here is unknown, as is a request
 // no shard holds.
 func TestShardedRoutesInTheModelsShard(t *testing.T) {
-	source := modelShards{}
-	for _, m := range []string{"a", "b"} {
-		st := kvstate.NewState()
-		source[m] = &kvstate.Shard{Model: m, State: st, Log: kvstate.NewMemLog(st)}
-	}
+	source := &kvstate.MemShards{}
+	shard := func(model string) *kvstate.Shard { sh, _ := source.Lookup(model); return sh }
 	tokens := prompt(4 * testBlockSize)
-	register(t, source["a"], 1, tokens, 4)
-	register(t, source["b"], 2, tokens, 2)
+	for i, m := range []string{"a", "b"} {
+		sh, _ := source.Open(context.Background(), m)
+		register(t, sh, uint64(i+1), tokens, 4-2*i)
+	}
 	s := NewSharded(source, policy.DefaultConfig())
 	ctx := context.Background()
 
@@ -70,7 +57,7 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 		if err != nil || !dec.Booked || dec.Decode.Worker.Info.Key.ID != worker {
 			t.Fatalf("Route(model %s) = %+v, %v; want booked on worker %d", model, dec, err, worker)
 		}
-		if got := source[model].State.Load().BookingIDs(); !slices.Equal(got, []string{req.ID}) {
+		if got := shard(model).State.Load().BookingIDs(); !slices.Equal(got, []string{req.ID}) {
 			t.Errorf("shard %s bookings = %v, want only %s", model, got, req.ID)
 		}
 	}
@@ -83,7 +70,7 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 	if err := s.Free(ctx, "req-a"); err != nil {
 		t.Errorf("Free(req-a) = %v", err)
 	}
-	if a, b := source["a"].State.Load().Bookings(), source["b"].State.Load().Bookings(); a != 0 || b != 1 {
+	if a, b := shard("a").State.Load().Bookings(), shard("b").State.Load().Bookings(); a != 0 || b != 1 {
 		t.Errorf("bookings after freeing req-a: a %d, b %d; want 0 and 1", a, b)
 	}
 	if err := s.Free(ctx, "req-a"); !errors.Is(err, kvstate.ErrUnknownRequest) {
@@ -100,8 +87,8 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 func TestShardedFreeOnAnotherReplica(t *testing.T) {
 	rdb := redistest.Start(t).Client()
 	run := func(replica string) *redislog.Shards {
-		s := redislog.NewShards(rdb, redislog.ShardsOptions{Cluster: t.Name(), Poll: 20 * time.Millisecond,
-			Log: redislog.Options{Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}})
+		s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond,
+			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { _ = s.Run(ctx); close(done) }()
@@ -116,7 +103,7 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 	defer cancel()
 	tokens := prompt(4 * testBlockSize)
 	for i, m := range []string{"m1", "m2"} {
-		sh, err := a.Shard(ctx, m)
+		sh, err := a.Open(ctx, m)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -145,8 +145,14 @@ type GetStateResponse struct {
 	// shared_state_complete is false while this replica knows its state may not be the shared one
 	// (as the kvrouter.v1.SharedState health entry reports); always true in embedded mode.
 	SharedStateComplete bool `protobuf:"varint,10,opt,name=shared_state_complete,json=sharedStateComplete,proto3" json:"shared_state_complete,omitempty"`
-	unknownFields       protoimpl.UnknownFields
-	sizeCache           protoimpl.SizeCache
+	// shards are the shards of a shared log sharded by model (redis_shard_by_model), in model order:
+	// each is applied on its own, so replicas are compared shard by shard. Empty when the log is not
+	// sharded. With shards, the fields above sum or join theirs: log_position and pending_changes are
+	// sums, log_last_id and log_generation list "model=value" pairs, digest fingerprints the shards'
+	// digests, and shared_state_complete holds when it holds in every shard.
+	Shards        []*ShardState `protobuf:"bytes,11,rep,name=shards,proto3" json:"shards,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GetStateResponse) Reset() {
@@ -249,6 +255,140 @@ func (x *GetStateResponse) GetSharedStateComplete() bool {
 	return false
 }
 
+func (x *GetStateResponse) GetShards() []*ShardState {
+	if x != nil {
+		return x.Shards
+	}
+	return nil
+}
+
+// ShardState is where this replica stands in one shard of a log sharded by model.
+type ShardState struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// model is the model whose state the shard holds.
+	Model string `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
+	// log_position is the number of the shard's log entries this replica applied.
+	LogPosition uint64 `protobuf:"varint,2,opt,name=log_position,json=logPosition,proto3" json:"log_position,omitempty"`
+	// log_last_id is the Redis stream id of the last entry of the shard applied here.
+	LogLastId string `protobuf:"bytes,3,opt,name=log_last_id,json=logLastId,proto3" json:"log_last_id,omitempty"`
+	// log_generation names the lineage of the shard's log.
+	LogGeneration string `protobuf:"bytes,4,opt,name=log_generation,json=logGeneration,proto3" json:"log_generation,omitempty"`
+	// pending_changes are this replica's changes to the shard not yet read back from its log.
+	PendingChanges uint64 `protobuf:"varint,5,opt,name=pending_changes,json=pendingChanges,proto3" json:"pending_changes,omitempty"`
+	// digest fingerprints the shard's state (16 hex digits).
+	Digest string `protobuf:"bytes,6,opt,name=digest,proto3" json:"digest,omitempty"`
+	// workers is the number of the model's registered worker ranks.
+	Workers uint64 `protobuf:"varint,7,opt,name=workers,proto3" json:"workers,omitempty"`
+	// index_blocks is the number of distinct block positions in the model's index.
+	IndexBlocks uint64 `protobuf:"varint,8,opt,name=index_blocks,json=indexBlocks,proto3" json:"index_blocks,omitempty"`
+	// bookings is the number of the model's booked requests.
+	Bookings uint64 `protobuf:"varint,9,opt,name=bookings,proto3" json:"bookings,omitempty"`
+	// shared_state_complete is false while this replica knows the shard's state may not be the shared one.
+	SharedStateComplete bool `protobuf:"varint,10,opt,name=shared_state_complete,json=sharedStateComplete,proto3" json:"shared_state_complete,omitempty"`
+	unknownFields       protoimpl.UnknownFields
+	sizeCache           protoimpl.SizeCache
+}
+
+func (x *ShardState) Reset() {
+	*x = ShardState{}
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ShardState) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ShardState) ProtoMessage() {}
+
+func (x *ShardState) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ShardState.ProtoReflect.Descriptor instead.
+func (*ShardState) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ShardState) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ShardState) GetLogPosition() uint64 {
+	if x != nil {
+		return x.LogPosition
+	}
+	return 0
+}
+
+func (x *ShardState) GetLogLastId() string {
+	if x != nil {
+		return x.LogLastId
+	}
+	return ""
+}
+
+func (x *ShardState) GetLogGeneration() string {
+	if x != nil {
+		return x.LogGeneration
+	}
+	return ""
+}
+
+func (x *ShardState) GetPendingChanges() uint64 {
+	if x != nil {
+		return x.PendingChanges
+	}
+	return 0
+}
+
+func (x *ShardState) GetDigest() string {
+	if x != nil {
+		return x.Digest
+	}
+	return ""
+}
+
+func (x *ShardState) GetWorkers() uint64 {
+	if x != nil {
+		return x.Workers
+	}
+	return 0
+}
+
+func (x *ShardState) GetIndexBlocks() uint64 {
+	if x != nil {
+		return x.IndexBlocks
+	}
+	return 0
+}
+
+func (x *ShardState) GetBookings() uint64 {
+	if x != nil {
+		return x.Bookings
+	}
+	return 0
+}
+
+func (x *ShardState) GetSharedStateComplete() bool {
+	if x != nil {
+		return x.SharedStateComplete
+	}
+	return false
+}
+
 // ListWorkersRequest filters the worker list.
 type ListWorkersRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -260,7 +400,7 @@ type ListWorkersRequest struct {
 
 func (x *ListWorkersRequest) Reset() {
 	*x = ListWorkersRequest{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -272,7 +412,7 @@ func (x *ListWorkersRequest) String() string {
 func (*ListWorkersRequest) ProtoMessage() {}
 
 func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -285,7 +425,7 @@ func (x *ListWorkersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersRequest.ProtoReflect.Descriptor instead.
 func (*ListWorkersRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{2}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ListWorkersRequest) GetModel() string {
@@ -306,7 +446,7 @@ type ListWorkersResponse struct {
 
 func (x *ListWorkersResponse) Reset() {
 	*x = ListWorkersResponse{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -318,7 +458,7 @@ func (x *ListWorkersResponse) String() string {
 func (*ListWorkersResponse) ProtoMessage() {}
 
 func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -331,7 +471,7 @@ func (x *ListWorkersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListWorkersResponse.ProtoReflect.Descriptor instead.
 func (*ListWorkersResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{3}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListWorkersResponse) GetWorkers() []*WorkerStatus {
@@ -377,7 +517,7 @@ type WorkerStatus struct {
 
 func (x *WorkerStatus) Reset() {
 	*x = WorkerStatus{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -389,7 +529,7 @@ func (x *WorkerStatus) String() string {
 func (*WorkerStatus) ProtoMessage() {}
 
 func (x *WorkerStatus) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -402,7 +542,7 @@ func (x *WorkerStatus) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerStatus.ProtoReflect.Descriptor instead.
 func (*WorkerStatus) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{4}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *WorkerStatus) GetWorker() *WorkerTarget {
@@ -505,7 +645,7 @@ type GetConfigRequest struct {
 
 func (x *GetConfigRequest) Reset() {
 	*x = GetConfigRequest{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -517,7 +657,7 @@ func (x *GetConfigRequest) String() string {
 func (*GetConfigRequest) ProtoMessage() {}
 
 func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -530,7 +670,7 @@ func (x *GetConfigRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigRequest.ProtoReflect.Descriptor instead.
 func (*GetConfigRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{5}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{6}
 }
 
 // GetConfigResponse is the effective configuration.
@@ -544,7 +684,7 @@ type GetConfigResponse struct {
 
 func (x *GetConfigResponse) Reset() {
 	*x = GetConfigResponse{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -556,7 +696,7 @@ func (x *GetConfigResponse) String() string {
 func (*GetConfigResponse) ProtoMessage() {}
 
 func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -569,7 +709,7 @@ func (x *GetConfigResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetConfigResponse.ProtoReflect.Descriptor instead.
 func (*GetConfigResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{6}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *GetConfigResponse) GetEntries() []*ConfigEntry {
@@ -594,7 +734,7 @@ type ConfigEntry struct {
 
 func (x *ConfigEntry) Reset() {
 	*x = ConfigEntry{}
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -606,7 +746,7 @@ func (x *ConfigEntry) String() string {
 func (*ConfigEntry) ProtoMessage() {}
 
 func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_admin_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_admin_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -619,7 +759,7 @@ func (x *ConfigEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConfigEntry.ProtoReflect.Descriptor instead.
 func (*ConfigEntry) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{7}
+	return file_kvrouter_v1_admin_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ConfigEntry) GetKey() string {
@@ -648,7 +788,7 @@ var File_kvrouter_v1_admin_proto protoreflect.FileDescriptor
 const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"\x17kvrouter/v1/admin.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x11\n" +
-	"\x0fGetStateRequest\"\xdc\x02\n" +
+	"\x0fGetStateRequest\"\x8d\x03\n" +
 	"\x10GetStateResponse\x12\x10\n" +
 	"\x03log\x18\x01 \x01(\tR\x03log\x12!\n" +
 	"\flog_position\x18\x02 \x01(\x04R\vlogPosition\x12\x1e\n" +
@@ -659,6 +799,20 @@ const file_kvrouter_v1_admin_proto_rawDesc = "" +
 	"\findex_blocks\x18\a \x01(\x04R\vindexBlocks\x12\x1a\n" +
 	"\bbookings\x18\b \x01(\x04R\bbookings\x12%\n" +
 	"\x0elog_generation\x18\t \x01(\tR\rlogGeneration\x122\n" +
+	"\x15shared_state_complete\x18\n" +
+	" \x01(\bR\x13sharedStateComplete\x12/\n" +
+	"\x06shards\x18\v \x03(\v2\x17.kvrouter.v1.ShardStateR\x06shards\"\xda\x02\n" +
+	"\n" +
+	"ShardState\x12\x14\n" +
+	"\x05model\x18\x01 \x01(\tR\x05model\x12!\n" +
+	"\flog_position\x18\x02 \x01(\x04R\vlogPosition\x12\x1e\n" +
+	"\vlog_last_id\x18\x03 \x01(\tR\tlogLastId\x12%\n" +
+	"\x0elog_generation\x18\x04 \x01(\tR\rlogGeneration\x12'\n" +
+	"\x0fpending_changes\x18\x05 \x01(\x04R\x0ependingChanges\x12\x16\n" +
+	"\x06digest\x18\x06 \x01(\tR\x06digest\x12\x18\n" +
+	"\aworkers\x18\a \x01(\x04R\aworkers\x12!\n" +
+	"\findex_blocks\x18\b \x01(\x04R\vindexBlocks\x12\x1a\n" +
+	"\bbookings\x18\t \x01(\x04R\bbookings\x122\n" +
 	"\x15shared_state_complete\x18\n" +
 	" \x01(\bR\x13sharedStateComplete\"*\n" +
 	"\x12ListWorkersRequest\x12\x14\n" +
@@ -715,41 +869,43 @@ func file_kvrouter_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_kvrouter_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_kvrouter_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_kvrouter_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 9)
 var file_kvrouter_v1_admin_proto_goTypes = []any{
 	(ConfigSource)(0),           // 0: kvrouter.v1.ConfigSource
 	(*GetStateRequest)(nil),     // 1: kvrouter.v1.GetStateRequest
 	(*GetStateResponse)(nil),    // 2: kvrouter.v1.GetStateResponse
-	(*ListWorkersRequest)(nil),  // 3: kvrouter.v1.ListWorkersRequest
-	(*ListWorkersResponse)(nil), // 4: kvrouter.v1.ListWorkersResponse
-	(*WorkerStatus)(nil),        // 5: kvrouter.v1.WorkerStatus
-	(*GetConfigRequest)(nil),    // 6: kvrouter.v1.GetConfigRequest
-	(*GetConfigResponse)(nil),   // 7: kvrouter.v1.GetConfigResponse
-	(*ConfigEntry)(nil),         // 8: kvrouter.v1.ConfigEntry
-	(*WorkerTarget)(nil),        // 9: kvrouter.v1.WorkerTarget
-	(WorkerRole)(0),             // 10: kvrouter.v1.WorkerRole
-	(*TierBlocks)(nil),          // 11: kvrouter.v1.TierBlocks
-	(*WorkerLoad)(nil),          // 12: kvrouter.v1.WorkerLoad
+	(*ShardState)(nil),          // 3: kvrouter.v1.ShardState
+	(*ListWorkersRequest)(nil),  // 4: kvrouter.v1.ListWorkersRequest
+	(*ListWorkersResponse)(nil), // 5: kvrouter.v1.ListWorkersResponse
+	(*WorkerStatus)(nil),        // 6: kvrouter.v1.WorkerStatus
+	(*GetConfigRequest)(nil),    // 7: kvrouter.v1.GetConfigRequest
+	(*GetConfigResponse)(nil),   // 8: kvrouter.v1.GetConfigResponse
+	(*ConfigEntry)(nil),         // 9: kvrouter.v1.ConfigEntry
+	(*WorkerTarget)(nil),        // 10: kvrouter.v1.WorkerTarget
+	(WorkerRole)(0),             // 11: kvrouter.v1.WorkerRole
+	(*TierBlocks)(nil),          // 12: kvrouter.v1.TierBlocks
+	(*WorkerLoad)(nil),          // 13: kvrouter.v1.WorkerLoad
 }
 var file_kvrouter_v1_admin_proto_depIdxs = []int32{
-	5,  // 0: kvrouter.v1.ListWorkersResponse.workers:type_name -> kvrouter.v1.WorkerStatus
-	9,  // 1: kvrouter.v1.WorkerStatus.worker:type_name -> kvrouter.v1.WorkerTarget
-	10, // 2: kvrouter.v1.WorkerStatus.role:type_name -> kvrouter.v1.WorkerRole
-	11, // 3: kvrouter.v1.WorkerStatus.cached_blocks:type_name -> kvrouter.v1.TierBlocks
-	12, // 4: kvrouter.v1.WorkerStatus.load:type_name -> kvrouter.v1.WorkerLoad
-	8,  // 5: kvrouter.v1.GetConfigResponse.entries:type_name -> kvrouter.v1.ConfigEntry
-	0,  // 6: kvrouter.v1.ConfigEntry.source:type_name -> kvrouter.v1.ConfigSource
-	3,  // 7: kvrouter.v1.AdminService.ListWorkers:input_type -> kvrouter.v1.ListWorkersRequest
-	6,  // 8: kvrouter.v1.AdminService.GetConfig:input_type -> kvrouter.v1.GetConfigRequest
-	1,  // 9: kvrouter.v1.AdminService.GetState:input_type -> kvrouter.v1.GetStateRequest
-	4,  // 10: kvrouter.v1.AdminService.ListWorkers:output_type -> kvrouter.v1.ListWorkersResponse
-	7,  // 11: kvrouter.v1.AdminService.GetConfig:output_type -> kvrouter.v1.GetConfigResponse
-	2,  // 12: kvrouter.v1.AdminService.GetState:output_type -> kvrouter.v1.GetStateResponse
-	10, // [10:13] is the sub-list for method output_type
-	7,  // [7:10] is the sub-list for method input_type
-	7,  // [7:7] is the sub-list for extension type_name
-	7,  // [7:7] is the sub-list for extension extendee
-	0,  // [0:7] is the sub-list for field type_name
+	3,  // 0: kvrouter.v1.GetStateResponse.shards:type_name -> kvrouter.v1.ShardState
+	6,  // 1: kvrouter.v1.ListWorkersResponse.workers:type_name -> kvrouter.v1.WorkerStatus
+	10, // 2: kvrouter.v1.WorkerStatus.worker:type_name -> kvrouter.v1.WorkerTarget
+	11, // 3: kvrouter.v1.WorkerStatus.role:type_name -> kvrouter.v1.WorkerRole
+	12, // 4: kvrouter.v1.WorkerStatus.cached_blocks:type_name -> kvrouter.v1.TierBlocks
+	13, // 5: kvrouter.v1.WorkerStatus.load:type_name -> kvrouter.v1.WorkerLoad
+	9,  // 6: kvrouter.v1.GetConfigResponse.entries:type_name -> kvrouter.v1.ConfigEntry
+	0,  // 7: kvrouter.v1.ConfigEntry.source:type_name -> kvrouter.v1.ConfigSource
+	4,  // 8: kvrouter.v1.AdminService.ListWorkers:input_type -> kvrouter.v1.ListWorkersRequest
+	7,  // 9: kvrouter.v1.AdminService.GetConfig:input_type -> kvrouter.v1.GetConfigRequest
+	1,  // 10: kvrouter.v1.AdminService.GetState:input_type -> kvrouter.v1.GetStateRequest
+	5,  // 11: kvrouter.v1.AdminService.ListWorkers:output_type -> kvrouter.v1.ListWorkersResponse
+	8,  // 12: kvrouter.v1.AdminService.GetConfig:output_type -> kvrouter.v1.GetConfigResponse
+	2,  // 13: kvrouter.v1.AdminService.GetState:output_type -> kvrouter.v1.GetStateResponse
+	11, // [11:14] is the sub-list for method output_type
+	8,  // [8:11] is the sub-list for method input_type
+	8,  // [8:8] is the sub-list for extension type_name
+	8,  // [8:8] is the sub-list for extension extendee
+	0,  // [0:8] is the sub-list for field type_name
 }
 
 func init() { file_kvrouter_v1_admin_proto_init() }
@@ -758,14 +914,14 @@ func file_kvrouter_v1_admin_proto_init() {
 		return
 	}
 	file_kvrouter_v1_types_proto_init()
-	file_kvrouter_v1_admin_proto_msgTypes[4].OneofWrappers = []any{}
+	file_kvrouter_v1_admin_proto_msgTypes[5].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrouter_v1_admin_proto_rawDesc), len(file_kvrouter_v1_admin_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   8,
+			NumMessages:   9,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -14,31 +14,33 @@ _sym_db = _symbol_database.Default()
 from kvrouter_client._gen.kvrouter.v1 import types_pb2 as kvrouter_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrouter/v1/admin.proto\x12\x0bkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x11\n\x0fGetStateRequest\"\xe3\x01\n\x10GetStateResponse\x12\x0b\n\x03log\x18\x01 \x01(\t\x12\x14\n\x0clog_position\x18\x02 \x01(\x04\x12\x13\n\x0blog_last_id\x18\x03 \x01(\t\x12\x17\n\x0fpending_changes\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0f\n\x07workers\x18\x06 \x01(\x04\x12\x14\n\x0cindex_blocks\x18\x07 \x01(\x04\x12\x10\n\x08\x62ookings\x18\x08 \x01(\x04\x12\x16\n\x0elog_generation\x18\t \x01(\t\x12\x1d\n\x15shared_state_complete\x18\n \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.kvrouter.v1.WorkerStatus\"\xa1\x03\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.kvrouter.v1.WorkerTarget\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x04role\x18\x03 \x01(\x0e\x32\x17.kvrouter.v1.WorkerRole\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fsupports_bypass\x18\x07 \x01(\x08\x12\x19\n\x11kv_events_enabled\x18\x08 \x01(\x08\x12\x11\n\tconnected\x18\t \x01(\x08\x12\x1a\n\rlast_event_id\x18\n \x01(\x04H\x00\x88\x01\x01\x12.\n\rcached_blocks\x18\x0b \x01(\x0b\x32\x17.kvrouter.v1.TierBlocks\x12%\n\x04load\x18\x0c \x01(\x0b\x32\x17.kvrouter.v1.WorkerLoad\x12\x17\n\x0f\x61waiting_resync\x18\r \x01(\x08\x42\x10\n\x0e_last_event_id\"\x12\n\x10GetConfigRequest\">\n\x11GetConfigResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.kvrouter.v1.ConfigEntry\"T\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0e\x32\x19.kvrouter.v1.ConfigSource*\x8f\x01\n\x0c\x43onfigSource\x12\x1d\n\x19\x43ONFIG_SOURCE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONFIG_SOURCE_DEFAULT\x10\x01\x12\x16\n\x12\x43ONFIG_SOURCE_FILE\x10\x02\x12\x15\n\x11\x43ONFIG_SOURCE_ENV\x10\x03\x12\x16\n\x12\x43ONFIG_SOURCE_FLAG\x10\x04\x32\xf5\x01\n\x0c\x41\x64minService\x12P\n\x0bListWorkers\x12\x1f.kvrouter.v1.ListWorkersRequest\x1a .kvrouter.v1.ListWorkersResponse\x12J\n\tGetConfig\x12\x1d.kvrouter.v1.GetConfigRequest\x1a\x1e.kvrouter.v1.GetConfigResponse\x12G\n\x08GetState\x12\x1c.kvrouter.v1.GetStateRequest\x1a\x1d.kvrouter.v1.GetStateResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17kvrouter/v1/admin.proto\x12\x0bkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x11\n\x0fGetStateRequest\"\x8c\x02\n\x10GetStateResponse\x12\x0b\n\x03log\x18\x01 \x01(\t\x12\x14\n\x0clog_position\x18\x02 \x01(\x04\x12\x13\n\x0blog_last_id\x18\x03 \x01(\t\x12\x17\n\x0fpending_changes\x18\x04 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x05 \x01(\t\x12\x0f\n\x07workers\x18\x06 \x01(\x04\x12\x14\n\x0cindex_blocks\x18\x07 \x01(\x04\x12\x10\n\x08\x62ookings\x18\x08 \x01(\x04\x12\x16\n\x0elog_generation\x18\t \x01(\t\x12\x1d\n\x15shared_state_complete\x18\n \x01(\x08\x12\'\n\x06shards\x18\x0b \x03(\x0b\x32\x17.kvrouter.v1.ShardState\"\xdf\x01\n\nShardState\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0clog_position\x18\x02 \x01(\x04\x12\x13\n\x0blog_last_id\x18\x03 \x01(\t\x12\x16\n\x0elog_generation\x18\x04 \x01(\t\x12\x17\n\x0fpending_changes\x18\x05 \x01(\x04\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t\x12\x0f\n\x07workers\x18\x07 \x01(\x04\x12\x14\n\x0cindex_blocks\x18\x08 \x01(\x04\x12\x10\n\x08\x62ookings\x18\t \x01(\x04\x12\x1d\n\x15shared_state_complete\x18\n \x01(\x08\"#\n\x12ListWorkersRequest\x12\r\n\x05model\x18\x01 \x01(\t\"A\n\x13ListWorkersResponse\x12*\n\x07workers\x18\x01 \x03(\x0b\x32\x19.kvrouter.v1.WorkerStatus\"\xa1\x03\n\x0cWorkerStatus\x12)\n\x06worker\x18\x01 \x01(\x0b\x32\x19.kvrouter.v1.WorkerTarget\x12\r\n\x05model\x18\x02 \x01(\t\x12%\n\x04role\x18\x03 \x01(\x0e\x32\x17.kvrouter.v1.WorkerRole\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x05 \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fsupports_bypass\x18\x07 \x01(\x08\x12\x19\n\x11kv_events_enabled\x18\x08 \x01(\x08\x12\x11\n\tconnected\x18\t \x01(\x08\x12\x1a\n\rlast_event_id\x18\n \x01(\x04H\x00\x88\x01\x01\x12.\n\rcached_blocks\x18\x0b \x01(\x0b\x32\x17.kvrouter.v1.TierBlocks\x12%\n\x04load\x18\x0c \x01(\x0b\x32\x17.kvrouter.v1.WorkerLoad\x12\x17\n\x0f\x61waiting_resync\x18\r \x01(\x08\x42\x10\n\x0e_last_event_id\"\x12\n\x10GetConfigRequest\">\n\x11GetConfigResponse\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.kvrouter.v1.ConfigEntry\"T\n\x0b\x43onfigEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t\x12)\n\x06source\x18\x03 \x01(\x0e\x32\x19.kvrouter.v1.ConfigSource*\x8f\x01\n\x0c\x43onfigSource\x12\x1d\n\x19\x43ONFIG_SOURCE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x43ONFIG_SOURCE_DEFAULT\x10\x01\x12\x16\n\x12\x43ONFIG_SOURCE_FILE\x10\x02\x12\x15\n\x11\x43ONFIG_SOURCE_ENV\x10\x03\x12\x16\n\x12\x43ONFIG_SOURCE_FLAG\x10\x04\x32\xf5\x01\n\x0c\x41\x64minService\x12P\n\x0bListWorkers\x12\x1f.kvrouter.v1.ListWorkersRequest\x1a .kvrouter.v1.ListWorkersResponse\x12J\n\tGetConfig\x12\x1d.kvrouter.v1.GetConfigRequest\x1a\x1e.kvrouter.v1.GetConfigResponse\x12G\n\x08GetState\x12\x1c.kvrouter.v1.GetStateRequest\x1a\x1d.kvrouter.v1.GetStateResponseb\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrouter.v1.admin_pb2', globals())
 if _descriptor._USE_C_DESCRIPTORS == False:
 
   DESCRIPTOR._options = None
-  _CONFIGSOURCE._serialized_start=1009
-  _CONFIGSOURCE._serialized_end=1152
+  _CONFIGSOURCE._serialized_start=1276
+  _CONFIGSOURCE._serialized_end=1419
   _GETSTATEREQUEST._serialized_start=65
   _GETSTATEREQUEST._serialized_end=82
   _GETSTATERESPONSE._serialized_start=85
-  _GETSTATERESPONSE._serialized_end=312
-  _LISTWORKERSREQUEST._serialized_start=314
-  _LISTWORKERSREQUEST._serialized_end=349
-  _LISTWORKERSRESPONSE._serialized_start=351
-  _LISTWORKERSRESPONSE._serialized_end=416
-  _WORKERSTATUS._serialized_start=419
-  _WORKERSTATUS._serialized_end=836
-  _GETCONFIGREQUEST._serialized_start=838
-  _GETCONFIGREQUEST._serialized_end=856
-  _GETCONFIGRESPONSE._serialized_start=858
-  _GETCONFIGRESPONSE._serialized_end=920
-  _CONFIGENTRY._serialized_start=922
-  _CONFIGENTRY._serialized_end=1006
-  _ADMINSERVICE._serialized_start=1155
-  _ADMINSERVICE._serialized_end=1400
+  _GETSTATERESPONSE._serialized_end=353
+  _SHARDSTATE._serialized_start=356
+  _SHARDSTATE._serialized_end=579
+  _LISTWORKERSREQUEST._serialized_start=581
+  _LISTWORKERSREQUEST._serialized_end=616
+  _LISTWORKERSRESPONSE._serialized_start=618
+  _LISTWORKERSRESPONSE._serialized_end=683
+  _WORKERSTATUS._serialized_start=686
+  _WORKERSTATUS._serialized_end=1103
+  _GETCONFIGREQUEST._serialized_start=1105
+  _GETCONFIGREQUEST._serialized_end=1123
+  _GETCONFIGRESPONSE._serialized_start=1125
+  _GETCONFIGRESPONSE._serialized_end=1187
+  _CONFIGENTRY._serialized_start=1189
+  _CONFIGENTRY._serialized_end=1273
+  _ADMINSERVICE._serialized_start=1422
+  _ADMINSERVICE._serialized_end=1667
 # @@protoc_insertion_point(module_scope)

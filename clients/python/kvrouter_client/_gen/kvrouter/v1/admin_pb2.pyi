@@ -37,7 +37,7 @@ class GetStateRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStateResponse(_message.Message):
-    __slots__ = ["bookings", "digest", "index_blocks", "log", "log_generation", "log_last_id", "log_position", "pending_changes", "shared_state_complete", "workers"]
+    __slots__ = ["bookings", "digest", "index_blocks", "log", "log_generation", "log_last_id", "log_position", "pending_changes", "shards", "shared_state_complete", "workers"]
     BOOKINGS_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +46,7 @@ class GetStateResponse(_message.Message):
     LOG_LAST_ID_FIELD_NUMBER: _ClassVar[int]
     LOG_POSITION_FIELD_NUMBER: _ClassVar[int]
     PENDING_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_STATE_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     bookings: int
@@ -56,9 +57,10 @@ class GetStateResponse(_message.Message):
     log_last_id: str
     log_position: int
     pending_changes: int
+    shards: _containers.RepeatedCompositeFieldContainer[ShardState]
     shared_state_complete: bool
     workers: int
-    def __init__(self, log: _Optional[str] = ..., log_position: _Optional[int] = ..., log_last_id: _Optional[str] = ..., pending_changes: _Optional[int] = ..., digest: _Optional[str] = ..., workers: _Optional[int] = ..., index_blocks: _Optional[int] = ..., bookings: _Optional[int] = ..., log_generation: _Optional[str] = ..., shared_state_complete: bool = ...) -> None: ...
+    def __init__(self, log: _Optional[str] = ..., log_position: _Optional[int] = ..., log_last_id: _Optional[str] = ..., pending_changes: _Optional[int] = ..., digest: _Optional[str] = ..., workers: _Optional[int] = ..., index_blocks: _Optional[int] = ..., bookings: _Optional[int] = ..., log_generation: _Optional[str] = ..., shared_state_complete: bool = ..., shards: _Optional[_Iterable[_Union[ShardState, _Mapping]]] = ...) -> None: ...
 
 class ListWorkersRequest(_message.Message):
     __slots__ = ["model"]
@@ -71,6 +73,30 @@ class ListWorkersResponse(_message.Message):
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     def __init__(self, workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ...) -> None: ...
+
+class ShardState(_message.Message):
+    __slots__ = ["bookings", "digest", "index_blocks", "log_generation", "log_last_id", "log_position", "model", "pending_changes", "shared_state_complete", "workers"]
+    BOOKINGS_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    INDEX_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LOG_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LOG_LAST_ID_FIELD_NUMBER: _ClassVar[int]
+    LOG_POSITION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    PENDING_CHANGES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_STATE_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    bookings: int
+    digest: str
+    index_blocks: int
+    log_generation: str
+    log_last_id: str
+    log_position: int
+    model: str
+    pending_changes: int
+    shared_state_complete: bool
+    workers: int
+    def __init__(self, model: _Optional[str] = ..., log_position: _Optional[int] = ..., log_last_id: _Optional[str] = ..., log_generation: _Optional[str] = ..., pending_changes: _Optional[int] = ..., digest: _Optional[str] = ..., workers: _Optional[int] = ..., index_blocks: _Optional[int] = ..., bookings: _Optional[int] = ..., shared_state_complete: bool = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
     __slots__ = ["awaiting_resync", "block_size", "cached_blocks", "connected", "kv_events_enabled", "last_event_id", "load", "max_num_batched_tokens", "model", "role", "supports_bypass", "total_kv_blocks", "worker"]

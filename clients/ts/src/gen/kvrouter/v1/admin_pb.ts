@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvrouter/v1/admin.proto.
  */
 export const file_kvrouter_v1_admin: GenFile = /*@__PURE__*/
-  fileDesc("ChdrdnJvdXRlci92MS9hZG1pbi5wcm90bxILa3Zyb3V0ZXIudjEiEQoPR2V0U3RhdGVSZXF1ZXN0IuMBChBHZXRTdGF0ZVJlc3BvbnNlEgsKA2xvZxgBIAEoCRIUCgxsb2dfcG9zaXRpb24YAiABKAQSEwoLbG9nX2xhc3RfaWQYAyABKAkSFwoPcGVuZGluZ19jaGFuZ2VzGAQgASgEEg4KBmRpZ2VzdBgFIAEoCRIPCgd3b3JrZXJzGAYgASgEEhQKDGluZGV4X2Jsb2NrcxgHIAEoBBIQCghib29raW5ncxgIIAEoBBIWCg5sb2dfZ2VuZXJhdGlvbhgJIAEoCRIdChVzaGFyZWRfc3RhdGVfY29tcGxldGUYCiABKAgiIwoSTGlzdFdvcmtlcnNSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIkEKE0xpc3RXb3JrZXJzUmVzcG9uc2USKgoHd29ya2VycxgBIAMoCzIZLmt2cm91dGVyLnYxLldvcmtlclN0YXR1cyKhAwoMV29ya2VyU3RhdHVzEikKBndvcmtlchgBIAEoCzIZLmt2cm91dGVyLnYxLldvcmtlclRhcmdldBINCgVtb2RlbBgCIAEoCRIlCgRyb2xlGAMgASgOMhcua3Zyb3V0ZXIudjEuV29ya2VyUm9sZRISCgpibG9ja19zaXplGAQgASgNEhcKD3RvdGFsX2t2X2Jsb2NrcxgFIAEoBBIeChZtYXhfbnVtX2JhdGNoZWRfdG9rZW5zGAYgASgEEhcKD3N1cHBvcnRzX2J5cGFzcxgHIAEoCBIZChFrdl9ldmVudHNfZW5hYmxlZBgIIAEoCBIRCgljb25uZWN0ZWQYCSABKAgSGgoNbGFzdF9ldmVudF9pZBgKIAEoBEgAiAEBEi4KDWNhY2hlZF9ibG9ja3MYCyABKAsyFy5rdnJvdXRlci52MS5UaWVyQmxvY2tzEiUKBGxvYWQYDCABKAsyFy5rdnJvdXRlci52MS5Xb3JrZXJMb2FkEhcKD2F3YWl0aW5nX3Jlc3luYxgNIAEoCEIQCg5fbGFzdF9ldmVudF9pZCISChBHZXRDb25maWdSZXF1ZXN0Ij4KEUdldENvbmZpZ1Jlc3BvbnNlEikKB2VudHJpZXMYASADKAsyGC5rdnJvdXRlci52MS5Db25maWdFbnRyeSJUCgtDb25maWdFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAkSKQoGc291cmNlGAMgASgOMhkua3Zyb3V0ZXIudjEuQ29uZmlnU291cmNlKo8BCgxDb25maWdTb3VyY2USHQoZQ09ORklHX1NPVVJDRV9VTlNQRUNJRklFRBAAEhkKFUNPTkZJR19TT1VSQ0VfREVGQVVMVBABEhYKEkNPTkZJR19TT1VSQ0VfRklMRRACEhUKEUNPTkZJR19TT1VSQ0VfRU5WEAMSFgoSQ09ORklHX1NPVVJDRV9GTEFHEAQy9QEKDEFkbWluU2VydmljZRJQCgtMaXN0V29ya2VycxIfLmt2cm91dGVyLnYxLkxpc3RXb3JrZXJzUmVxdWVzdBogLmt2cm91dGVyLnYxLkxpc3RXb3JrZXJzUmVzcG9uc2USSgoJR2V0Q29uZmlnEh0ua3Zyb3V0ZXIudjEuR2V0Q29uZmlnUmVxdWVzdBoeLmt2cm91dGVyLnYxLkdldENvbmZpZ1Jlc3BvbnNlEkcKCEdldFN0YXRlEhwua3Zyb3V0ZXIudjEuR2V0U3RhdGVSZXF1ZXN0Gh0ua3Zyb3V0ZXIudjEuR2V0U3RhdGVSZXNwb25zZWIGcHJvdG8z", [file_kvrouter_v1_types]);
+  fileDesc("ChdrdnJvdXRlci92MS9hZG1pbi5wcm90bxILa3Zyb3V0ZXIudjEiEQoPR2V0U3RhdGVSZXF1ZXN0IowCChBHZXRTdGF0ZVJlc3BvbnNlEgsKA2xvZxgBIAEoCRIUCgxsb2dfcG9zaXRpb24YAiABKAQSEwoLbG9nX2xhc3RfaWQYAyABKAkSFwoPcGVuZGluZ19jaGFuZ2VzGAQgASgEEg4KBmRpZ2VzdBgFIAEoCRIPCgd3b3JrZXJzGAYgASgEEhQKDGluZGV4X2Jsb2NrcxgHIAEoBBIQCghib29raW5ncxgIIAEoBBIWCg5sb2dfZ2VuZXJhdGlvbhgJIAEoCRIdChVzaGFyZWRfc3RhdGVfY29tcGxldGUYCiABKAgSJwoGc2hhcmRzGAsgAygLMhcua3Zyb3V0ZXIudjEuU2hhcmRTdGF0ZSLfAQoKU2hhcmRTdGF0ZRINCgVtb2RlbBgBIAEoCRIUCgxsb2dfcG9zaXRpb24YAiABKAQSEwoLbG9nX2xhc3RfaWQYAyABKAkSFgoObG9nX2dlbmVyYXRpb24YBCABKAkSFwoPcGVuZGluZ19jaGFuZ2VzGAUgASgEEg4KBmRpZ2VzdBgGIAEoCRIPCgd3b3JrZXJzGAcgASgEEhQKDGluZGV4X2Jsb2NrcxgIIAEoBBIQCghib29raW5ncxgJIAEoBBIdChVzaGFyZWRfc3RhdGVfY29tcGxldGUYCiABKAgiIwoSTGlzdFdvcmtlcnNSZXF1ZXN0Eg0KBW1vZGVsGAEgASgJIkEKE0xpc3RXb3JrZXJzUmVzcG9uc2USKgoHd29ya2VycxgBIAMoCzIZLmt2cm91dGVyLnYxLldvcmtlclN0YXR1cyKhAwoMV29ya2VyU3RhdHVzEikKBndvcmtlchgBIAEoCzIZLmt2cm91dGVyLnYxLldvcmtlclRhcmdldBINCgVtb2RlbBgCIAEoCRIlCgRyb2xlGAMgASgOMhcua3Zyb3V0ZXIudjEuV29ya2VyUm9sZRISCgpibG9ja19zaXplGAQgASgNEhcKD3RvdGFsX2t2X2Jsb2NrcxgFIAEoBBIeChZtYXhfbnVtX2JhdGNoZWRfdG9rZW5zGAYgASgEEhcKD3N1cHBvcnRzX2J5cGFzcxgHIAEoCBIZChFrdl9ldmVudHNfZW5hYmxlZBgIIAEoCBIRCgljb25uZWN0ZWQYCSABKAgSGgoNbGFzdF9ldmVudF9pZBgKIAEoBEgAiAEBEi4KDWNhY2hlZF9ibG9ja3MYCyABKAsyFy5rdnJvdXRlci52MS5UaWVyQmxvY2tzEiUKBGxvYWQYDCABKAsyFy5rdnJvdXRlci52MS5Xb3JrZXJMb2FkEhcKD2F3YWl0aW5nX3Jlc3luYxgNIAEoCEIQCg5fbGFzdF9ldmVudF9pZCISChBHZXRDb25maWdSZXF1ZXN0Ij4KEUdldENvbmZpZ1Jlc3BvbnNlEikKB2VudHJpZXMYASADKAsyGC5rdnJvdXRlci52MS5Db25maWdFbnRyeSJUCgtDb25maWdFbnRyeRILCgNrZXkYASABKAkSDQoFdmFsdWUYAiABKAkSKQoGc291cmNlGAMgASgOMhkua3Zyb3V0ZXIudjEuQ29uZmlnU291cmNlKo8BCgxDb25maWdTb3VyY2USHQoZQ09ORklHX1NPVVJDRV9VTlNQRUNJRklFRBAAEhkKFUNPTkZJR19TT1VSQ0VfREVGQVVMVBABEhYKEkNPTkZJR19TT1VSQ0VfRklMRRACEhUKEUNPTkZJR19TT1VSQ0VfRU5WEAMSFgoSQ09ORklHX1NPVVJDRV9GTEFHEAQy9QEKDEFkbWluU2VydmljZRJQCgtMaXN0V29ya2VycxIfLmt2cm91dGVyLnYxLkxpc3RXb3JrZXJzUmVxdWVzdBogLmt2cm91dGVyLnYxLkxpc3RXb3JrZXJzUmVzcG9uc2USSgoJR2V0Q29uZmlnEh0ua3Zyb3V0ZXIudjEuR2V0Q29uZmlnUmVxdWVzdBoeLmt2cm91dGVyLnYxLkdldENvbmZpZ1Jlc3BvbnNlEkcKCEdldFN0YXRlEhwua3Zyb3V0ZXIudjEuR2V0U3RhdGVSZXF1ZXN0Gh0ua3Zyb3V0ZXIudjEuR2V0U3RhdGVSZXNwb25zZWIGcHJvdG8z", [file_kvrouter_v1_types]);
 
 /**
  * GetStateRequest is empty.
@@ -107,6 +107,17 @@ export type GetStateResponse = Message<"kvrouter.v1.GetStateResponse"> & {
    * @generated from field: bool shared_state_complete = 10;
    */
   sharedStateComplete: boolean;
+
+  /**
+   * shards are the shards of a shared log sharded by model (redis_shard_by_model), in model order:
+   * each is applied on its own, so replicas are compared shard by shard. Empty when the log is not
+   * sharded. With shards, the fields above sum or join theirs: log_position and pending_changes are
+   * sums, log_last_id and log_generation list "model=value" pairs, digest fingerprints the shards'
+   * digests, and shared_state_complete holds when it holds in every shard.
+   *
+   * @generated from field: repeated kvrouter.v1.ShardState shards = 11;
+   */
+  shards: ShardState[];
 };
 
 /**
@@ -115,6 +126,90 @@ export type GetStateResponse = Message<"kvrouter.v1.GetStateResponse"> & {
  */
 export const GetStateResponseSchema: GenMessage<GetStateResponse> = /*@__PURE__*/
   messageDesc(file_kvrouter_v1_admin, 1);
+
+/**
+ * ShardState is where this replica stands in one shard of a log sharded by model.
+ *
+ * @generated from message kvrouter.v1.ShardState
+ */
+export type ShardState = Message<"kvrouter.v1.ShardState"> & {
+  /**
+   * model is the model whose state the shard holds.
+   *
+   * @generated from field: string model = 1;
+   */
+  model: string;
+
+  /**
+   * log_position is the number of the shard's log entries this replica applied.
+   *
+   * @generated from field: uint64 log_position = 2;
+   */
+  logPosition: bigint;
+
+  /**
+   * log_last_id is the Redis stream id of the last entry of the shard applied here.
+   *
+   * @generated from field: string log_last_id = 3;
+   */
+  logLastId: string;
+
+  /**
+   * log_generation names the lineage of the shard's log.
+   *
+   * @generated from field: string log_generation = 4;
+   */
+  logGeneration: string;
+
+  /**
+   * pending_changes are this replica's changes to the shard not yet read back from its log.
+   *
+   * @generated from field: uint64 pending_changes = 5;
+   */
+  pendingChanges: bigint;
+
+  /**
+   * digest fingerprints the shard's state (16 hex digits).
+   *
+   * @generated from field: string digest = 6;
+   */
+  digest: string;
+
+  /**
+   * workers is the number of the model's registered worker ranks.
+   *
+   * @generated from field: uint64 workers = 7;
+   */
+  workers: bigint;
+
+  /**
+   * index_blocks is the number of distinct block positions in the model's index.
+   *
+   * @generated from field: uint64 index_blocks = 8;
+   */
+  indexBlocks: bigint;
+
+  /**
+   * bookings is the number of the model's booked requests.
+   *
+   * @generated from field: uint64 bookings = 9;
+   */
+  bookings: bigint;
+
+  /**
+   * shared_state_complete is false while this replica knows the shard's state may not be the shared one.
+   *
+   * @generated from field: bool shared_state_complete = 10;
+   */
+  sharedStateComplete: boolean;
+};
+
+/**
+ * Describes the message kvrouter.v1.ShardState.
+ * Use `create(ShardStateSchema)` to create a new message.
+ */
+export const ShardStateSchema: GenMessage<ShardState> = /*@__PURE__*/
+  messageDesc(file_kvrouter_v1_admin, 2);
 
 /**
  * ListWorkersRequest filters the worker list.
@@ -135,7 +230,7 @@ export type ListWorkersRequest = Message<"kvrouter.v1.ListWorkersRequest"> & {
  * Use `create(ListWorkersRequestSchema)` to create a new message.
  */
 export const ListWorkersRequestSchema: GenMessage<ListWorkersRequest> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 2);
+  messageDesc(file_kvrouter_v1_admin, 3);
 
 /**
  * ListWorkersResponse lists workers, ordered by model, worker id and rank.
@@ -156,7 +251,7 @@ export type ListWorkersResponse = Message<"kvrouter.v1.ListWorkersResponse"> & {
  * Use `create(ListWorkersResponseSchema)` to create a new message.
  */
 export const ListWorkersResponseSchema: GenMessage<ListWorkersResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 3);
+  messageDesc(file_kvrouter_v1_admin, 4);
 
 /**
  * WorkerStatus is what the router knows of one worker rank.
@@ -262,7 +357,7 @@ export type WorkerStatus = Message<"kvrouter.v1.WorkerStatus"> & {
  * Use `create(WorkerStatusSchema)` to create a new message.
  */
 export const WorkerStatusSchema: GenMessage<WorkerStatus> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 4);
+  messageDesc(file_kvrouter_v1_admin, 5);
 
 /**
  * GetConfigRequest is empty.
@@ -277,7 +372,7 @@ export type GetConfigRequest = Message<"kvrouter.v1.GetConfigRequest"> & {
  * Use `create(GetConfigRequestSchema)` to create a new message.
  */
 export const GetConfigRequestSchema: GenMessage<GetConfigRequest> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 5);
+  messageDesc(file_kvrouter_v1_admin, 6);
 
 /**
  * GetConfigResponse is the effective configuration.
@@ -298,7 +393,7 @@ export type GetConfigResponse = Message<"kvrouter.v1.GetConfigResponse"> & {
  * Use `create(GetConfigResponseSchema)` to create a new message.
  */
 export const GetConfigResponseSchema: GenMessage<GetConfigResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 6);
+  messageDesc(file_kvrouter_v1_admin, 7);
 
 /**
  * ConfigEntry is one effective setting.
@@ -333,7 +428,7 @@ export type ConfigEntry = Message<"kvrouter.v1.ConfigEntry"> & {
  * Use `create(ConfigEntrySchema)` to create a new message.
  */
 export const ConfigEntrySchema: GenMessage<ConfigEntry> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_admin, 7);
+  messageDesc(file_kvrouter_v1_admin, 8);
 
 /**
  * ConfigSource says where a setting's value came from.
