@@ -11,6 +11,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -52,7 +53,7 @@ func chaosReport() string {
 	chaosMu.Lock()
 	defer chaosMu.Unlock()
 	var b strings.Builder
-	fmt.Fprintf(&b, "%-28s %8s %7s %11s %10s %8s  %s\n", "scenario", "routes", "failed", "acked lost", "converged", "digests", "notes")
+	fmt.Fprintf(&b, "%-38s %8s %7s %11s %10s %8s  %s\n", "scenario", "routes", "failed", "acked lost", "converged", "digests", "notes")
 	for _, r := range chaosResults {
 		conv, dig := r.converged.Round(10*time.Millisecond).String(), "equal"
 		if r.err != nil {
@@ -60,7 +61,7 @@ func chaosReport() string {
 		} else if !r.digestsEqual {
 			dig = "DIFFER"
 		}
-		fmt.Fprintf(&b, "%-28s %8d %7d %11d %10s %8s  %s\n", r.name, r.routes, r.failed, r.ackedLost, conv, dig, r.notes)
+		fmt.Fprintf(&b, "%-38s %8d %7d %11d %10s %8s  %s\n", r.name, r.routes, r.failed, r.ackedLost, conv, dig, r.notes)
 	}
 	return b.String()
 }
@@ -77,6 +78,28 @@ func TestChaos(t *testing.T) {
 		}
 	})
 	bin := buildBinary(t)
+	// Every scenario runs on both layouts of the shared log: one log, and a log per model with the
+	// fleet's workers spread over two models.
+	for _, layout := range []struct {
+		name, prefix string
+		flags        []string
+		models       int
+	}{
+		{"one_log", "", nil, 1},
+		{"sharded_by_model", "sharded: ", []string{"--redis-shard-by-model"}, 2},
+	} {
+		t.Run(layout.name, func(t *testing.T) {
+			chaosFlags = append(append([]string(nil), chaosBaseFlags...), layout.flags...)
+			fleetModels = layout.models
+			defer func() { chaosFlags, fleetModels = chaosBaseFlags, 1 }()
+			runChaosScenarios(t, bin, layout.prefix)
+		})
+	}
+}
+
+// runChaosScenarios runs every scenario in turn, on replicas started with chaosFlags; prefix starts
+// their names in the report.
+func runChaosScenarios(t *testing.T, bin, prefix string) {
 	for _, sc := range []struct {
 		name string
 		run  func(t *testing.T, bin string) chaosResult
@@ -94,7 +117,7 @@ func TestChaos(t *testing.T) {
 		t.Run(sc.name, func(t *testing.T) {
 			start := time.Now()
 			r := sc.run(t, bin)
-			r.name = sc.name
+			r.name = prefix + sc.name
 			record(r)
 			if r.err != nil {
 				t.Errorf("%v", r.err)
@@ -113,9 +136,25 @@ func TestChaos(t *testing.T) {
 	}
 }
 
-// chaosFlags are the settings every scenario's replicas run with: a short reseed window, so that a
-// new deployment is in steady state (its shared state complete) soon.
-var chaosFlags = []string{"--redis-reseed-window", "3s"}
+// chaosBaseFlags are the settings every scenario's replicas run with: a short reseed window, so
+// that a new deployment is in steady state (its shared state complete) soon. chaosFlags adds the
+// layout's (TestChaos).
+var (
+	chaosBaseFlags = []string{"--redis-reseed-window", "3s"}
+	chaosFlags     = chaosBaseFlags
+)
+
+// logLength returns the number of entries in the shared log's streams: the one log's, and every
+// shard's of a log sharded by model (the registry under the default prefix names them).
+func logLength(ctx context.Context, rdb redis.UniversalClient) int64 {
+	n, _ := rdb.XLen(ctx, defaultStream).Result()
+	shards, _ := rdb.HGetAll(ctx, "kvr:{default}:shards").Result()
+	for _, prefix := range shards {
+		m, _ := rdb.XLen(ctx, prefix+":log").Result()
+		n += m
+	}
+	return n
+}
 
 // steady waits until every replica reports its shared state complete: faults hit a deployment in
 // steady state, not one still in its first reseed window.
@@ -249,7 +288,7 @@ func chaosRedisRestart(aof bool) func(t *testing.T, bin string) chaosResult {
 			// unsynced second, which TestRewoundLogIsReseeded simulates).
 			gen = "kept its generation (AOF)"
 		}
-		if states, err := readReplica(context.Background(), t, c.addr); err == nil && strings.HasSuffix(states.state.GetLogGeneration(), "/seeded") {
+		if states, err := readReplica(context.Background(), t, c.addr); err == nil && strings.Contains(states.state.GetLogGeneration(), "/seeded") {
 			gen = "reseeded"
 		}
 		r.notes = gen + ", " + dumpsAndReconnects(f)
@@ -371,7 +410,7 @@ func chaosJunkFree(t *testing.T, bin string) chaosResult {
 	if err := f.waitAllAcked(10 * time.Second); err != nil {
 		return chaosResult{err: err}
 	}
-	before, _ := rdb.XLen(ctx, defaultStream).Result()
+	before := logLength(ctx, rdb)
 	routers := []kvrouterv1.RouterServiceClient{kvrouterv1.NewRouterServiceClient(dial(t, a.addr)), kvrouterv1.NewRouterServiceClient(dial(t, b.addr))}
 	var wg sync.WaitGroup
 	var mu sync.Mutex
@@ -400,7 +439,7 @@ func chaosJunkFree(t *testing.T, bin string) chaosResult {
 	}
 	wg.Wait()
 	took := time.Since(start)
-	after, _ := rdb.XLen(ctx, defaultStream).Result()
+	after := logLength(ctx, rdb)
 	s := settle(t, f, time.Now(), a.addr, b.addr)
 	if wrong > 0 && s.err == nil {
 		s.err = fmt.Errorf("%d of 20,000 junk calls did not answer NOT_FOUND", wrong)

@@ -29,6 +29,8 @@ type fleetWorker struct {
 	paused atomic.Bool // no new events; the stream goes on (acks, dumps, reconnects)
 	// fresh: the first hello says fresh_start (a new process taking the worker id over).
 	fresh bool
+	// modelName is the model the worker serves; "" means fleetModels decides.
+	modelName string
 
 	mu         sync.Mutex
 	produced   uint64 // events 0..produced-1 exist
@@ -40,6 +42,21 @@ type fleetWorker struct {
 
 func newFleetWorker(t *testing.T, id uint64, addrs ...string) *fleetWorker {
 	return &fleetWorker{t: t, id: id, addrs: addrs, acked: -1}
+}
+
+// fleetModels is how many models the fleet's workers serve: worker id is of model "m" when it is
+// 1, else of "m<id mod fleetModels>" (the fault suite's sharded layout spreads them over shards).
+var fleetModels = 1
+
+// model returns the model the worker serves.
+func (w *fleetWorker) model() string {
+	if w.modelName != "" {
+		return w.modelName
+	}
+	if fleetModels <= 1 {
+		return "m"
+	}
+	return fmt.Sprintf("m%d", w.id%uint64(fleetModels))
 }
 
 func (w *fleetWorker) blockHash(i uint64) uint64 { return 10_000*w.id + i }
@@ -111,7 +128,7 @@ func (w *fleetWorker) session(ctx context.Context, addr string, interval time.Du
 		return err
 	}
 	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
-		WorkerId: w.id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4,
+		WorkerId: w.id, Model: w.model(), Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4,
 		TotalKvBlocks: 100_000, KvEventsEnabled: true, Endpoint: fmt.Sprintf("w%d", w.id), FreshStart: w.fresh && w.firstSession()}}}); err != nil {
 		return err
 	}
@@ -247,11 +264,21 @@ func startFleet(t *testing.T, n int, interval time.Duration, addrs ...string) *f
 
 // startFleetOn is startFleet with Route calls on routeAddrs only.
 func startFleetOn(t *testing.T, n int, interval time.Duration, addrs, routeAddrs []string) *fleet {
-	ctx, cancel := context.WithCancel(context.Background())
-	f := &fleet{t: t, ctx: ctx, stop: cancel, interval: interval}
+	var workers []*fleetWorker
 	for i := range n {
 		order := append(append([]string(nil), addrs[i%len(addrs):]...), addrs[:i%len(addrs)]...)
-		f.add(newFleetWorker(t, uint64(1+i), order...))
+		workers = append(workers, newFleetWorker(t, uint64(1+i), order...))
+	}
+	return startFleetWith(t, workers, interval, routeAddrs...)
+}
+
+// startFleetWith runs workers, publishing one event each every interval, and query-only Route calls
+// on routeAddrs, until the test ends.
+func startFleetWith(t *testing.T, workers []*fleetWorker, interval time.Duration, routeAddrs ...string) *fleet {
+	ctx, cancel := context.WithCancel(context.Background())
+	f := &fleet{t: t, ctx: ctx, stop: cancel, interval: interval}
+	for _, w := range workers {
+		f.add(w)
 	}
 	for _, addr := range routeAddrs {
 		f.routeOn(addr)
@@ -282,15 +309,16 @@ func (f *fleet) routeOn(addr string) {
 	ctx := f.ctx
 	client := kvrouterv1.NewRouterServiceClient(dial(f.t, addr))
 	var prompts [][]uint32 // of the workers started so far
+	var models []string
 	for _, w := range f.workers {
-		prompts = append(prompts, w.prompt())
+		prompts, models = append(prompts, w.prompt()), append(models, w.model())
 	}
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
 		for i := 0; ctx.Err() == nil; i++ {
 			rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompts[i%len(prompts)], QueryOnly: true})
+			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: models[i%len(models)], TokenIds: prompts[i%len(prompts)], QueryOnly: true})
 			cancel()
 			if ctx.Err() != nil {
 				return
