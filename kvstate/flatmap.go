@@ -64,6 +64,9 @@ const (
 // bytes per (block, worker) instead of 47.4; 59% made no difference.
 func roomFor(n int) int { return max(n*5/3, minSegmentSlots) }
 
+// restoreRoomFor is the number of slots a segment of a restored table gets for n keys: 75% full.
+func restoreRoomFor(n int) int { return max(n*4/3, minSegmentSlots) }
+
 // hashKey mixes a key with the table's seed: engine block hashes can be small or patterned, and a
 // per-table seed keeps crafted keys from piling onto one slot.
 func hashKey(k, seed uint64) uint64 {
@@ -83,16 +86,21 @@ func newFlatMap[V any]() *flatMap[V] {
 	return m
 }
 
-// newFlatMapSized returns an empty table with room for n keys: enough segments, each 60% full at n,
-// so that filling it rebuilds nothing (restoring a snapshot, whose counts are known).
+// newFlatMapSized returns an empty table with room for n keys (restoring a snapshot, whose counts
+// are known): enough segments, each 75% full at n, so that filling it rebuilds almost nothing (a
+// segment holding 7% more keys than the average, 3 standard deviations at the segment size
+// chosen, rebuilds once) and the table takes no more memory than it must. A restore's cost is
+// mostly the first write to each fresh page of its tables (newSlots), so every byte saved counts:
+// sized 60% full, as a rebuild leaves a segment, the tables of a 10M-block cold start took 25% more
+// memory and time (docs/BENCHMARKS.md, "Issue 15").
 func newFlatMapSized[V any](n int) *flatMap[V] {
 	m := &flatMap[V]{seed: rand.Uint64()}
-	for m.depth < 24 && roomFor(n>>m.depth) > maxSegmentSlots*3/4 {
+	for m.depth < 24 && restoreRoomFor(n>>m.depth) > maxSegmentSlots*3/4 {
 		m.depth++
 	}
 	m.dir = make([]dirEntry[V], 1<<m.depth)
 	for p := range uint64(len(m.dir)) {
-		s := &segment[V]{depth: m.depth, prefix: p, slots: newSlots[V](roomFor(n >> m.depth))}
+		s := &segment[V]{depth: m.depth, prefix: p, slots: newSlots[V](restoreRoomFor(n >> m.depth))}
 		m.segs = append(m.segs, s)
 		m.point(s)
 	}

@@ -292,6 +292,14 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 // loadGeneration makes generation g this replica's: it loads g's snapshot (or starts empty when g
 // has none yet) and replays g's stream from the snapshot's position.
 func (l *Log) loadGeneration(ctx context.Context, g string) error {
+	if gate := l.opts.LoadGate; gate != nil {
+		select {
+		case gate <- struct{}{}:
+			defer func() { <-gate }()
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	data, err := l.readSnapshot(ctx)
 	if err != nil {
 		return err

@@ -20,6 +20,11 @@ type Options struct {
 	// Prefix starts every key, hash tag included, e.g. "kvr:{prod}". Every key of a deployment
 	// shares the tag, so the layout works unchanged on Redis Cluster.
 	Prefix string
+	// LoadGate, when set, bounds the snapshot loads (read and restore) that run at once: the logs
+	// of one replica's shards share one, so that a cold start restores as many shards at once as
+	// there are cores, and each restore's snapshot buffer is garbage before the next ones read
+	// theirs (fresh memory is most of a restore's cost: docs/BENCHMARKS.md, "Issue 15").
+	LoadGate chan struct{}
 	// Replica identifies this process in the log (its own entries carry it).
 	Replica string
 	// SnapshotEvery is how many applied changes (a KV batch counting one per block event) trigger an

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"log/slog"
 	"net/url"
+	"runtime"
 	"slices"
 	"sort"
 	"strings"
@@ -82,6 +83,10 @@ func NewShards(rdb redis.UniversalClient, opts ShardsOptions) *Shards {
 	}
 	if opts.Log.Logger == nil {
 		opts.Log.Logger = slog.Default()
+	}
+	if opts.Log.LoadGate == nil {
+		// As many shards restore at once as there are cores (measured: docs/BENCHMARKS.md).
+		opts.Log.LoadGate = make(chan struct{}, runtime.GOMAXPROCS(0))
 	}
 	return &Shards{rdb: rdb, opts: opts, shards: make(map[string]*shardRun), ready: make(chan struct{}), conflicts: make(map[string]string)}
 }
