@@ -310,7 +310,7 @@ func (s *Shards) repairRegistry(ctx context.Context, registry map[string]string)
 	for model, prefix := range held {
 		switch got, ok := registry[model]; {
 		case !ok:
-			if _, err := s.rdb.HSetNX(ctx, s.RegistryKey(), model, prefix).Result(); err == nil {
+			if set, err := s.rdb.HSetNX(ctx, s.RegistryKey(), model, prefix).Result(); err == nil && set {
 				s.opts.Log.Logger.Warn("registered a shard again that Redis lost", "model", model, "prefix", prefix, "registry", s.RegistryKey())
 			}
 		case got != prefix && s.conflicts[model] != got:
