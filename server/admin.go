@@ -34,10 +34,12 @@ func (s *adminService) GetState(context.Context, *kvrouterv1.GetStateRequest) (*
 			Bookings: one.Bookings, LogGeneration: one.LogGeneration, SharedStateComplete: one.SharedStateComplete}, nil
 	}
 	resp := &kvrouterv1.GetStateResponse{Log: "embedded", SharedStateComplete: true, Shards: states}
+	if b, ok := s.shards.(interface{ Backend() string }); ok {
+		resp.Log = b.Backend() // named before any shard exists
+	}
 	var lastIDs, generations []string
 	digest := fnv.New64a()
-	for i, st := range states {
-		resp.Log = logBackend(shards[i].Log)
+	for _, st := range states {
 		resp.LogPosition += st.LogPosition
 		resp.PendingChanges += st.PendingChanges
 		resp.Workers += st.Workers

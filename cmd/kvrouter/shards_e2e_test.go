@@ -144,8 +144,8 @@ func TestUpgradeToShardedLayout(t *testing.T) {
 	time.Sleep(500 * time.Millisecond)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
 	defer cancel()
-	if st, err := readReplica(ctx, t, next.addr); err != nil || len(st.state.GetShards()) != 0 || st.state.GetWorkers() != 0 {
-		t.Fatalf("the new deployment, before any worker moved: %v, %v; want no shard and no worker", st.state, err)
+	if st, err := readReplica(ctx, t, next.addr); err != nil || len(st.state.GetShards()) != 0 || st.state.GetWorkers() != 0 || st.state.GetLog() != "redis" {
+		t.Fatalf("the new deployment, before any worker moved: %v, %v; want a redis log with no shard and no worker", st.state, err)
 	}
 
 	old.kill() // the old deployment is deleted: its workers reconnect to the new one

@@ -229,6 +229,9 @@ func (s *Shards) Prefix(model string) string {
 	return ""
 }
 
+// Backend names the store, as GetState reports it.
+func (s *Shards) Backend() string { return "redis" }
+
 // Ready is closed once the registry was read and every shard this replica serves that it names
 // has caught up with its log (Log.Ready): the shards a starting replica finds. A shard added later
 // starts empty everywhere, so it has nothing to catch up with before routing.
