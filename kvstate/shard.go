@@ -80,8 +80,6 @@ func (o OneShard) Observe(obs Observers) {
 type MemShards struct {
 	mu     sync.Mutex
 	shards map[string]*Shard
-	// NewState returns the state of a new shard; nil means NewState.
-	NewState func() *State
 }
 
 // Open returns model's shard, making it on first use.
@@ -91,11 +89,7 @@ func (m *MemShards) Open(_ context.Context, model string) (*Shard, error) {
 	if sh := m.shards[model]; sh != nil {
 		return sh, nil
 	}
-	newState := m.NewState
-	if newState == nil {
-		newState = NewState
-	}
-	st := newState()
+	st := NewState()
 	sh := &Shard{Model: model, State: st, Log: NewMemLog(st)}
 	if m.shards == nil {
 		m.shards = make(map[string]*Shard)
