@@ -9,19 +9,28 @@ type Change interface {
 // WorkerUp registers a worker rank, or re-announces it after a reconnect. With Reset, whatever the
 // router held for the rank (blocks, event numbering) is dropped first: the worker starts afresh.
 //
-// A WorkerUp with Epoch zero is a new stream's registration: it bumps the rank's registration epoch,
-// so the stream that held the rank until then is superseded (its later changes fail with
-// ErrSuperseded). A non-zero Epoch re-announces the rank on the stream registered at that epoch: it
-// applies only while that stream still holds the rank, and keeps the epoch.
+// A WorkerUp with Epoch zero is a new stream's registration: the rank's registration epoch becomes
+// Incarnation, so the stream that held the rank until then is superseded (its later changes fail
+// with ErrSuperseded). A non-zero Epoch re-announces the rank on the stream registered at that epoch:
+// it applies only while that stream still holds the rank, and keeps the epoch.
+//
+// Incarnation is chosen by the replica that appends the registration (State.Stamp, which every Log
+// calls), never by the apply: it is larger than every epoch that replica's state ever applied and
+// than the clock, so a worker id never gets an epoch twice, also after it was removed (when the
+// state forgets the rank). A removal names the epoch it removes, so one that arrives late (from a
+// replica that was paused or cut off) can never remove a later incarnation of the same worker.
+// Entries written before incarnations existed decode with 0: the epoch is then bumped by one.
 type WorkerUp struct {
-	Info  WorkerInfo
-	Reset bool
-	Epoch uint64
+	Info        WorkerInfo
+	Reset       bool
+	Epoch       uint64
+	Incarnation uint64
 }
 
 // WorkerRemoved removes a worker rank with its blocks and its share of bookings. With a non-zero
-// Epoch it applies only if the worker's registration epoch is still that one: every hello bumps the
-// epoch, so a removal that races a reconnect is skipped, identically on every replica.
+// Epoch it applies only if the worker's registration epoch is still that one: every hello gives the
+// rank a new epoch, never one it had before, so a removal that races a reconnect (or arrives after
+// the worker was removed and registered again) is skipped, identically on every replica.
 type WorkerRemoved struct {
 	Key   WorkerKey
 	Epoch uint64
@@ -61,13 +70,14 @@ type Booked struct {
 }
 
 // PrefillDone ends the prefill phase of a booked request. At (unix nanoseconds) is when it was
-// appended; it bounds how long a replica remembers one that arrived before its booking.
+// appended. It is appended only by a replica that holds the booking (it applied the Booked first),
+// so in the log it always follows its Booked; one that names no booking changes nothing.
 type PrefillDone struct {
 	RequestID string
 	At        int64
 }
 
-// Freed releases a booked request. At is as for PrefillDone.
+// Freed releases a booked request. At, and its place in the log, are as for PrefillDone.
 type Freed struct {
 	RequestID string
 	At        int64

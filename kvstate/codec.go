@@ -13,7 +13,9 @@ import (
 //
 // Version 2 adds the registration epoch to WorkerUp (after Reset) and to KVEvents, KVDump and
 // LoadReported (after the worker's key); version 1 entries decode with epoch 0 (unconditional).
-const EntryVersion = 2
+// Version 3 adds WorkerUp's incarnation (after the epoch) and Booked's model (after the session's
+// expiry); older entries decode with incarnation 0 and model "".
+const EntryVersion = 3
 
 // ErrCorruptEntry: a log entry could not be decoded.
 var ErrCorruptEntry = errors.New("corrupt log entry")
@@ -84,6 +86,7 @@ func encodeChange(b []byte, c Change) []byte {
 		b = putInfo(b, c.Info)
 		b = putBool(b, c.Reset)
 		b = binary.AppendUvarint(b, c.Epoch)
+		b = binary.AppendUvarint(b, c.Incarnation)
 	case WorkerRemoved:
 		b = append(b, kindWorkerRemoved)
 		b = putKey(b, c.Key)
@@ -118,6 +121,7 @@ func encodeChange(b []byte, c Change) []byte {
 		}
 		b = putString(b, bk.Session)
 		b = binary.AppendVarint(b, bk.SessionExpires)
+		b = putString(b, bk.Model)
 	case PrefillDone:
 		b = append(b, kindPrefillDone)
 		b = putString(b, c.RequestID)
@@ -240,11 +244,22 @@ type reader struct {
 }
 
 // epoch reads a registration epoch, which entries before version 2 do not carry.
-func (r *reader) epoch() uint64 {
-	if r.version < 2 {
+func (r *reader) epoch() uint64 { return r.since(2) }
+
+// since reads a varint that entries (or snapshots) of version v and later carry: 0 before.
+func (r *reader) since(v byte) uint64 {
+	if r.version < v {
 		return 0
 	}
 	return r.uvarint()
+}
+
+// stringSince reads a string that entries (or snapshots) of version v and later carry: "" before.
+func (r *reader) stringSince(v byte) string {
+	if r.version < v {
+		return ""
+	}
+	return r.string()
 }
 
 func (r *reader) fail(format string, args ...any) {
@@ -394,7 +409,7 @@ func (r *reader) events() []Event {
 func (r *reader) change() Change {
 	switch kind := r.byte(); kind {
 	case kindWorkerUp:
-		return WorkerUp{Info: r.info(), Reset: r.bool(), Epoch: r.epoch()}
+		return WorkerUp{Info: r.info(), Reset: r.bool(), Epoch: r.epoch(), Incarnation: r.since(3)}
 	case kindWorkerRemoved:
 		return WorkerRemoved{Key: r.key(), Epoch: r.uvarint()}
 	case kindKVEvents:
@@ -412,6 +427,7 @@ func (r *reader) change() Change {
 			}
 		}
 		b.Session, b.SessionExpires = r.string(), r.varint()
+		b.Model = r.stringSince(3)
 		return Booked{Booking: b}
 	case kindPrefillDone:
 		return PrefillDone{RequestID: r.string(), At: r.varint()}

@@ -13,7 +13,8 @@ import (
 func everyChange() []Change {
 	return []Change{
 		WorkerUp{Info: WorkerInfo{Key: WorkerKey{ID: 1 << 40, Rank: 3}, Model: "llama-70b", Role: RoleDecode, BlockSize: 64,
-			TotalKVBlocks: 123456, MaxNumBatchedTokens: 8192, Endpoint: "10.0.0.1:8000", SupportsBypass: true, KVEventsEnabled: true}, Reset: true},
+			TotalKVBlocks: 123456, MaxNumBatchedTokens: 8192, Endpoint: "10.0.0.1:8000", SupportsBypass: true, KVEventsEnabled: true}, Reset: true,
+			Incarnation: 1_790_000_000_123_456_789},
 		WorkerUp{Info: WorkerInfo{Key: WorkerKey{ID: 9}, Model: "m", Role: RolePrefill, BlockSize: 16}, Epoch: 3},
 		WorkerRemoved{Key: WorkerKey{ID: 9, Rank: 1}, Epoch: 42},
 		KVEvents{Worker: WorkerKey{ID: 9}, Epoch: 3, Events: []Event{
@@ -24,7 +25,7 @@ func everyChange() []Change {
 		}},
 		KVDump{Worker: WorkerKey{ID: 9}, Epoch: 1 << 33, ThroughEventID: 77, Events: []Event{{Tier: TierDevice, Kind: EventStored, Blocks: []Block{{Hash: 5, Local: 6}}}}},
 		LoadReported{Worker: WorkerKey{ID: 9}, Epoch: 3, KVUsedBlocks: 100, WaitingRequests: 2},
-		Booked{Booking: Booking{RequestID: "req-1", At: 1_700_000_000_000_000_000, Session: "chat-9", SessionExpires: -5, Hops: []HopBooking{
+		Booked{Booking: Booking{RequestID: "req-1", At: 1_700_000_000_000_000_000, Model: "llama-70b", Session: "chat-9", SessionExpires: -5, Hops: []HopBooking{
 			{Worker: WorkerKey{ID: 2}, PrefillTokens: 900},
 			{Worker: WorkerKey{ID: 9}, Blocks: []uint64{11, 12, 13}},
 		}}},
@@ -113,6 +114,13 @@ func TestDecodeVersion1(t *testing.T) {
 			if c.Epoch != 0 {
 				continue // not in the version 1 entry
 			}
+			c.Incarnation = 0
+			want = append(want, c)
+			continue
+		case Booked:
+			c.Booking.Model = ""
+			want = append(want, c)
+			continue
 		case KVEvents:
 			c.Epoch = 0
 			want = append(want, c)
@@ -130,6 +138,40 @@ func TestDecodeVersion1(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("version 1 entry (-want +got):\n%s", diff)
+	}
+}
+
+// v2Entry is everyChange (as it was before incarnations and booking models) encoded by the release
+// that wrote version 2.
+const v2Entry = "020b0180808080802003096c6c616d612d3730620240c0c40780400d31302e302e302e313a3830303001010100010900016d0110000000000000030209012a0309000304000001000201000000000000000200000000000000ffffffffffffffff00000000000000800101010107000000000000000103000000000000000400000000000000020202020100000000000000030000000000000003030304090080808080204d0100000100010500000000000000060000000000000005090003640206057265712d318080d0e2c6bfce972f0202000084070900030b000000000000000c000000000000000d000000000000000006636861742d390907057265712d310a08057265712d310d09a4130a01"
+
+// TestDecodeVersion2: entries written by the release before incarnations still decode, with
+// incarnation 0 (the epoch is then bumped, as that release did) and bookings without a model.
+func TestDecodeVersion2(t *testing.T) {
+	data, err := hex.DecodeString(v2Entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodeEntry(data)
+	if err != nil {
+		t.Fatalf("DecodeEntry(version 2) = %v", err)
+	}
+	var want []Change
+	for _, c := range everyChange() {
+		switch c := c.(type) {
+		case WorkerUp:
+			c.Incarnation = 0
+			want = append(want, c)
+			continue
+		case Booked:
+			c.Booking.Model = ""
+			want = append(want, c)
+			continue
+		}
+		want = append(want, c)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("version 2 entry (-want +got):\n%s", diff)
 	}
 }
 

@@ -10,7 +10,7 @@ import (
 // Digest is a fingerprint of the replicated state: two replicas that applied the same log have the
 // same digest. It covers workers (registration, epoch, event numbering, reported load), every
 // model's index (each worker's blocks per tier and the nodes they name), bookings, session bindings
-// and the bookkeeping of replicated apply. It leaves out what is local to a replica: open streams,
+// the bookkeeping of replicated apply, and the largest registration epoch applied. It leaves out what is local to a replica: open streams,
 // and slot numbers (it names workers by key).
 //
 // Each element is hashed alone and the hashes are summed, so the order of maps does not matter.
@@ -35,17 +35,15 @@ func (s *State) Digest() uint64 {
 	s.mu.RUnlock()
 
 	s.sessMu.RLock()
-	for id, b := range s.sessions {
-		sum += hashFields(0x73, xxh3.HashString(id), b.worker.ID, uint64(b.worker.Rank), uint64(b.expires))
+	for k, b := range s.sessions {
+		sum += hashFields(0x73, xxh3.HashString(k.model), xxh3.HashString(k.id), b.worker.ID, uint64(b.worker.Rank), uint64(b.expires))
 	}
 	s.sessMu.RUnlock()
 
 	s.rep.mu.Lock()
 	sum += hashFields(0x72, uint64(s.rep.expiredBefore))
-	for id, t := range s.rep.tombstones {
-		sum += hashFields(0x74, xxh3.HashString(id), boolU64(t.freed), boolU64(t.prefillDone), uint64(t.at))
-	}
 	s.rep.mu.Unlock()
+	sum += hashFields(0x65, s.epochHigh.Load())
 	return sum
 }
 

@@ -2,7 +2,9 @@ package kvstate
 
 import (
 	"errors"
+	"sync"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 )
@@ -115,5 +117,92 @@ func TestRemovalAfterATakeover(t *testing.T) {
 	}
 	if res, _ := s.Apply(WorkerRemoved{Key: w0r0, Epoch: d.Epoch}); res.Skipped || s.Worker(w0r0) != nil {
 		t.Error("removal after both streams closed was skipped, want the worker removed")
+	}
+}
+
+// TestEpochsNeverRepeat: a registration appended through a log gets the incarnation the log stamped
+// (State.Stamp) as its epoch, on every replica alike. A worker that is removed and registers again
+// gets an epoch it never had, so a removal decided for its earlier incarnation (a late one, from a
+// replica that was paused past the grace period) is skipped instead of removing the live worker.
+// Before incarnations, the epoch restarted at 1 after a removal and the late removal matched it.
+func TestEpochsNeverRepeat(t *testing.T) {
+	s := NewState()
+	l := NewMemLog(s)
+	ctx := t.Context()
+	up := func() uint64 {
+		t.Helper()
+		res, err := l.Append(ctx, WorkerUp{Info: info(w0r0)})
+		if err != nil {
+			t.Fatalf("registration = %v", err)
+		}
+		return res.Epoch
+	}
+	first := up()
+	if res, err := l.Append(ctx, WorkerRemoved{Key: w0r0, Epoch: first}); err != nil || res.Skipped {
+		t.Fatalf("removal of the first incarnation = %+v, %v; want it applied", res, err)
+	}
+	second := up()
+	if second <= first {
+		t.Fatalf("epoch after removal and a new registration = %d, want more than the removed %d", second, first)
+	}
+	// The late removal of the first incarnation, from the replica that decided it while paused.
+	if res, err := l.Append(ctx, WorkerRemoved{Key: w0r0, Epoch: first}); err != nil || !res.Skipped || s.Worker(w0r0) == nil {
+		t.Fatalf("late removal of incarnation %d = %+v, %v; want it skipped and the worker (epoch %d) kept", first, res, err, second)
+	}
+	// Another replica applying the same log gets the same epochs.
+	other := NewState()
+	for _, c := range []Change{
+		l.state.Stamp(WorkerUp{Info: info(w1)}),
+	} {
+		want, err := s.Apply(c)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, err := other.Apply(c)
+		if err != nil || got.Epoch != want.Epoch {
+			t.Errorf("the same registration applied elsewhere = epoch %d, %v; want %d", got.Epoch, err, want.Epoch)
+		}
+	}
+}
+
+// TestStampIsUnique: concurrent registrations stamped on one replica get distinct incarnations, each
+// above every epoch the state applied, even one far ahead of this replica's clock (set by a replica
+// whose clock runs fast), and after the worker holding it was removed and the state restored from a
+// snapshot.
+func TestStampIsUnique(t *testing.T) {
+	s := NewState()
+	ahead := uint64(time.Now().Add(time.Hour).UnixNano())
+	if _, err := s.Apply(WorkerUp{Info: info(w1), Incarnation: ahead}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Apply(WorkerRemoved{Key: w1, Epoch: ahead}); err != nil {
+		t.Fatal(err)
+	}
+	restored := NewState()
+	if _, err := restored.Restore(s.EncodeSnapshot(nil, SnapshotHeader{Position: "1-0"})); err != nil {
+		t.Fatal(err)
+	}
+	for name, st := range map[string]*State{"original": s, "restored": restored} {
+		const n = 64
+		got := make(chan uint64, n)
+		var wg sync.WaitGroup
+		for range n {
+			wg.Go(func() { got <- st.Stamp(WorkerUp{Info: info(w0r0)}).(WorkerUp).Incarnation })
+		}
+		wg.Wait()
+		close(got)
+		seen := map[uint64]bool{}
+		for inc := range got {
+			if inc <= ahead || seen[inc] {
+				t.Errorf("%s: incarnation %d repeats or is not above the applied epoch %d", name, inc, ahead)
+			}
+			seen[inc] = true
+		}
+	}
+	// A registration that names its epoch, or has one already, is left as it is.
+	for _, c := range []Change{WorkerUp{Info: info(w0r0), Epoch: 3}, WorkerUp{Info: info(w0r0), Incarnation: 9}, Freed{RequestID: "r"}} {
+		if got := s.Stamp(c); !cmp.Equal(got, c) {
+			t.Errorf("Stamp(%+v) = %+v, want it unchanged", c, got)
+		}
 	}
 }

@@ -33,7 +33,10 @@ type Booking struct {
 	RequestID string
 	Hops      []HopBooking
 	At        int64 // unix nanoseconds when it was booked; decides expiry
-	// Session, when set, binds the session to the decode worker (the last hop) until SessionExpires.
+	// Model is the model the request was routed for: a session binds within its model only.
+	Model string
+	// Session, when set, binds the session (of Model) to the decode worker (the last hop) until
+	// SessionExpires.
 	Session        string
 	SessionExpires int64
 }

@@ -47,6 +47,7 @@ func (l *MemLog) Append(ctx context.Context, c Change) (Result, error) {
 	case Booked, PrefillDone, Freed, BookingsExpired, SessionsExpired:
 		lane = &l.requestLane
 	}
+	c = l.state.Stamp(c)
 	lane.Lock()
 	defer lane.Unlock()
 	res, err := l.state.Apply(c)

@@ -8,8 +8,10 @@ import (
 
 // SnapshotVersion is the version of the snapshot encoding; like log entries, a replica refuses a
 // newer one and keeps reading older ones. Version 2 adds, after the position, the log generation and
-// the number of the last entry applied.
-const SnapshotVersion = 2
+// the number of the last entry applied. Version 3 names each session's model (before its id), drops
+// the early ends of bookings (version 2's tombstones, read and ignored), and adds the largest
+// registration epoch applied (after the expiry cutoff).
+const SnapshotVersion = 3
 
 // DefaultSnapshotEvery is how many applied changes a shared log lets pass between two snapshots
 // unless configured otherwise (kvrouter serve's snapshot_every). A cold start replays about this
@@ -117,22 +119,17 @@ func (s *State) Freeze(h SnapshotHeader) *FrozenState {
 	// Sessions and the bookkeeping of replicated apply.
 	s.sessMu.RLock()
 	b = binary.AppendUvarint(b, uint64(len(s.sessions)))
-	for id, sb := range s.sessions {
-		b = putString(b, id)
+	for k, sb := range s.sessions {
+		b = putString(b, k.model)
+		b = putString(b, k.id)
 		b = putKey(b, sb.worker)
 		b = binary.AppendVarint(b, sb.expires)
 	}
 	s.sessMu.RUnlock()
 	s.rep.mu.Lock()
 	b = binary.AppendVarint(b, s.rep.expiredBefore)
-	b = binary.AppendUvarint(b, uint64(len(s.rep.tombstones)))
-	for id, t := range s.rep.tombstones {
-		b = putString(b, id)
-		b = putBool(b, t.freed)
-		b = putBool(b, t.prefillDone)
-		b = binary.AppendVarint(b, t.at)
-	}
 	s.rep.mu.Unlock()
+	b = binary.AppendUvarint(b, s.epochHigh.Load())
 	f.tail = b
 	return f
 }
@@ -198,8 +195,12 @@ func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 	s.sessions = fresh.sessions
 	s.sessMu.Unlock()
 	s.rep.mu.Lock()
-	s.rep.expiredBefore, s.rep.tombstones = fresh.rep.expiredBefore, fresh.rep.tombstones
+	s.rep.expiredBefore = fresh.rep.expiredBefore
 	s.rep.mu.Unlock()
+	// The epochs applied are the snapshot's; those this replica applied beyond them stay out of
+	// what it hands out (Stamp), so it never issues one of them again.
+	raise(&s.issued, s.epochHigh.Load())
+	s.epochHigh.Store(fresh.epochHigh.Load())
 	s.signalCapacity()
 	return h, nil
 }
@@ -221,6 +222,7 @@ func (r *reader) snapshotHeader() SnapshotHeader {
 		r.fail("snapshot version %d, this replica reads versions 1 to %d", v, SnapshotVersion)
 		return SnapshotHeader{}
 	}
+	r.version = v
 	h := SnapshotHeader{Position: r.string()}
 	if v >= 2 {
 		h.Generation, h.Entry = r.string(), r.uvarint()
@@ -378,20 +380,37 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 	}
 	ns := r.count(4)
 	if ns > 0 {
-		s.sessions = make(map[string]sessionBinding, ns)
+		s.sessions = make(map[sessionKey]sessionBinding, ns)
 	}
 	for range ns {
+		model := r.stringSince(3)
 		id := r.string()
-		s.sessions[id] = sessionBinding{worker: r.key(), expires: r.varint()}
+		b := sessionBinding{worker: r.key(), expires: r.varint()}
+		if r.version < 3 {
+			// Written before sessions named their model: the decode worker's, if it is registered.
+			w := s.workers[b.worker]
+			if w == nil {
+				continue
+			}
+			model = w.Info.Model
+		}
+		s.sessions[sessionKey{model, id}] = b
 	}
 	s.rep.expiredBefore = r.varint()
-	nt := r.count(4)
-	if nt > 0 {
-		s.rep.tombstones = make(map[string]tombstone, nt)
-	}
-	for range nt {
-		id := r.string()
-		s.rep.tombstones[id] = tombstone{freed: r.bool(), prefillDone: r.bool(), at: r.varint()}
+	if r.version < 3 {
+		// Version 2's tombstones (early ends of bookings): an end never precedes its booking in
+		// the log, so there is nothing to keep.
+		for nt := r.count(4); nt > 0 && r.err == nil; nt-- {
+			r.string()
+			r.bool()
+			r.bool()
+			r.varint()
+		}
+		for _, w := range workers {
+			s.noteEpoch(w.track.epoch)
+		}
+	} else {
+		s.noteEpoch(r.uvarint())
 	}
 	if r.err == nil && len(r.b) != 0 {
 		r.fail("%d trailing bytes", len(r.b))

@@ -1,6 +1,7 @@
 package kvstate
 
 import (
+	"encoding/hex"
 	"errors"
 	"testing"
 )
@@ -97,22 +98,50 @@ func TestFreezeIsACopy(t *testing.T) {
 	}
 }
 
+// v2Snapshot is richState's snapshot (header position "5-0", generation "g/seeded", entry 9) as the
+// release before incarnations wrote it (version 2): sessions without a model, a tombstone for the
+// early Free of "early", no largest epoch.
+const v2Snapshot = "0203352d3008672f73656564656409030100016d0310e80780400977312d303a393030300001010101002a030101016d0310e80780400977312d313a3930303000010101010000000200016d0310e80780400977322d303a39303030000102000101000001016d100418ae455c1e73d13f01008ccb6332c805d4b80100ea2c73b73ccb2d1401010a000000000000000200040200030b000000000000e08ccb6332c805d4b80a000000000000e00a000000000000000c000000000000e018ae455c1e73d13f010d000000000000e0ea2c73b73ccb2d14000001010a000000000000e00a0000000000000000000002027231140201006400000307000000000000000800000000000000090000000000000000000272322801000207000000000000000a00000000000000320101046368617401008080808080400a01056561726c7901003c"
+
+// TestSnapshotVersion2: a snapshot of the previous release restores to the state this release
+// builds from the same changes: each session under its decode worker's model, the tombstone
+// dropped (an end never precedes its booking in the log), the largest epoch that of its workers.
+func TestSnapshotVersion2(t *testing.T) {
+	v2, err := hex.DecodeString(v2Snapshot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := NewState()
+	h, err := dst.Restore(v2)
+	if want := (SnapshotHeader{Position: "5-0", Generation: "g/seeded", Entry: 9}); err != nil || h != want {
+		t.Fatalf("Restore(version 2) = %+v, %v; want %+v", h, err, want)
+	}
+	if dst.Digest() != richState(t).Digest() {
+		t.Error("a version 2 snapshot restored to a different state than this release builds")
+	}
+	if w, ok := dst.Session(testModel, "chat", 0); !ok || w != w0r0 {
+		t.Errorf("Session(chat) after restoring version 2 = %v, %v; want %v", w, ok, w0r0)
+	}
+}
+
 // TestSnapshotVersion1: a snapshot written before generations (version 1: no generation after the
 // position) restores, with an empty generation.
 func TestSnapshotVersion1(t *testing.T) {
-	src := richState(t)
-	v2 := src.EncodeSnapshot(nil, SnapshotHeader{Position: "5-0"})
-	// Version 2 with an empty generation and entry 0 is version 1 with two more bytes (the empty
-	// string's length, the zero varint) after the position: byte 0 is the version, then the
-	// position's length and its 3 bytes.
+	v2, err := hex.DecodeString(v2Snapshot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Version 1 is version 2 without the generation and the entry number after the position: byte
+	// 0 is the version, then the position's length and its 3 bytes, then the generation's length
+	// and its 8 bytes, then the entry (one byte).
 	v1 := append([]byte{1}, v2[1:5]...)
-	v1 = append(v1, v2[7:]...)
+	v1 = append(v1, v2[15:]...)
 	dst := NewState()
 	h, err := dst.Restore(v1)
 	if err != nil || h != (SnapshotHeader{Position: "5-0"}) {
 		t.Fatalf("Restore(version 1) = %+v, %v", h, err)
 	}
-	if dst.Digest() != src.Digest() {
+	if dst.Digest() != richState(t).Digest() {
 		t.Error("a version 1 snapshot restored to a different state")
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"slices"
 	"sync"
 	"sync/atomic"
+	"time"
 )
 
 // Errors of registration and booking changes; a change failing with one of them changes nothing.
@@ -97,12 +98,24 @@ type State struct {
 	capChanged chan struct{} // closed and replaced when routing capacity may have freed
 
 	sessMu   sync.RWMutex
-	sessions map[string]sessionBinding
+	sessions map[sessionKey]sessionBinding
 
 	rep replicated // see ApplyReplicated
 
+	// epochHigh is the largest registration epoch this state ever applied, removed workers'
+	// included (replicated: it is in snapshots); issued is the largest incarnation this replica
+	// handed out (Stamp), local. Together they keep a worker id from ever getting an epoch twice.
+	epochHigh atomic.Uint64
+	issued    atomic.Uint64
+
 	restores atomic.Uint64 // snapshots restored (Restores)
 	budget   *indexBudget  // the indexes' size and cap
+}
+
+// sessionKey names a session: session ids belong to the model they were routed for, so the same id
+// used by two models binds two sessions, each to a decode worker of its own model.
+type sessionKey struct {
+	model, id string
 }
 
 // sessionBinding is the decode worker a session's turns go to, until it expires.
@@ -111,16 +124,51 @@ type sessionBinding struct {
 	expires int64
 }
 
-// Session returns the decode worker the session is bound to, if the binding has not expired at now
-// (unix nanoseconds).
-func (s *State) Session(id string, now int64) (WorkerKey, bool) {
+// Session returns the decode worker model's session id is bound to, if the binding has not expired
+// at now (unix nanoseconds).
+func (s *State) Session(model, id string, now int64) (WorkerKey, bool) {
 	s.sessMu.RLock()
 	defer s.sessMu.RUnlock()
-	b, ok := s.sessions[id]
+	b, ok := s.sessions[sessionKey{model, id}]
 	if !ok || b.expires <= now {
 		return WorkerKey{}, false
 	}
 	return b.worker, true
+}
+
+// Stamp returns c ready to be appended to a log: a new stream's registration (a WorkerUp with
+// neither Epoch nor Incarnation) gets its incarnation, the epoch the worker will hold on every
+// replica. Every Log calls it on what it appends; the apply never chooses an epoch, so that one
+// chosen here is the same everywhere, whatever order replicas apply registrations in.
+//
+// The incarnation is larger than every epoch this state applied (so larger than the removed
+// incarnation a late removal may name, as long as this replica applied its registration), than the
+// last one this replica handed out (two hellos in the same nanosecond differ), and than the wall
+// clock (which orders it after registrations this replica never saw, such as those before a
+// snapshot reload, unless clocks are off by more than the time between them; even then a repeat
+// needs the very same nanosecond).
+func (s *State) Stamp(c Change) Change {
+	u, ok := c.(WorkerUp)
+	if !ok || u.Epoch != 0 || u.Incarnation != 0 {
+		return c
+	}
+	for {
+		last := s.issued.Load()
+		next := max(uint64(time.Now().UnixNano()), s.epochHigh.Load()+1, last+1)
+		if s.issued.CompareAndSwap(last, next) {
+			u.Incarnation = next
+			return u
+		}
+	}
+}
+
+// noteEpoch records that epoch was applied.
+func (s *State) noteEpoch(epoch uint64) { raise(&s.epochHigh, epoch) }
+
+// raise sets a to v unless it holds more already.
+func raise(a *atomic.Uint64, v uint64) {
+	for cur := a.Load(); cur < v && !a.CompareAndSwap(cur, v); cur = a.Load() {
+	}
 }
 
 // Sessions returns the number of session bindings held (expired ones included until swept).
@@ -349,15 +397,15 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 		return c.Epoch, nil
 	}
 	// Validated; from here on the change applies whole.
-	var local *workerTrack // replica-local connection bookkeeping and the epoch survive a reset
+	var previous uint64 // the epoch before: a reset worker's, an entry without incarnation bumps it
 	if old != nil && c.Reset {
-		local = old.track
+		old.track.mu.Lock()
+		previous = old.track.epoch
+		old.track.endEpochLocked() // the old stream's registration is over
+		old.track.mu.Unlock()
 		s.removeLocked(old)
 		old = nil
 		m = s.models[info.Model]
-		local.mu.Lock()
-		local.endEpochLocked() // the new track carries the epoch on; the old stream's is over
-		local.mu.Unlock()
 	}
 	if m == nil {
 		m = &Model{Name: info.Model, BlockSize: info.BlockSize, Index: NewIndex()}
@@ -369,17 +417,19 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 		w = &Worker{Info: info, Slot: old.Slot, track: old.track}
 	} else {
 		w = &Worker{Info: info, Slot: s.allocSlotLocked(), track: &workerTrack{}}
-		if local != nil {
-			local.mu.Lock()
-			w.track.epoch = local.epoch
-			local.mu.Unlock()
-		}
 	}
 	w.track.mu.Lock()
 	w.track.endEpochLocked()
-	w.track.epoch++
-	epoch := w.track.epoch
+	if old != nil {
+		previous = w.track.epoch
+	}
+	epoch := c.Incarnation
+	if epoch == 0 {
+		epoch = previous + 1 // an entry written before incarnations existed
+	}
+	w.track.epoch = epoch
 	w.track.mu.Unlock()
+	s.noteEpoch(epoch)
 	s.workers[info.Key] = w
 	s.slots[w.Slot] = w
 	setMember(m, w)
@@ -571,16 +621,34 @@ func (s *State) book(b Booking, lenient bool) error {
 		}
 		hops = append(hops, bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens})
 	}
-	if len(hops) == 0 && lenient {
-		return nil
+	if len(hops) > 0 || !lenient {
+		if err := s.load.book(b.RequestID, b.At, hops); err != nil {
+			return err
+		}
 	}
-	if err := s.load.book(b.RequestID, b.At, hops); err != nil {
-		return err
-	}
-	if b.Session != "" && len(b.Hops) > 0 {
-		s.bindSession(b.Session, sessionBinding{worker: b.Hops[len(b.Hops)-1].Worker, expires: b.SessionExpires})
-	}
+	s.bindBookingLocked(b)
 	return nil
+}
+
+// bindBookingLocked binds the booking's session, if it names one, to its decode worker (the last
+// hop). It binds whether or not the load was recorded: a replica that applied the booking before a
+// worker's removal or a booking expiry bound it, so every replica does, and the binding expires on
+// its own (SessionsExpired). The caller holds s.mu (for reading).
+func (s *State) bindBookingLocked(b Booking) {
+	if b.Session == "" || len(b.Hops) == 0 {
+		return
+	}
+	decode := b.Hops[len(b.Hops)-1].Worker
+	model := b.Model
+	if model == "" {
+		// Written before bookings named their model: the decode worker's, if it is registered.
+		w := s.workers[decode]
+		if w == nil {
+			return
+		}
+		model = w.Info.Model
+	}
+	s.bindSession(sessionKey{model, b.Session}, sessionBinding{worker: decode, expires: b.SessionExpires})
 }
 
 // bindSession binds a session to a booking's decode worker, unless it is bound by a booking whose
@@ -588,16 +656,16 @@ func (s *State) book(b Booking, lenient bool) error {
 // not depend on the order they apply in: a replica applies its own bookings before the log's, and
 // the logs of two models (sharded) interleave differently on each replica, yet all end up bound
 // alike. Equal expiries go to the larger worker key.
-func (s *State) bindSession(id string, nb sessionBinding) {
+func (s *State) bindSession(key sessionKey, nb sessionBinding) {
 	s.sessMu.Lock()
 	defer s.sessMu.Unlock()
 	if s.sessions == nil {
-		s.sessions = make(map[string]sessionBinding)
+		s.sessions = make(map[sessionKey]sessionBinding)
 	}
-	if old, ok := s.sessions[id]; ok && (old.expires > nb.expires || old.expires == nb.expires && compareKeys(old.worker, nb.worker) >= 0) {
+	if old, ok := s.sessions[key]; ok && (old.expires > nb.expires || old.expires == nb.expires && compareKeys(old.worker, nb.worker) >= 0) {
 		return
 	}
-	s.sessions[id] = nb
+	s.sessions[key] = nb
 }
 
 func compareKeys(a, b WorkerKey) int {

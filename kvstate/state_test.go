@@ -1040,10 +1040,10 @@ func TestSessionBindings(t *testing.T) {
 		apply(Booked{Booking: Booking{RequestID: "a", Hops: []HopBooking{{Worker: w1}, {Worker: w0r0}}, At: 1, Session: "s1", SessionExpires: 100}}),
 		apply(Booked{Booking: Booking{RequestID: "b", Hops: []HopBooking{{Worker: w1}}, At: 1, Session: "s2", SessionExpires: 50}}),
 	})
-	if got, ok := s.Session("s1", 99); !ok || got != w0r0 {
+	if got, ok := s.Session(testModel, "s1", 99); !ok || got != w0r0 {
 		t.Errorf("Session(s1, 99) = %v, %v; want %v, true", got, ok, w0r0)
 	}
-	if _, ok := s.Session("s1", 100); ok {
+	if _, ok := s.Session(testModel, "s1", 100); ok {
 		t.Error("Session(s1) at its expiry = bound, want unbound")
 	}
 	res, err := s.Apply(SessionsExpired{Before: 60})
@@ -1054,7 +1054,7 @@ func TestSessionBindings(t *testing.T) {
 	if _, err := s.Apply(Booked{Booking: Booking{RequestID: "a", Hops: []HopBooking{{Worker: w1}}, Session: "s3", SessionExpires: 100}}); !errors.Is(err, ErrAlreadyBooked) {
 		t.Fatalf("duplicate booking = %v, want ErrAlreadyBooked", err)
 	}
-	if _, ok := s.Session("s3", 0); ok {
+	if _, ok := s.Session(testModel, "s3", 0); ok {
 		t.Error("a rejected booking bound its session")
 	}
 }
@@ -1080,7 +1080,7 @@ func TestSessionBindingOrder(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			s := NewState()
 			run(t, s, []step{up(w0r0), up(w1), apply(tt.first), apply(tt.later)})
-			if got, ok := s.Session("s", 0); !ok || got != tt.want {
+			if got, ok := s.Session(testModel, "s", 0); !ok || got != tt.want {
 				t.Errorf("Session(s) = %v, %v; want %v, true", got, ok, tt.want)
 			}
 			other := NewState()

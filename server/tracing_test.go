@@ -190,6 +190,7 @@ func TestPublishSpans(t *testing.T) {
 		t.Fatalf("stream end = %v", err)
 	}
 	stream := endedSpan(t, exp, "kvrouter.v1.WorkerService/Publish", nil)
+	epoch := int64(e.state.Worker(kvstate.WorkerKey{ID: 3}).Status().Epoch) // the incarnation the hello got
 	worker := map[attribute.Key]any{AttrWorkerID: int64(3), AttrDPRank: int64(0), AttrModel: "m",
 		AttrAppendMS: "present", AttrSharedLog: false, AttrBuffered: false}
 	with := func(m map[attribute.Key]any) map[attribute.Key]any {
@@ -202,7 +203,7 @@ func TestPublishSpans(t *testing.T) {
 		name string
 		want map[attribute.Key]any
 	}{
-		{SpanPublishHello, with(map[attribute.Key]any{AttrRole: "aggregated", AttrEpoch: int64(1)})},
+		{SpanPublishHello, with(map[attribute.Key]any{AttrRole: "aggregated", AttrEpoch: epoch})},
 		{SpanPublishEvents, with(map[attribute.Key]any{AttrEvents: int64(2), AttrBlocks: int64(4), AttrApplied: int64(2), AttrLastEventID: int64(1)})},
 		{SpanPublishDump, with(map[attribute.Key]any{AttrEvents: int64(1), AttrBlocks: int64(4), AttrApplied: int64(1), AttrLastEventID: int64(7)})},
 	} {

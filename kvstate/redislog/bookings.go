@@ -80,9 +80,17 @@ func (l *Log) catchUpWithTip(ctx context.Context) error {
 
 // appendLocalFirst applies a booking change at once and queues it for publishing. A change that
 // fails to apply (ErrUnknownRequest for a request this replica does not hold) is not published.
+//
+// The apply and the place in the outbox are one step (localOrder), so changes are published in the
+// order they applied here: a Free that finds a booking applied a moment before by a Route racing it
+// is never published ahead of that booking. Other replicas rely on it: a request's end never
+// precedes its booking in the log (kvstate.ApplyReplicated).
 func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
+	data := kvstate.EncodeEntry(nil, c)
 	l.localMu.RLock()
 	defer l.localMu.RUnlock()
+	l.localOrder.Lock()
+	defer l.localOrder.Unlock()
 	res, err := l.state.Apply(c)
 	if err != nil {
 		return res, err
@@ -93,7 +101,7 @@ func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 	l.queued[seq] = struct{}{}
 	l.mu.Unlock()
 	select {
-	case l.outbox <- outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}:
+	case l.outbox <- outgoing{seq: seq, data: data, gen: l.Generation()}:
 	default:
 		// A long outage filled the outbox. Routing must not wait on Redis: the change stays local
 		// (other replicas miss this booking's load until it is freed or expires), and it is counted.

@@ -108,6 +108,10 @@ type Log struct {
 
 	// localMu keeps local-first applies out while a snapshot of the state is encoded.
 	localMu sync.RWMutex
+	// localOrder makes a local-first change's apply and its place in the outbox one step
+	// (appendLocalFirst). Booking changes apply under the load's lock anyway, so it costs them no
+	// parallelism.
+	localOrder sync.Mutex
 
 	mu      sync.Mutex
 	waiters map[uint64]chan appliedEntry // own entries awaited by Append
@@ -319,6 +323,7 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 	if err := ctx.Err(); err != nil {
 		return kvstate.Result{}, err
 	}
+	c = l.state.Stamp(c)
 	switch c.(type) {
 	case kvstate.Booked:
 		return l.appendLocalFirst(c)

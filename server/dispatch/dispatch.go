@@ -69,7 +69,7 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 	if err != nil || preq.QueryOnly {
 		return dec, err
 	}
-	b := kvstate.Booking{RequestID: req.ID, At: d.Now().UnixNano(), Hops: dec.Load}
+	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, At: d.Now().UnixNano(), Hops: dec.Load}
 	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
 		b.Session, b.SessionExpires = req.SessionID, b.At+ttl.Nanoseconds()
 	}
@@ -93,7 +93,7 @@ func (d *Dispatcher) session(req *Request) (kvstate.WorkerKey, bool) {
 	if d.kernel.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
 		return kvstate.WorkerKey{}, false
 	}
-	return d.state.Session(req.SessionID, d.Now().UnixNano())
+	return d.state.Session(req.Model, req.SessionID, d.Now().UnixNano())
 }
 
 // queueKey orders waiting requests: arrival order for FCFS; for WSPT the uncached prompt tokens,

@@ -136,7 +136,7 @@ func TestSessionFollowsItsDecodeWorker(t *testing.T) {
 	if err != nil || dec.Decode.Worker.Info.Key.ID != 22 {
 		t.Fatalf("first turn = %v, %v; want decode worker 22", dec, err)
 	}
-	if key, ok := f.state.Session("chat", f.now.UnixNano()); !ok || key.ID != 22 {
+	if key, ok := f.state.Session("m", "chat", f.now.UnixNano()); !ok || key.ID != 22 {
 		t.Fatalf("session bound to %v (%v), want 22", key, ok)
 	}
 	// Load 22 so that, without affinity, 21 would win the load-only decode hop of a cold prompt.
@@ -160,6 +160,41 @@ func TestSessionFollowsItsDecodeWorker(t *testing.T) {
 	f.now = f.now.Add(time.Minute + time.Second) // past session_affinity_ttl
 	if got := turn("turn-3"); got != 21 {
 		t.Errorf("turn after the binding expired went to %d, want 21 (the idler worker)", got)
+	}
+}
+
+// TestSessionsAreKeyedByModel: a session id used in two models binds two sessions, one per model's
+// decode pool. Before, the second model's booking overwrote the first's binding, and the first
+// model's next turn found its session bound to another model's worker: it lost its affinity and
+// skipped conditional disaggregation (DECODE_AFFINITY_UNRESOLVED).
+func TestSessionsAreKeyedByModel(t *testing.T) {
+	f, d, tokens := sessionFleet(t)
+	f.append(kvstate.WorkerUp{Info: kvstate.WorkerInfo{Key: kvstate.WorkerKey{ID: 41}, Model: "other", Role: kvstate.RoleAggregated,
+		BlockSize: testBlockSize, TotalKVBlocks: 1000, MaxNumBatchedTokens: 8192, Endpoint: "w", KVEventsEnabled: true}})
+	turn := func(id, model string) *policy.Decision {
+		t.Helper()
+		r := request(id, tokens)
+		r.Model, r.SessionID = model, "chat"
+		dec, err := d.Route(context.Background(), r)
+		if err != nil {
+			t.Fatalf("Route(%s in %s) = %v", id, model, err)
+		}
+		return dec
+	}
+	if dec := turn("m-1", "m"); dec.Decode.Worker.Info.Key.ID != 22 || dec.Mode != policy.ModeBypass {
+		t.Fatalf("first turn in m = %v to %d, want a bypass to 22", dec.Mode, dec.Decode.Worker.Info.Key.ID)
+	}
+	if dec := turn("other-1", "other"); dec.Decode.Worker.Info.Key.ID != 41 {
+		t.Fatalf("first turn in other went to %d, want 41", dec.Decode.Worker.Info.Key.ID)
+	}
+	dec := turn("m-2", "m")
+	if dec.Decode.Worker.Info.Key.ID != 22 || dec.Mode != policy.ModeBypass || dec.Reason == policy.ReasonDecodeAffinityUnresolved {
+		t.Errorf("second turn in m = %v to %d (%v), want a bypass to 22, the session's worker in m", dec.Mode, dec.Decode.Worker.Info.Key.ID, dec.Reason)
+	}
+	for model, want := range map[string]uint64{"m": 22, "other": 41} {
+		if key, ok := f.state.Session(model, "chat", f.now.UnixNano()); !ok || key.ID != want {
+			t.Errorf("session chat of %s bound to %v (%v), want %d", model, key, ok, want)
+		}
 	}
 }
 
