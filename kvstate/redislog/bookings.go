@@ -9,63 +9,79 @@ import (
 	"fmt"
 	"time"
 
-	"github.com/redis/go-redis/v9"
-
 	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // appendBookingEnd applies a PrefillDone or Freed. When this replica holds the booking it applies at
 // once and is published like a booking. When it does not, the booking may have been made on another
-// replica moments ago and still be on its way: the replica catches up with the stream as it is now,
-// waits up to BookingArrivalWait for the booking, and catches up once more. A request that is still
-// unknown is ErrUnknownRequest, as in the embedded log, and nothing is appended: a request id that
-// was never booked never reaches the shared stream. While Redis is unreachable the replica cannot
-// tell, and says so (kvstate.ErrLogUnavailable: the caller may retry, or ask another replica).
+// replica moments ago and still be on its way, or be held by a replica that has not been able to
+// publish it (watermark.go): the replica reads Redis's clock, waits until every other replica has
+// published what it applied before then, catches up with the stream, and looks again. A request
+// that is still unknown is ErrUnknownRequest, as in the embedded log, and nothing is appended: a
+// request id that was never booked never reaches the shared stream. When the replica cannot tell
+// (Redis unreachable, its state incomplete, or a replica that may hold the booking has not
+// published for a while) it says so: kvstate.ErrLogUnavailable, for the caller to retry, here or
+// on another replica.
 func (l *Log) appendBookingEnd(ctx context.Context, c kvstate.Change) (kvstate.Result, error) {
 	res, err := l.appendLocalFirst(c)
 	if !errors.Is(err, kvstate.ErrUnknownRequest) {
 		return res, err
 	}
-	deadline := time.Now().Add(l.opts.BookingArrivalWait)
-	for round := 0; ; round++ {
-		if l.degraded.Load() {
-			return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log is unreachable, so another replica may hold the booking; retry", kvstate.ErrLogUnavailable)
-		}
-		if err := l.catchUpWithTip(ctx); err != nil {
+	if l.degraded.Load() {
+		return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log is unreachable, so another replica may hold the booking; retry", kvstate.ErrLogUnavailable)
+	}
+	since, tip, err := l.clock(ctx)
+	if err != nil {
+		return kvstate.Result{}, l.unreachable(ctx, err)
+	}
+	deadline := time.Now().Add(l.opts.WatermarkWait)
+	for {
+		if err := l.catchUpTo(ctx, tip); err != nil {
 			return kvstate.Result{}, err
 		}
-		if res, err = l.appendLocalFirst(c); !errors.Is(err, kvstate.ErrUnknownRequest) || round == 1 {
+		if res, err = l.appendLocalFirst(c); !errors.Is(err, kvstate.ErrUnknownRequest) {
 			return res, err
 		}
-		// Not in the stream yet: watch what this replica applies until the wait is over.
-		for time.Now().Before(deadline) {
-			if err := l.waitApplied(ctx, deadline); err != nil {
+		var now int64
+		var marks map[string]string
+		now, tip, marks, err = l.watermarks(ctx)
+		if err != nil {
+			return kvstate.Result{}, l.unreachable(ctx, err)
+		}
+		behind := l.behind(since, now, marks)
+		if behind == nil {
+			// Every replica has published what it applied before the call: once this replica
+			// has read that far, a booking it does not hold does not exist, unless the shared
+			// state itself may be incomplete (the log was lost, and a replica holding what it
+			// held may still reseed it).
+			if err := l.catchUpTo(ctx, tip); err != nil {
 				return kvstate.Result{}, err
 			}
-			if res, err = l.appendLocalFirst(c); !errors.Is(err, kvstate.ErrUnknownRequest) {
-				return res, err
+			res, err = l.appendLocalFirst(c)
+			if errors.Is(err, kvstate.ErrUnknownRequest) && l.Incomplete() {
+				return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, whose shared state may be incomplete (the shared log was lost and is being re-established, or may still be), so the booking may exist; retry", kvstate.ErrLogUnavailable)
 			}
+			return res, err
+		}
+		if time.Now().After(deadline) {
+			return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, and %v: it may hold the booking; retry", kvstate.ErrLogUnavailable, behind)
+		}
+		if err := l.waitApplied(ctx, time.Now().Add(l.opts.WatermarkInterval/2)); err != nil {
+			return kvstate.Result{}, err
 		}
 	}
 }
 
-// streamTip returns the id of the stream's last entry ("0-0" when it is empty), without its data.
-var streamTip = redis.NewScript(`
-local last = redis.call('XREVRANGE', KEYS[1], '+', '-', 'COUNT', 1)
-if #last == 0 then return '0-0' end
-return last[1][1]
-`)
-
-// catchUpWithTip waits until this replica has applied every entry the stream holds now.
-func (l *Log) catchUpWithTip(ctx context.Context) error {
-	tip, err := streamTip.Run(ctx, l.rdb, []string{l.opts.Stream()}).Text()
-	if err != nil {
-		if ctx.Err() != nil {
-			return ctx.Err()
-		}
-		l.setDegraded(err)
-		return fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
+// unreachable is the error of a call that could not ask Redis.
+func (l *Log) unreachable(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		return ctx.Err()
 	}
+	return fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
+}
+
+// catchUpTo waits until this replica has applied the stream up to the entry tip.
+func (l *Log) catchUpTo(ctx context.Context, tip string) error {
 	deadline := time.Now().Add(catchUpTimeout)
 	for compareStreamIDs(l.LastID(), tip) < 0 {
 		if time.Now().After(deadline) {

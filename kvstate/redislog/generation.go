@@ -161,10 +161,15 @@ func (l *Log) Generation() string {
 // reload after the log was lost), besides joining one at start.
 func (l *Log) GenerationChanges() uint64 { return l.genChanges.Load() }
 
-// Incomplete reports whether this replica knows its state may not be the shared one: the log's
-// generation is not its own (lost, or reseeded elsewhere and not reloaded yet), or it follows a
-// fresh generation that a replica with state may still replace.
+// Incomplete reports whether this replica knows its state may not be the shared one: it has not
+// joined the log yet, the log's generation is not its own (lost, or reseeded elsewhere and not
+// reloaded yet), or it follows a fresh generation that a replica with state may still replace.
 func (l *Log) Incomplete() bool {
+	select {
+	case <-l.joined:
+	default:
+		return true // it has not loaded the shared state yet
+	}
 	if l.genLost.Load() || l.stalled.Load() {
 		return true
 	}
@@ -281,7 +286,7 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 		return false, err
 	}
 	l.expireSnapshotPieces(ctx, old)
-	l.switchGeneration(g, "0-0", 0, false)
+	l.switchGeneration(g, "0-0", 0, false, 0)
 	l.SnapshotBytes.Store(int64(len(data)))
 	l.SnapshotWritten.Store(time.Now().UnixNano())
 	l.opts.Logger.Warn("reseeded the lost shared log from this replica's state", "generation", g, "replaced", expected,
@@ -319,6 +324,15 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 	default:
 		return fmt.Errorf("the snapshot belongs to generation %q, not to the log's %q; retrying", h.Generation, g)
 	}
+	var freshUntil int64
+	if kind == genFresh {
+		// The window ends on Redis's clock; translate it to this replica's. Known before the
+		// switch, so that this replica never reports its state complete inside the window.
+		freshUntil = time.Now().Add(l.opts.ReseedWindow).UnixNano() // Redis's clock unknown: all of it
+		if t, err := l.rdb.Time(ctx).Result(); err == nil {
+			freshUntil = time.Now().Add(created.Add(l.opts.ReseedWindow).Sub(t)).UnixNano()
+		}
+	}
 	start := time.Now()
 	l.localMu.Lock()
 	h, err = l.state.Restore(data)
@@ -327,24 +341,18 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 		l.SnapshotBytes.Store(int64(len(data)))
 		l.SnapshotWritten.Store(time.Now().UnixNano())
 		l.SnapshotLoads.Add(1)
-		l.switchGeneration(g, h.Position, h.Entry, true)
+		l.switchGeneration(g, h.Position, h.Entry, true, freshUntil)
 	}
 	l.localMu.Unlock()
 	if err != nil {
 		return err
-	}
-	if kind == genFresh {
-		if t, err := l.rdb.Time(ctx).Result(); err == nil {
-			// The window ends on Redis's clock; translate it to this replica's.
-			l.freshUntil.Store(time.Now().Add(created.Add(l.opts.ReseedWindow).Sub(t)).UnixNano())
-		}
 	}
 	l.opts.Logger.Info("loaded the shared log's snapshot", "generation", g, "position", h.Position, "bytes", len(data), "took", time.Since(start))
 	return nil
 }
 
 // switchGeneration makes g this replica's generation, at stream position pos (entry number entry),
-// after its state was
+// incomplete until freshUntil (unix ns; 0: complete) for a fresh one, after its state was
 // replaced (a reload: carry) or written as g's snapshot (a reseed: !carry). The caller holds localMu
 // and runs on the tailer goroutine.
 //
@@ -352,7 +360,7 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 // changes in the outage buffer) are in the state. On a reseed they are in the snapshot: they are
 // dropped. On a reload they are not: they are published in g and applied when they come back.
 // Appends still waiting for their entry fail with kvstate.ErrLogUnavailable (their callers retry).
-func (l *Log) switchGeneration(g, pos string, entry uint64, carry bool) {
+func (l *Log) switchGeneration(g, pos string, entry uint64, carry bool, freshUntil int64) {
 	old := l.Generation()
 	l.mu.Lock()
 	l.genFate[old] = carry
@@ -379,7 +387,7 @@ func (l *Log) switchGeneration(g, pos string, entry uint64, carry bool) {
 	l.lastID.Store(pos)
 	l.lastEntry.Store(entry)
 	l.rewound.Store(false)
-	l.freshUntil.Store(0) // loadGeneration sets it again for a fresh generation
+	l.freshUntil.Store(freshUntil)
 	l.genLost.Store(false)
 	l.genReported.Store(false)
 	l.joinedOnce.Do(func() { close(l.joined) })

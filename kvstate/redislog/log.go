@@ -48,11 +48,20 @@ type Options struct {
 	// ReseedWindow is how long a fresh generation (created by a replica without state on an empty
 	// Redis) may be replaced by a replica with state reseeding a lost log (generation.go).
 	ReseedWindow time.Duration
-	// BookingArrivalWait is how long a replica waits for a booking it does not hold to arrive from
-	// another replica (which publishes its bookings in the background) before it answers that a
-	// MarkPrefillComplete or Free names a request that is not booked.
-	BookingArrivalWait time.Duration
-	Logger             *slog.Logger
+	// WatermarkInterval is how often a replica writes its watermark: the time before which
+	// everything it applied locally is in the stream (watermark.go). A MarkPrefillComplete or Free
+	// for a request a replica does not hold waits for every other replica's watermark to pass the
+	// time of the call, about this long, before it answers that the request is not booked.
+	WatermarkInterval time.Duration
+	// WatermarkWait bounds that wait: past it, with a replica still behind (cut off from Redis,
+	// paused), the call is kvstate.ErrLogUnavailable, to retry.
+	WatermarkWait time.Duration
+	// ReplicaTimeout is how long a replica's watermark may stay still before the replica is taken
+	// for dead (its unpublished bookings lost with it), so that it no longer holds such calls up.
+	// Set it to the booking expiry: a replica cut off for longer publishes bookings older than that,
+	// which the expiry it appended meanwhile drops on every replica.
+	ReplicaTimeout time.Duration
+	Logger         *slog.Logger
 }
 
 // Stream returns the name of the log stream.
@@ -108,8 +117,10 @@ type Log struct {
 
 	// localMu keeps local-first applies out while a snapshot of the state is encoded.
 	localMu sync.RWMutex
-	// localOrder makes a local-first change's apply and its place in the outbox one step
-	// (appendLocalFirst). Booking changes apply under the load's lock anyway, so it costs them no
+	// localOrder makes a local-first change's apply, its number and its place in the outbox (or
+	// the outage buffer) one step (appendLocalFirst, appendBuffered): changes are published in the
+	// order they applied, and a watermark covers every change applied before it
+	// (runWatermarks). Booking changes apply under the load's lock anyway, so it costs them no
 	// parallelism.
 	localOrder sync.Mutex
 
@@ -158,9 +169,13 @@ type Log struct {
 	SnapshotWrites  atomic.Int64 // snapshots this replica wrote
 	streamLen       atomic.Int64 // the stream's length, refreshed by the tailer
 	observers       atomic.Pointer[kvstate.Observers]
-	ready           chan struct{} // closed once the replica has loaded the snapshot and read the stream to its end
-	readyOnce       sync.Once
-	reachableSince  atomic.Int64 // unix nanoseconds since Redis answers again (or since start)
+	// known are the other replicas whose watermarks this one has seen, with the latest, in Redis
+	// microseconds (watermark.go).
+	knownMu        sync.Mutex
+	known          map[string]int64
+	ready          chan struct{} // closed once the replica has loaded the snapshot and read the stream to its end
+	readyOnce      sync.Once
+	reachableSince atomic.Int64 // unix nanoseconds since Redis answers again (or since start)
 }
 
 func (l *Log) markReady() { l.readyOnce.Do(func() { close(l.ready) }) }
@@ -263,8 +278,14 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 	if opts.ReseedWindow <= 0 {
 		opts.ReseedWindow = 10 * time.Second
 	}
-	if opts.BookingArrivalWait <= 0 {
-		opts.BookingArrivalWait = 100 * time.Millisecond
+	if opts.WatermarkInterval <= 0 {
+		opts.WatermarkInterval = 50 * time.Millisecond
+	}
+	if opts.WatermarkWait <= 0 {
+		opts.WatermarkWait = 2 * time.Second
+	}
+	if opts.ReplicaTimeout <= 0 {
+		opts.ReplicaTimeout = 5 * time.Minute
 	}
 	// Entries are recognised as this replica's by its id and a counter that restarts with the
 	// process: a restarted replica with the same name (a container's hostname and pid 1) must not
@@ -282,6 +303,7 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 		commitKick: make(chan struct{}, 1),
 		genKick:    make(chan struct{}, 1),
 		genFate:    make(map[string]bool),
+		known:      make(map[string]int64),
 		joined:     make(chan struct{}),
 		ready:      make(chan struct{}),
 	}

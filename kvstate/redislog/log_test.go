@@ -137,8 +137,11 @@ func TestUnknownRequestIsNotFound(t *testing.T) { onEveryRedis(t, testUnknownReq
 func testUnknownRequestIsNotFound(t *testing.T, rdb redis.UniversalClient) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
 	defer cancel()
-	rs := startReplicas(t, rdb, 2)
+	// Until the fresh log is past its reseed window, a replica that lost state could still replace
+	// it, and a request nobody here holds may exist: the answer would be UNAVAILABLE.
+	rs := startReplicas(t, rdb, 2, func(o *redislog.Options) { o.ReseedWindow = 300 * time.Millisecond })
 	a, b := rs[0], rs[1]
+	eventually(t, "the log to be past its reseed window", func() bool { return !a.log.Incomplete() && !b.log.Incomplete() })
 	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
 		t.Fatalf("A.Append(WorkerUp) = %v", err)
 	}
@@ -538,7 +541,7 @@ func testSnapshotsUnderBookingLoad(t *testing.T, rdb redis.UniversalClient) {
 	// A free may reach a replica before the booking it frees, which then waits for the booking to
 	// arrive; on a loaded machine (a CI run of every package at once) that took longer than the
 	// default 100 ms, with or without snapshots.
-	snapOften := func(o *redislog.Options) { o.SnapshotEvery, o.BookingArrivalWait = 50, 2*time.Second }
+	snapOften := func(o *redislog.Options) { o.SnapshotEvery, o.WatermarkWait = 50, 2*time.Second }
 	rs := startReplicas(t, rdb, 2, snapOften)
 	stream := fmt.Sprintf("kvr:{%s}:log", t.Name())
 	if _, err := rs[0].log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {

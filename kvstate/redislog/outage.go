@@ -41,6 +41,8 @@ func changeWorker(c kvstate.Change) (kvstate.WorkerKey, bool) {
 func (l *Log) appendBuffered(c kvstate.Change) (kvstate.Result, error) {
 	l.localMu.RLock()
 	defer l.localMu.RUnlock()
+	l.localOrder.Lock() // applied, numbered and queued in one step (runWatermarks)
+	defer l.localOrder.Unlock()
 	res, err := l.state.Apply(c)
 	if err != nil {
 		return res, err

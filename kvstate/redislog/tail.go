@@ -84,9 +84,15 @@ func (l *Log) Run(ctx context.Context) error {
 	helpers.Go(func() { l.publish(ctx) })
 	helpers.Go(func() { l.runCommitter(ctx) })
 	helpers.Go(func() { l.probe(ctx) })
+	helpers.Go(func() { l.runWatermarks(ctx) })
 	l.lastSnapshot = time.Now()
 	for ctx.Err() == nil {
-		err := l.joinGeneration(ctx)
+		// Announced before it joins, so before it can book anything: from then on, a replica
+		// that does not hold a booking waits for this one's watermark (watermark.go).
+		err := l.announce(ctx)
+		if err == nil {
+			err = l.joinGeneration(ctx)
+		}
 		if err == nil {
 			break
 		}

@@ -1,0 +1,145 @@
+package redislog_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"testing"
+	"time"
+
+	"github.com/redis/go-redis/v9"
+
+	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
+)
+
+// startCutOff starts replica "a" behind a proxy that can cut it off from Redis, and replica "b"
+// connected directly, both with short timeouts and reseed window, and waits until their shared
+// state is complete and each has the other's watermark.
+func startCutOff(t *testing.T, opts ...func(*redislog.Options)) (a, b replica, proxy *redistest.Proxy, rdb redis.UniversalClient) {
+	t.Helper()
+	srv := redistest.Start(t)
+	proxy = redistest.StartProxy(t, srv.Addr)
+	fast := func(addr string) redis.UniversalClient {
+		c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}, DialTimeout: 200 * time.Millisecond,
+			ReadTimeout: 300 * time.Millisecond, WriteTimeout: 300 * time.Millisecond, MaxRetries: -1, ContextTimeoutEnabled: true})
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	short := append([]func(*redislog.Options){func(o *redislog.Options) { o.ReseedWindow = 300 * time.Millisecond }}, opts...)
+	a = startReplicasNamed(t, fast(proxy.Addr), "a", 1, short...)[0]
+	b = startReplicasNamed(t, fast(srv.Addr), "b", 1, short...)[0]
+	rdb = srv.Client()
+	key := fmt.Sprintf("kvr:{%s}:replicas", t.Name())
+	eventually(t, "both replicas complete, with live watermarks", func() bool {
+		marks, err := rdb.HGetAll(context.Background(), key).Result()
+		if err != nil || len(marks) != 2 || a.log.Incomplete() || b.log.Incomplete() {
+			return false
+		}
+		for _, v := range marks {
+			if len(v) < 10 || v[0] < '0' || v[0] > '9' {
+				return false // announced, no watermark yet
+			}
+		}
+		return true
+	})
+	return a, b, proxy, rdb
+}
+
+// TestFreeOfABookingNotPublishedYet: replica A, cut off from Redis, books a request; a Free for it
+// sent to replica B cannot find the booking, and B answers that it cannot tell (ErrLogUnavailable,
+// UNAVAILABLE for the client, which retries) rather than that the request is not booked: A may hold
+// it. Once A is back, its booking reaches B, and the same Free frees it everywhere. Before
+// watermarks, B waited 100 ms and answered NOT_FOUND; the client gave up, and the booking stayed
+// on every replica until it expired.
+func TestFreeOfABookingNotPublishedYet(t *testing.T) {
+	a, b, proxy, _ := startCutOff(t, func(o *redislog.Options) { o.WatermarkWait = 500 * time.Millisecond })
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "B to see the worker", func() bool { return b.state.Worker(wk) != nil })
+
+	proxy.Cut()
+	booking := kvstate.Booking{RequestID: "cut-off", At: time.Now().UnixNano(), Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{1}, PrefillTokens: 16}}}
+	if _, err := a.log.Append(ctx, kvstate.Booked{Booking: booking}); err != nil {
+		t.Fatalf("A books while cut off = %v, want the booking applied locally", err)
+	}
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "cut-off", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrLogUnavailable) {
+		t.Fatalf("B frees a booking A holds and cannot publish = %v, want ErrLogUnavailable (A may hold it)", err)
+	}
+	// A junk id gets the same answer while A is cut off: B cannot tell it from the booking above.
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrLogUnavailable) {
+		t.Fatalf("B frees an unknown id while A is cut off = %v, want ErrLogUnavailable", err)
+	}
+
+	proxy.Heal()
+	eventually(t, "the Free, retried on B, to find the booking", func() bool {
+		_, err := b.log.Append(ctx, kvstate.Freed{RequestID: "cut-off", At: time.Now().UnixNano()})
+		return err == nil
+	})
+	eventually(t, "A and B to converge with no booking", func() bool {
+		return converged(a, b) && a.state.Load().Bookings() == 0 && b.state.Load().Bookings() == 0
+	})
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("B frees an unknown id once A is back = %v, want ErrUnknownRequest", err)
+	}
+}
+
+// TestSilentReplicaIsTakenForDead: a replica that stays cut off for longer than ReplicaTimeout no
+// longer holds such answers up: a Free for an unknown id is NOT_FOUND again (the replica would
+// drop, with the expiry it appended meanwhile, whatever it booked before).
+func TestSilentReplicaIsTakenForDead(t *testing.T) {
+	const timeout = 2 * time.Second
+	_, b, proxy, _ := startCutOff(t, func(o *redislog.Options) { o.ReplicaTimeout, o.WatermarkWait = timeout, 300*time.Millisecond })
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	proxy.Cut()
+	cut := time.Now()
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrLogUnavailable) {
+		t.Fatalf("Free of an unknown id right after A was cut off = %v, want ErrLogUnavailable", err)
+	}
+	eventually(t, "A to be taken for dead", func() bool {
+		_, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()})
+		return errors.Is(err, kvstate.ErrUnknownRequest)
+	})
+	// The timeout runs from A's last watermark, written up to an interval (50 ms) before the cut.
+	if took := time.Since(cut); took < timeout-200*time.Millisecond {
+		t.Errorf("A was taken for dead %v after it was cut off, before ReplicaTimeout %v", took, timeout)
+	}
+}
+
+// TestStoppedReplicaHoldsNothingUp: a replica that stops cleanly marks its watermark gone, and the
+// others answer NOT_FOUND for unknown ids at once, not after ReplicaTimeout.
+func TestStoppedReplicaHoldsNothingUp(t *testing.T) {
+	srv := redistest.Start(t)
+	rdb := srv.Client()
+	short := func(o *redislog.Options) { o.ReseedWindow, o.WatermarkWait = 300*time.Millisecond, 300*time.Millisecond }
+	b := startReplicasNamed(t, rdb, "b", 1, short)[0]
+	cctx, stopC := context.WithCancel(context.Background())
+	o := redislog.Options{Prefix: fmt.Sprintf("kvr:{%s}", t.Name()), Replica: "c", ReadBlock: 100 * time.Millisecond}
+	short(&o)
+	c := redislog.New(rdb, kvstate.NewState(), o)
+	stopped := make(chan struct{})
+	go func() { _ = c.Run(cctx); close(stopped) }()
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	eventually(t, "both complete, and B to know C", func() bool {
+		if b.log.Incomplete() || c.Incomplete() {
+			return false
+		}
+		_, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()})
+		return errors.Is(err, kvstate.ErrUnknownRequest)
+	})
+	stopC()
+	<-stopped
+	start := time.Now()
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "junk", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Fatalf("Free of an unknown id after C stopped = %v, want ErrUnknownRequest", err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Errorf("the answer took %v after C stopped cleanly, want it without waiting for C", took)
+	}
+}
