@@ -15,6 +15,11 @@ import (
 // BypassAnnotation marks a request the decode worker must prefill itself. Only the router sets it.
 const BypassAnnotation = "x-bypass-remote-prefill"
 
+// PrefillContinueAnnotation is the marker of Dynamo's prefill-continue feature. The router never
+// sets it, but the later Dynamo version strips a client-sent copy with the bypass marker (§1.5), so a
+// client cannot steer a worker's prefill through the router either way.
+const PrefillContinueAnnotation = "x-prefill-continue"
+
 // Mode is the shape of a routing decision.
 type Mode uint8
 
@@ -468,17 +473,23 @@ func requestBlockKeys(rc *routeCtx, reuse bool) []uint64 {
 	return keys
 }
 
-// StripBypassMarkers returns the annotations without any client-sent bypass marker, exact or in the
-// "x-bypass-remote-prefill:<value>" form: only the router may ask a decode worker to prefill (§1.5).
+// StripBypassMarkers returns the annotations without any client-sent bypass or prefill-continue
+// marker, exact or in the "<marker>:<value>" form: only the router may ask a decode worker to prefill
+// (§1.5, §8 item 11).
 func StripBypassMarkers(annotations []string) []string {
 	out := make([]string, 0, len(annotations))
 	for _, a := range annotations {
-		if a == BypassAnnotation || strings.HasPrefix(a, BypassAnnotation+":") {
+		if isMarker(a, BypassAnnotation) || isMarker(a, PrefillContinueAnnotation) {
 			continue
 		}
 		out = append(out, a)
 	}
 	return out
+}
+
+// isMarker reports whether the annotation a is marker itself or marker followed by ":<value>".
+func isMarker(a, marker string) bool {
+	return a == marker || strings.HasPrefix(a, marker+":")
 }
 
 func (p *Pin) String() string {

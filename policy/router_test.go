@@ -306,9 +306,27 @@ func TestRouteSharedPrefixCountsOnce(t *testing.T) {
 	}
 }
 
+// TestStripBypassMarkers: both router-only markers go, exact or as "<marker>:<value>" (§1.5); a
+// longer annotation that merely starts with a marker's name stays.
 func TestStripBypassMarkers(t *testing.T) {
-	got := StripBypassMarkers([]string{"a", BypassAnnotation, BypassAnnotation + ":true", "x-bypass-remote-prefillx", "b"})
-	if diff := cmp.Diff([]string{"a", "x-bypass-remote-prefillx", "b"}, got); diff != "" {
-		t.Errorf("StripBypassMarkers mismatch (-want +got):\n%s", diff)
+	tests := []struct {
+		name string
+		in   []string
+		want []string
+	}{
+		{name: "none", in: []string{"a", "b"}, want: []string{"a", "b"}},
+		{name: "bypass", in: []string{"a", "x-bypass-remote-prefill", "x-bypass-remote-prefill:true", "b"}, want: []string{"a", "b"}},
+		{name: "prefill continue", in: []string{"a", "x-prefill-continue", "x-prefill-continue:7", "x-prefill-continue:", "b"}, want: []string{"a", "b"}},
+		{name: "both", in: []string{"x-prefill-continue", "keep", "x-bypass-remote-prefill"}, want: []string{"keep"}},
+		{name: "look-alikes stay", in: []string{"x-bypass-remote-prefillx", "x-prefill-continued", "X-Prefill-Continue"},
+			want: []string{"x-bypass-remote-prefillx", "x-prefill-continued", "X-Prefill-Continue"}},
+		{name: "empty", in: nil, want: []string{}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			if diff := cmp.Diff(tt.want, StripBypassMarkers(tt.in)); diff != "" {
+				t.Errorf("StripBypassMarkers(%q) mismatch (-want +got):\n%s", tt.in, diff)
+			}
+		})
 	}
 }

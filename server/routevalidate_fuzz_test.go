@@ -145,7 +145,8 @@ func fuzzRouteSeeds() []*kvrouterv1.RouteRequest {
 		{Model: "m", TokenIds: promptTokens(8), QueryOnly: true, Explain: true},
 		{RequestId: "q", Model: "agg", TokenIds: promptTokens(3), QueryOnly: true, SessionId: "s1"},
 		{RequestId: "r", Model: "m", TokenIds: promptTokens(16), SessionId: "s1",
-			Annotations: []string{"keep", policy.BypassAnnotation, policy.BypassAnnotation + ":forged"}},
+			Annotations: []string{"keep", policy.BypassAnnotation, policy.BypassAnnotation + ":forged",
+				policy.PrefillContinueAnnotation, policy.PrefillContinueAnnotation + ":forged"}},
 		{RequestId: fuzzSetupBooking, Model: "m", TokenIds: promptTokens(1)},
 		{RequestId: "lora", Model: "m", TokenIds: promptTokens(4), LoraName: "adapter", CacheNamespace: "tenant"},
 		// TestRouteValidation.
@@ -470,6 +471,8 @@ func checkRouteAccepted(t *testing.T, r *fuzzRouter, req *kvrouterv1.RouteReques
 			markers++
 		}
 		rule(!strings.HasPrefix(a, policy.BypassAnnotation+":"), "no client bypass marker")
+		rule(a != policy.PrefillContinueAnnotation && !strings.HasPrefix(a, policy.PrefillContinueAnnotation+":"),
+			"no client prefill-continue marker")
 	}
 	rule(markers == 0 && mode != kvrouterv1.RouteMode_ROUTE_MODE_BYPASS || markers == 1 && mode == kvrouterv1.RouteMode_ROUTE_MODE_BYPASS,
 		"the bypass marker exactly on a bypass")

@@ -564,7 +564,8 @@ func TestRouteAfterPublish(t *testing.T) {
 	b.send(events(stored(0, nil, 0, 2)))
 	wantMsg(t, b.recv(), ack(0))
 	resp, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: promptTokens(8), Explain: true,
-		Annotations: []string{"keep", policy.BypassAnnotation, policy.BypassAnnotation + ":true"}})
+		Annotations: []string{"keep", policy.BypassAnnotation, policy.BypassAnnotation + ":true",
+			policy.PrefillContinueAnnotation, policy.PrefillContinueAnnotation + ":1"}})
 	if err != nil {
 		t.Fatalf("Route() = %v", err)
 	}
