@@ -225,14 +225,8 @@ func (ix *Index) Remove(slot uint32, tier Tier, hashes []uint64) (unknown int) {
 	return unknown
 }
 
-// Clear removes every block the worker holds in tier.
-func (ix *Index) Clear(slot uint32, tier Tier) {
-	ix.mu.Lock()
-	defer ix.mu.Unlock()
-	ix.clearLocked(slot, tier)
-}
-
-// ClearWorker removes every block the worker holds, in every tier.
+// ClearWorker removes every block the worker holds, in every tier. It is the only clear: a Cleared
+// event, a gap, a dump and the worker's removal all drop the whole worker rank (§4.3), never one tier.
 func (ix *Index) ClearWorker(slot uint32) {
 	ix.mu.Lock()
 	defer ix.mu.Unlock()

@@ -120,14 +120,9 @@ func TestIndexMatchesModel(t *testing.T) {
 				delete(model.tiers(slot)[tier], engineHash(slot, k))
 			}
 			ix.Remove(slot, tier, hashes)
-		default:
-			if rng.IntN(3) == 0 {
-				ix.ClearWorker(slot)
-				delete(model, slot)
-			} else {
-				ix.Clear(slot, tier)
-				model.tiers(slot)[tier] = map[uint64]uint64{}
-			}
+		default: // a clear drops every tier of the worker, never one (§4.3)
+			ix.ClearWorker(slot)
+			delete(model, slot)
 		}
 		_, q := prompt()
 		checkAgainstModel(t, step, ix, model, q, &o, workers)

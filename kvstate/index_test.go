@@ -83,10 +83,6 @@ func storeRaw(slot uint32, tier Tier, bs ...Block) indexOp {
 	}
 }
 
-func clearTier(slot uint32, tier Tier) indexOp {
-	return func(t *testing.T, ix *Index) { ix.Clear(slot, tier) }
-}
-
 func clearWorker(slot uint32) indexOp {
 	return func(t *testing.T, ix *Index) { ix.ClearWorker(slot) }
 }
@@ -311,29 +307,20 @@ func TestIndexOverlaps(t *testing.T) {
 		},
 		{
 			// §10.10 "Cleared for (W0, rank 0) ⇒ W0 rank 1 untouched": the two ranks are slots 0 and 1.
-			name: "clearing slot 0's device tier leaves slot 1 untouched",
+			name: "clearing slot 0 leaves slot 1 untouched",
 			ops: []indexOp{
 				store(0, TierDevice, la, lb, lc), store(1, TierDevice, la, lb, lc),
-				clearTier(0, TierDevice),
+				clearWorker(0),
 			},
 			query: []uint64{la, lb, lc},
 			want:  map[uint32]TierCounts{1: {3}},
 		},
 		{
-			name: "clearing the host tier keeps the device prefix",
-			ops: []indexOp{
-				store(0, TierDevice, la, lb), storeAfter(0, TierHost, lb, lc, ld),
-				clearTier(0, TierHost),
-			},
-			query: []uint64{la, lb, lc, ld},
-			want:  map[uint32]TierCounts{0: {2}},
-		},
-		{
 			// The host blocks remain, but they continue a prefix the worker no longer holds.
-			name: "clearing the device tier breaks a host continuation",
+			name: "removing the device blocks breaks a host continuation",
 			ops: []indexOp{
 				store(0, TierDevice, la, lb), storeAfter(0, TierHost, lb, lc, ld),
-				clearTier(0, TierDevice),
+				remove(0, TierDevice, la, lb),
 			},
 			query: []uint64{la, lb, lc, ld},
 			want:  map[uint32]TierCounts{},
@@ -430,7 +417,7 @@ func TestIndexStoreErrors(t *testing.T) {
 		},
 		{
 			name:    "parent cleared earlier",
-			ops:     []indexOp{store(0, TierDevice, la, lb), store(1, TierDevice, la, lb), clearTier(0, TierDevice)},
+			ops:     []indexOp{store(0, TierDevice, la, lb), store(1, TierDevice, la, lb), clearWorker(0)},
 			slot:    0,
 			parent:  eh(lb),
 			blocks:  blocks(lc),
@@ -693,7 +680,7 @@ func TestIndexLen(t *testing.T) {
 		{"W1 stores [a,b] on host", store(1, TierHost, la, lb), 3, map[uint32]TierCounts{0: {3}, 1: {2, 2}}},
 		{"W0 removes c: last holder", remove(0, TierDevice, lc), 2, map[uint32]TierCounts{0: {2}, 1: {2, 2}}},
 		{"W0 removes b: W1 still holds it", remove(0, TierDevice, lb), 2, map[uint32]TierCounts{0: {1}, 1: {2, 2}}},
-		{"W1 clears device: host still holds b", clearTier(1, TierDevice), 2, map[uint32]TierCounts{0: {1}, 1: {0, 2}}},
+		{"W1 removes its device blocks: host still holds b", remove(1, TierDevice, la, lb), 2, map[uint32]TierCounts{0: {1}, 1: {0, 2}}},
 		{"W1 removed: only W0's a is left", clearWorker(1), 1, map[uint32]TierCounts{0: {1}}},
 		{"W0 removed: empty", clearWorker(0), 0, map[uint32]TierCounts{}},
 	}

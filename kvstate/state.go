@@ -569,7 +569,10 @@ func applyEvent(ix *Index, slot uint32, ev *Event, res *Result) {
 	case EventRemoved:
 		res.UnknownRemoved += ix.Remove(slot, ev.Tier, ev.Removed)
 	case EventCleared:
-		ix.Clear(slot, ev.Tier)
+		// A cleared event drops every tier of the worker rank, whichever tier it names: Dynamo's
+		// Cleared (AllBlocksCleared) has no tier (§4.1, §4.3), and host or disk blocks left behind
+		// would continue a device prefix the rank no longer holds.
+		ix.ClearWorker(slot)
 	default:
 		res.Invalid++
 	}

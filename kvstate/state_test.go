@@ -97,7 +97,14 @@ func removed(id uint64, locals ...uint64) Event {
 	return Event{ID: id, Kind: EventRemoved, Removed: hashes}
 }
 
+// cleared is a device-tier cleared event; the tier does not narrow it (§4.3).
 func cleared(id uint64) Event { return Event{ID: id, Kind: EventCleared} }
+
+// inTier returns ev naming tier instead of the device tier.
+func inTier(tier Tier, ev Event) Event {
+	ev.Tier = tier
+	return ev
+}
 
 // workerOverlap returns the worker's overlap blocks with the prompt in its model's index.
 func workerOverlap(t *testing.T, s *State, key WorkerKey, locals ...uint64) TierCounts {
@@ -294,13 +301,42 @@ func TestKVEventsOrdering(t *testing.T) {
 			wantBlocks:  TierCounts{3},
 		},
 		{
-			name:        "cleared drops the rank's tier",
+			name:        "cleared drops the rank's blocks",
 			setup:       []step{events(w0r0, stored(0, la, lb))},
 			change:      KVEvents{Worker: w0r0, Events: []Event{cleared(1)}},
 			want:        Result{LastEventID: 1, HasLastEvent: true, Applied: 1},
 			wantStatus:  WorkerStatus{LastEventID: 1, HasLastEvent: true},
 			wantOverlap: TierCounts{},
 			wantBlocks:  TierCounts{},
+		},
+		{
+			// §4.1/§4.3: Cleared (AllBlocksCleared) drops everything of the worker rank; the host
+			// blocks must not outlive the device prefix they continue.
+			name:        "cleared at the device tier drops every tier of the rank",
+			setup:       []step{events(w0r0, stored(0, la, lb), inTier(TierHost, storedAfter(1, lb, lc)), inTier(TierDisk, stored(2, la, lb, lc, ld)))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{cleared(3)}},
+			want:        Result{LastEventID: 3, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 3, HasLastEvent: true},
+			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
+		},
+		{
+			name:        "cleared naming the host tier drops the device blocks too",
+			setup:       []step{events(w0r0, stored(0, la, lb), inTier(TierHost, storedAfter(1, lb, lc)))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{inTier(TierHost, cleared(2))}},
+			want:        Result{LastEventID: 2, HasLastEvent: true, Applied: 1},
+			wantStatus:  WorkerStatus{LastEventID: 2, HasLastEvent: true},
+			wantOverlap: TierCounts{},
+			wantBlocks:  TierCounts{},
+		},
+		{
+			name:        "blocks stored after a clear start afresh",
+			setup:       []step{events(w0r0, stored(0, la, lb), inTier(TierHost, storedAfter(1, lb, lc)))},
+			change:      KVEvents{Worker: w0r0, Events: []Event{cleared(2), inTier(TierHost, stored(3, la))}},
+			want:        Result{LastEventID: 3, HasLastEvent: true, Applied: 2},
+			wantStatus:  WorkerStatus{LastEventID: 3, HasLastEvent: true},
+			wantOverlap: TierCounts{0, 1},
+			wantBlocks:  TierCounts{0, 1},
 		},
 		{
 			name:        "parent-not-found inside a dump is counted",

@@ -51,7 +51,9 @@ func (m *mirror) apply(events []*kvrouterv1.KvEvent) {
 				t.remove(h)
 			}
 		case *kvrouterv1.KvEvent_Cleared:
-			delete(m.tiers, ev.GetStorageTier())
+			// The router drops every tier of the rank on a cleared event, whichever tier it names
+			// (§4.3); the mirror must hold what the router holds.
+			clear(m.tiers)
 		}
 	}
 }

@@ -58,7 +58,10 @@ func tierOf(medium string) (tier kvrouterv1.StorageTier, ok bool) {
 	return 0, false
 }
 
-// allTiers are the tiers an AllBlocksCleared clears: the engines' event names no medium.
+// allTiers are the tiers the mirror dumps, in order, and the tiers an AllBlocksCleared is forwarded
+// for. One cleared event drops every tier of the rank at the router (§4.3), but a router of the
+// release before cleared only the tier the event names, and replicas of both releases share the
+// log during a rolling upgrade: a cleared event per tier clears the whole rank at either.
 var allTiers = []kvrouterv1.StorageTier{
 	kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, kvrouterv1.StorageTier_STORAGE_TIER_HOST,
 	kvrouterv1.StorageTier_STORAGE_TIER_DISK, kvrouterv1.StorageTier_STORAGE_TIER_EXTERNAL,

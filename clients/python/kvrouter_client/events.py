@@ -42,5 +42,9 @@ def removed(block_hashes: Iterable[int], tier: int = pb.types.STORAGE_TIER_DEVIC
 
 
 def cleared(tier: int = pb.types.STORAGE_TIER_DEVICE) -> "pb.worker.KvEvent":
-    """Returns an event saying every block of the tier is gone."""
+    """Returns an event saying every block of the worker rank is gone.
+
+    The router drops the rank's blocks in every tier, whichever tier the event names (as Dynamo's
+    Cleared does); tier is kept for callers that name one.
+    """
     return pb.worker.KvEvent(storage_tier=tier, cleared=pb.worker.CacheCleared())
