@@ -3,6 +3,7 @@ package policy
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"math"
@@ -52,11 +53,29 @@ func (c CDConfig) Validate() error {
 	if r := c.EffISLRatioThreshold; !(r >= 0 && r <= 1) { // NaN fails too
 		return fieldErr("eff_isl_ratio_threshold", "must be in [0.0, 1.0]")
 	}
-	if t := c.PrefillBusyThreshold; t != nil && !(*t >= 0 && !math.IsInf(*t, 0)) {
-		return fieldErr("prefill_busy_threshold", "must be >= 0")
+	if t := c.PrefillBusyThreshold; t != nil {
+		if err := busyThreshold("prefill_busy_threshold", *t); err != nil {
+			return err
+		}
 	}
-	if t := c.DecodeBusyThreshold; t != nil && !(*t >= 0 && !math.IsInf(*t, 0)) {
-		return fieldErr("decode_busy_threshold", "must be >= 0")
+	if t := c.DecodeBusyThreshold; t != nil {
+		if err := busyThreshold("decode_busy_threshold", *t); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// busyThreshold checks a busy threshold. A negative one breaks Dynamo's rule (§1.9) and gets its
+// message. An infinite or NaN one would make a worker never busy, a gate that is set but can never
+// trip, so kvrouter refuses it too, with a message of its own that names the value: "must be >= 0"
+// would not say what is wrong with +Inf.
+func busyThreshold(field string, v float64) error {
+	switch {
+	case math.IsNaN(v) || math.IsInf(v, 0):
+		return fieldErr(field, "must be a finite number >= 0 (got %v)", v)
+	case v < 0:
+		return fieldErr(field, "must be >= 0")
 	}
 	return nil
 }
@@ -156,7 +175,9 @@ func ParseCDConfigJSON(raw string, cd *CDConfig) (set []string, err error) {
 func isJSONNull(v json.RawMessage) bool { return string(bytes.TrimSpace(v)) == "null" }
 
 // jsonNumber accepts a JSON number, and rejects booleans, strings and null. (encoding/json would
-// also take a quoted number into a json.Number, so the first byte is checked.)
+// also take a quoted number into a json.Number, so the first byte is checked.) A number too large
+// for a float64 (1e999) is a number: it comes back as ±Inf, for the value rules to refuse with the
+// message they give an infinite value from any other source.
 func jsonNumber(v json.RawMessage) (float64, error) {
 	s := bytes.TrimSpace(v)
 	if len(s) == 0 || (s[0] != '-' && (s[0] < '0' || s[0] > '9')) {
@@ -168,7 +189,11 @@ func jsonNumber(v json.RawMessage) (float64, error) {
 	if err := d.Decode(&n); err != nil {
 		return 0, err
 	}
-	return n.Float64()
+	f, err := n.Float64()
+	if errors.Is(err, strconv.ErrRange) && math.IsInf(f, 0) {
+		return f, nil
+	}
+	return f, err
 }
 
 // jsonInteger accepts a JSON number written as an integer: 1.5, 2e3, true and null are not.

@@ -193,7 +193,7 @@ func TestParseCDPolicy(t *testing.T) {
 }
 
 func TestCDConfigValidate(t *testing.T) {
-	nan, over, neg, inf := math.NaN(), 1.0000001, -0.1, math.Inf(1)
+	nan, over, neg, inf, negInf := math.NaN(), 1.0000001, -0.1, math.Inf(1), math.Inf(-1)
 	tests := []struct {
 		name   string
 		mutate func(*CDConfig)
@@ -205,7 +205,13 @@ func TestCDConfigValidate(t *testing.T) {
 		{"ratio 1.0000001", func(c *CDConfig) { c.EffISLRatioThreshold = over }, "eff_isl_ratio_threshold must be in [0.0, 1.0]"},
 		{"prefill busy -0.1", func(c *CDConfig) { c.PrefillBusyThreshold = &neg }, "prefill_busy_threshold must be >= 0"},
 		{"decode busy -0.1", func(c *CDConfig) { c.DecodeBusyThreshold = &neg }, "decode_busy_threshold must be >= 0"},
-		{"decode busy +Inf", func(c *CDConfig) { c.DecodeBusyThreshold = &inf }, "decode_busy_threshold must be >= 0"},
+		{"ratio +Inf", func(c *CDConfig) { c.EffISLRatioThreshold = inf }, "eff_isl_ratio_threshold must be in [0.0, 1.0]"},
+		// Not finite: a message that says so and names the value, for either threshold.
+		{"decode busy +Inf", func(c *CDConfig) { c.DecodeBusyThreshold = &inf }, "decode_busy_threshold must be a finite number >= 0 (got +Inf)"},
+		{"decode busy -Inf", func(c *CDConfig) { c.DecodeBusyThreshold = &negInf }, "decode_busy_threshold must be a finite number >= 0 (got -Inf)"},
+		{"decode busy NaN", func(c *CDConfig) { c.DecodeBusyThreshold = &nan }, "decode_busy_threshold must be a finite number >= 0 (got NaN)"},
+		{"prefill busy +Inf", func(c *CDConfig) { c.PrefillBusyThreshold = &inf }, "prefill_busy_threshold must be a finite number >= 0 (got +Inf)"},
+		{"prefill busy NaN", func(c *CDConfig) { c.PrefillBusyThreshold = &nan }, "prefill_busy_threshold must be a finite number >= 0 (got NaN)"},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

@@ -3,6 +3,7 @@ package server
 import (
 	"bytes"
 	"log/slog"
+	"math"
 	"strings"
 	"sync"
 	"testing"
@@ -86,6 +87,14 @@ func TestCDOverrideValidation(t *testing.T) {
 			"config_override.conditional_disagg.prefill_busy_threshold: must be >= 0"},
 		{"negative decode busy", &kvrouterv1.ConditionalDisaggOverride{DecodeBusyThreshold: f(-1)},
 			"config_override.conditional_disagg.decode_busy_threshold: must be >= 0"},
+		{"infinite decode busy", &kvrouterv1.ConditionalDisaggOverride{DecodeBusyThreshold: f(math.Inf(1))},
+			"config_override.conditional_disagg.decode_busy_threshold: must be a finite number >= 0 (got +Inf)"},
+		{"NaN decode busy", &kvrouterv1.ConditionalDisaggOverride{DecodeBusyThreshold: f(math.NaN())},
+			"config_override.conditional_disagg.decode_busy_threshold: must be a finite number >= 0 (got NaN)"},
+		{"infinite prefill busy", &kvrouterv1.ConditionalDisaggOverride{PrefillBusyThreshold: f(math.Inf(1))},
+			"config_override.conditional_disagg.prefill_busy_threshold: must be a finite number >= 0 (got +Inf)"},
+		{"NaN ratio", &kvrouterv1.ConditionalDisaggOverride{EffIslRatioThreshold: f(math.NaN())},
+			"config_override.conditional_disagg.eff_isl_ratio_threshold: must be in [0.0, 1.0]"},
 		{"load-aware policy without a threshold", &kvrouterv1.ConditionalDisaggOverride{Policy: str("isl_or_load")},
 			"config_override.conditional_disagg.policy: conditional_disagg policy='isl_or_load' needs prefill_busy_threshold, but neither prefill_busy_threshold nor router_queue_threshold is set"},
 	}
