@@ -226,12 +226,11 @@ func TestRedisTLSAndACL(t *testing.T) {
 		t.Errorf("B's GetConfig redis_password = %q, want empty (it came from the file)", e.GetValue())
 	}
 	for name, logs := range map[string]*lockedBuffer{"A": aLogs, "B": bLogs} {
-		out := logs.String()
+		out := logs.waitFor(t, "line saying replica "+name+" shares state through Redis over TLS as kvr", func(out string) bool {
+			return strings.Contains(out, `"msg":"sharing state through Redis"`) && strings.Contains(out, `"tls":true,"user":"kvr"`)
+		})
 		if strings.Contains(out, redisPassword) {
 			t.Errorf("replica %s's log holds the Redis password:\n%s", name, out)
-		}
-		if !strings.Contains(out, `"msg":"sharing state through Redis"`) || !strings.Contains(out, `"tls":true,"user":"kvr"`) {
-			t.Errorf("replica %s's log does not say it shares state through Redis over TLS as kvr:\n%s", name, out)
 		}
 	}
 }
@@ -244,9 +243,7 @@ func TestRedisTLSServerOnly(t *testing.T) {
 	bin := buildBinary(t)
 	a, logs := startSecureKvrouter(t, bin, nil, append([]string{"--redis-addr", srv.Addr}, tlsFlags(p, false)...)...)
 	publishAndRoute(t, a, a, 3)
-	if out := logs.String(); !strings.Contains(out, `"tls":true,"user":""`) {
-		t.Errorf("log does not say it shares state through Redis over TLS:\n%s", out)
-	}
+	logs.waitLine(t, `"tls":true,"user":""`)
 }
 
 // TestRedisMisconfiguredExits starts kvrouter with one thing wrong for a Redis that requires TLS, a

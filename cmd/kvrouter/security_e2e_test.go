@@ -370,9 +370,7 @@ func TestMutualTLSHandshake(t *testing.T) {
 			}
 		})
 	}
-	if !strings.Contains(p.logs.String(), `"mutual_tls":true`) {
-		t.Errorf("the start-up log does not say mutual TLS is on:\n%s", p.logs)
-	}
+	p.logs.waitLine(t, `"mutual_tls":true`)
 }
 
 // TestRotationWithoutRestart: a replaced server certificate is served to the next connection, and a

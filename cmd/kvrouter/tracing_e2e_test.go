@@ -189,17 +189,23 @@ func publishAndRouteTraced(t *testing.T, addr string) {
 	}
 }
 
-// routeCallLog returns the fields of the Route call's "finished call" log line.
-func routeCallLog(t *testing.T, logs string) map[string]any {
+// routeCallLog waits for the Route call's "finished call" log line and returns its fields. The
+// server writes the line before it answers, but the line may reach logs after the answer reaches
+// the test (lockedBuffer.waitFor), so it is waited for.
+func routeCallLog(t *testing.T, logs *lockedBuffer) map[string]any {
 	t.Helper()
-	for line := range strings.Lines(logs) {
-		var m map[string]any
-		if json.Unmarshal([]byte(line), &m) == nil && m["msg"] == "finished call" && m["grpc.method"] == "Route" {
-			return m
+	var found map[string]any
+	logs.waitFor(t, "finished call line for Route", func(out string) bool {
+		for line := range strings.Lines(out) {
+			var m map[string]any
+			if json.Unmarshal([]byte(line), &m) == nil && m["msg"] == "finished call" && m["grpc.method"] == "Route" {
+				found = m
+				return true
+			}
 		}
-	}
-	t.Fatalf("no finished call log line for Route:\n%s", logs)
-	return nil
+		return false
+	})
+	return found
 }
 
 // tracingEnv is the environment of a traced router exporting to stub.
@@ -217,9 +223,7 @@ func TestTracesOverOTLP(t *testing.T) {
 		t.Fatalf("OTLP stub: %v", err)
 	}
 	p := startTraced(t, tracingEnv(stub), "--log-level", "debug", "--replica-id", "traced-replica")
-	if !strings.Contains(p.logs.String(), `"msg":"tracing on: exporting spans with OTLP over gRPC"`) {
-		t.Errorf("no tracing-on line in the log:\n%s", p.logs)
-	}
+	p.logs.waitLine(t, `"msg":"tracing on: exporting spans with OTLP over gRPC"`)
 	publishAndRouteTraced(t, p.addr)
 
 	route := stub.waitSpan(t, "kvrouter.v1.RouterService/Route")
@@ -270,7 +274,7 @@ func TestTracesOverOTLP(t *testing.T) {
 		}
 	}
 
-	line := routeCallLog(t, p.logs.String())
+	line := routeCallLog(t, p.logs)
 	if line["trace_id"] != tracedTraceID || line["span_id"] != hex.EncodeToString(route.GetSpanId()) {
 		t.Errorf("Route call log trace_id %v span_id %v, want %s and the Route span's %x", line["trace_id"], line["span_id"], tracedTraceID, route.GetSpanId())
 	}
@@ -347,11 +351,9 @@ func TestTracingOff(t *testing.T) {
 				}
 			}
 			p := startTraced(t, tt.env(stub), "--log-level", "debug")
-			if want := `"msg":"tracing off: ` + tt.why + `"`; !strings.Contains(p.logs.String(), want) {
-				t.Errorf("log has no %s line:\n%s", want, p.logs)
-			}
+			p.logs.waitLine(t, `"msg":"tracing off: `+tt.why+`"`)
 			publishAndRouteTraced(t, p.addr)
-			line := routeCallLog(t, p.logs.String())
+			line := routeCallLog(t, p.logs)
 			if id, ok := line["trace_id"]; ok {
 				t.Errorf("Route call log has trace_id %v with tracing off", id)
 			}

@@ -111,6 +111,26 @@ func (b *lockedBuffer) String() string {
 	return b.buf.String()
 }
 
+// waitFor polls the output until found says it holds what the test waits for (what), and returns
+// the output then; after defaultTestTimeout it fails the test with the output. A process's log
+// reaches b through a pipe that os/exec copies in the background, so a line the process wrote
+// before it answered a call may land in b after the answer does: a test waits for a line it
+// expects, never reads b once and assumes the line is there.
+func (b *lockedBuffer) waitFor(t *testing.T, what string, found func(out string) bool) string {
+	t.Helper()
+	var out string
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { out = b.String(); return found(out) }) {
+		t.Fatalf("no %s in the log within %v:\n%s", what, defaultTestTimeout, out)
+	}
+	return out
+}
+
+// waitLine waits until the output contains s (see waitFor).
+func (b *lockedBuffer) waitLine(t *testing.T, s string) string {
+	t.Helper()
+	return b.waitFor(t, s, func(out string) bool { return strings.Contains(out, s) })
+}
+
 // serverProcess is a running `kvrouter serve`.
 type serverProcess struct {
 	addr   string
