@@ -4,8 +4,10 @@
 package redistest
 
 import (
+	"bytes"
 	"context"
 	"crypto/tls"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -22,6 +24,13 @@ import (
 
 const startTimeout = 10 * time.Second
 
+// startAttempts bounds how many ports Start tries: a port found free may be taken by another
+// process before redis-server binds it.
+const startAttempts = 5
+
+// busPortOffset is how far above its client port a Redis Cluster node listens for the cluster bus.
+const busPortOffset = 10000
+
 // quietLogger drops go-redis's own log lines (dial failures while a test has stopped Redis on
 // purpose); tests assert on errors instead.
 type quietLogger struct{}
@@ -32,12 +41,13 @@ func init() { redis.SetLogger(quietLogger{}) }
 
 // Server is a running private redis-server.
 type Server struct {
-	Addr string
-	dir  string
-	args []string // extra arguments, kept for restarts
-	cmd  *exec.Cmd
-	t    testing.TB
-	opts Options // how clients connect: TLS and credentials (StartWith)
+	Addr   string
+	dir    string
+	args   []string // extra arguments, kept for restarts
+	cmd    *exec.Cmd
+	exited chan struct{} // closed once cmd has exited and been waited for
+	t      testing.TB
+	opts   Options // how clients connect: TLS and credentials (StartWith)
 }
 
 // Options describe a server for StartWith: extra arguments, and how clients, the readiness PING
@@ -79,27 +89,76 @@ func freePort(t testing.TB) int {
 	return l.Addr().(*net.TCPAddr).Port
 }
 
+// freeClusterPort returns a free loopback port whose cluster bus port (port+10000) is free too: a
+// cluster node binds both, and a port found free by itself says nothing of the other, which
+// another test may hold.
+func freeClusterPort(t testing.TB) int {
+	t.Helper()
+	return clusterPort(t, freePort)
+}
+
+// clusterPort returns the first port candidate gives whose bus port is free and within range
+// (redis-server refuses a cluster port above 65535-10000).
+func clusterPort(t testing.TB, candidate func(testing.TB) int) int {
+	t.Helper()
+	for range 100 {
+		port := candidate(t)
+		if port+busPortOffset > 65535 {
+			continue
+		}
+		l, err := net.Listen("tcp", "127.0.0.1:"+strconv.Itoa(port+busPortOffset))
+		if err != nil {
+			continue
+		}
+		l.Close()
+		return port
+	}
+	t.Fatal("no free loopback port with a free cluster bus port found in 100 tries")
+	return 0
+}
+
+// portPicker returns how a server started with args picks its port: with its bus port free too
+// when args enable cluster mode.
+func portPicker(args []string) func(testing.TB) int {
+	for i := 0; i+1 < len(args); i++ {
+		if args[i] == "--cluster-enabled" && args[i+1] == "yes" {
+			return freeClusterPort
+		}
+	}
+	return freePort
+}
+
 // Start runs a redis-server with persistence off on a free port and stops it at cleanup.
 func Start(t testing.TB, extraArgs ...string) *Server {
 	t.Helper()
-	bin := serverBinary(t)
-	dir := t.TempDir()
-	s := &Server{dir: dir, args: extraArgs, t: t}
-	s.start(bin, freePort(t), extraArgs...)
-	t.Cleanup(s.Stop)
-	return s
+	return start(t, Options{Args: extraArgs}, portPicker(extraArgs))
 }
 
 // StartWith runs a redis-server as Start does, with TLS and credentials as o says, and stops it at
 // cleanup. Its Client, FastClient and readiness PING connect as o says.
 func StartWith(t testing.TB, o Options) *Server {
 	t.Helper()
+	return start(t, o, portPicker(o.Args))
+}
+
+// start runs a redis-server on a port pick gives, in a fresh directory, and stops it at cleanup.
+// A port can be taken between the pick and redis-server's bind (the pick only found it free), so
+// a server that cannot bind its port, or its cluster bus port, is started again on another one.
+func start(t testing.TB, o Options, pick func(testing.TB) int) *Server {
+	t.Helper()
 	bin := serverBinary(t)
-	dir := t.TempDir()
-	s := &Server{dir: dir, args: o.Args, t: t, opts: o}
-	s.start(bin, freePort(t), o.Args...)
-	t.Cleanup(s.Stop)
-	return s
+	var taken []string
+	for range startAttempts {
+		s := &Server{dir: t.TempDir(), args: o.Args, t: t, opts: o}
+		t.Cleanup(s.Stop)
+		err := s.launch(bin, pick(t))
+		if err == nil {
+			return s
+		}
+		taken = append(taken, fmt.Sprintf("%s: %v", s.Addr, err))
+	}
+	t.Fatalf("redis-server could not bind a port in %d attempts:\n%s", startAttempts, strings.Join(taken, "\n"))
+	return nil
 }
 
 // clientOptions are the connection settings of the server's clients, on top of a client's own.
@@ -111,34 +170,79 @@ func (s *Server) clientOptions(o *redis.UniversalOptions) *redis.UniversalOption
 	return o
 }
 
-func (s *Server) start(bin string, port int, extraArgs ...string) {
+// errPortTaken is launch's answer when redis-server could not bind its port or its cluster bus
+// port: another process holds it.
+var errPortTaken = errors.New("address already in use")
+
+// launch runs redis-server on port and waits until it answers PING. It returns errPortTaken when
+// the server exits because a port it binds is in use, and fails the test on any other failure.
+// The server that answers must be this process (INFO's process_id): when another test's Redis
+// holds the port, it answers PING while this one exits.
+func (s *Server) launch(bin string, port int) error {
 	s.t.Helper()
 	s.Addr = "127.0.0.1:" + strconv.Itoa(port)
+	logFile := filepath.Join(s.dir, "redis.log")
 	args := []string{
 		"--port", strconv.Itoa(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-		"--dir", s.dir, "--logfile", filepath.Join(s.dir, "redis.log"),
+		"--dir", s.dir, "--logfile", logFile,
 	}
 	if s.opts.TLS != nil {
 		args = append(args, "--port", "0", "--tls-port", strconv.Itoa(port))
 	}
-	args = append(args, extraArgs...)
-	s.cmd = exec.Command(bin, args...)
-	if err := s.cmd.Start(); err != nil {
+	args = append(args, s.args...)
+	logStart := int64(0) // a restart appends to the log: only this run's lines count
+	if fi, err := os.Stat(logFile); err == nil {
+		logStart = fi.Size()
+	}
+	cmd := exec.Command(bin, args...)
+	if err := cmd.Start(); err != nil {
 		s.t.Fatalf("starting redis-server = %v", err)
+	}
+	exited := make(chan struct{})
+	go func() {
+		_ = cmd.Wait()
+		close(exited)
+	}()
+	s.cmd, s.exited = cmd, exited
+	thisRun := func() []byte {
+		log, _ := os.ReadFile(logFile)
+		return log[min(logStart, int64(len(log))):]
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), startTimeout)
 	defer cancel()
-	c := redis.NewUniversalClient(s.clientOptions(&redis.UniversalOptions{Addrs: []string{s.Addr}}))
+	// No retries inside a call: the loop retries, and looks at the process between tries.
+	c := redis.NewUniversalClient(s.clientOptions(&redis.UniversalOptions{Addrs: []string{s.Addr}, MaxRetries: -1}))
 	defer c.Close()
+	pid := "process_id:" + strconv.Itoa(cmd.Process.Pid) + "\r\n"
 	for {
+		select {
+		case <-exited:
+			s.cmd = nil
+			log := thisRun()
+			if bytes.Contains(log, []byte("Address already in use")) {
+				return errPortTaken
+			}
+			s.t.Fatalf("redis-server on %s exited at start (%v):\n%s", s.Addr, cmd.ProcessState, log)
+		default:
+		}
 		err := c.Ping(ctx).Err()
 		if err == nil {
-			return
+			info, infoErr := c.Info(ctx, "server").Result()
+			switch {
+			case infoErr != nil && strings.HasPrefix(infoErr.Error(), "NOPERM"):
+				// A user that may not run INFO cannot tell whose server answers; trust the PING.
+			case infoErr != nil:
+				err = infoErr
+			case !strings.Contains(info, pid):
+				err = errors.New("another redis-server answers on the port")
+			}
+		}
+		if err == nil {
+			return nil
 		}
 		select {
 		case <-ctx.Done():
-			log, _ := os.ReadFile(filepath.Join(s.dir, "redis.log"))
-			s.t.Fatalf("redis-server on %s did not answer PING within %v (last: %v):\n%s", s.Addr, startTimeout, err, log)
+			s.t.Fatalf("redis-server on %s did not answer PING within %v (last: %v):\n%s", s.Addr, startTimeout, err, thisRun())
 		case <-time.After(20 * time.Millisecond):
 		}
 	}
@@ -151,7 +255,7 @@ func (s *Server) Stop() {
 	}
 	_ = s.cmd.Process.Signal(syscall.SIGCONT) // a paused process must run to die
 	_ = s.cmd.Process.Kill()
-	_ = s.cmd.Wait()
+	<-s.exited
 	s.cmd = nil
 }
 
@@ -187,7 +291,9 @@ func (s *Server) Restart() {
 	s.t.Helper()
 	s.Stop()
 	port, _ := strconv.Atoi(s.Addr[strings.LastIndexByte(s.Addr, ':')+1:])
-	s.start(serverBinary(s.t), port, s.args...)
+	if err := s.launch(serverBinary(s.t), port); err != nil {
+		s.t.Fatalf("restarting redis-server on %s: %v", s.Addr, err)
+	}
 }
 
 // Client returns a client of the server, closed at cleanup.
