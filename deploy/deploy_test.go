@@ -42,7 +42,9 @@ const (
 	healthPort  = 8086
 	metricsPort = 9090
 
-	livenessService  = "kvrouter.v1.RouterService"
+	// Liveness checks the whole server (""): a replica whose shared state is being re-established
+	// is not ready, but a restart would not help it.
+	livenessService  = ""
 	readinessService = "kvrouter.v1.RouterService"
 	// sharedStateService exists only in Redis mode and turns NOT_SERVING on every replica at once
 	// while Redis is unreachable, when routing goes on: no probe may depend on it.

@@ -37,6 +37,11 @@ type ShardSource interface {
 	// Lookup returns the shard holding model on this replica, if there is one; unlike Open it
 	// never creates one.
 	Lookup(model string) (*Shard, bool)
+	// Find returns the shard holding model, adding it here when the deployment has one this
+	// replica has not picked up yet (another replica created it a moment ago); nil when no
+	// replica has one. Unlike Open it never creates one. ErrLogUnavailable when the store could
+	// not be asked.
+	Find(ctx context.Context, model string) (*Shard, error)
 	// Shards returns every shard this replica holds, in model order.
 	Shards() []*Shard
 	// Ready is closed once this replica has caught up with the shards it found at start (a
@@ -56,6 +61,9 @@ func (o OneShard) Open(context.Context, string) (*Shard, error) { return o.Shard
 
 // Lookup returns the one shard, whatever the model.
 func (o OneShard) Lookup(string) (*Shard, bool) { return o.Shard, true }
+
+// Find returns the one shard, whatever the model.
+func (o OneShard) Find(context.Context, string) (*Shard, error) { return o.Shard, nil }
 
 // Shards returns the one shard.
 func (o OneShard) Shards() []*Shard { return []*Shard{o.Shard} }
@@ -104,6 +112,12 @@ func (m *MemShards) Lookup(model string) (*Shard, bool) {
 	defer m.mu.Unlock()
 	sh, ok := m.shards[model]
 	return sh, ok
+}
+
+// Find returns model's shard, or nil if none was made.
+func (m *MemShards) Find(_ context.Context, model string) (*Shard, error) {
+	sh, _ := m.Lookup(model)
+	return sh, nil
 }
 
 // Shards returns every shard, in model order.

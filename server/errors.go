@@ -49,6 +49,11 @@ var domainErrors = []struct {
 // retryDelay is suggested to clients on RESOURCE_EXHAUSTED: long enough for some prefill to finish.
 const retryDelay = 100 * time.Millisecond
 
+// unavailableRetryDelay is suggested to clients on UNAVAILABLE from the shared log (LOG_UNAVAILABLE):
+// what it waits for (Redis answering again, another replica publishing, a lost log reseeded) takes
+// a fraction of a second at best.
+const unavailableRetryDelay = 250 * time.Millisecond
+
 // toStatus converts a domain error to a gRPC status error. Errors that already carry a status pass
 // through, context errors become CANCELED or DEADLINE_EXCEEDED, and anything unknown is INTERNAL.
 func toStatus(err error) error {
@@ -69,8 +74,11 @@ func toStatus(err error) error {
 		if errors.Is(err, d.err) {
 			st := status.New(d.code, err.Error())
 			details := []protoadapt.MessageV1{&errdetails.ErrorInfo{Reason: d.reason, Domain: errorDomain}}
-			if d.code == codes.ResourceExhausted {
+			switch {
+			case d.code == codes.ResourceExhausted:
 				details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(retryDelay)})
+			case d.err == kvstate.ErrLogUnavailable:
+				details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(unavailableRetryDelay)})
 			}
 			return withDetails(st, details...)
 		}

@@ -246,15 +246,26 @@ func (s *Server) watchSharedLog(ready <-chan struct{}, shards kvstate.ShardSourc
 	}
 	t := time.NewTicker(250 * time.Millisecond)
 	defer t.Stop()
-	last := healthpb.HealthCheckResponse_UNKNOWN
+	last, lastRouting := healthpb.HealthCheckResponse_UNKNOWN, healthpb.HealthCheckResponse_SERVING
 	for {
-		want := healthpb.HealthCheckResponse_SERVING
-		if st := sharedLogStats(shards); st.Degraded || st.Incomplete {
+		st := sharedLogStats(shards)
+		want, routing := healthpb.HealthCheckResponse_SERVING, healthpb.HealthCheckResponse_SERVING
+		if st.Degraded || st.Incomplete {
 			want = healthpb.HealthCheckResponse_NOT_SERVING
+		}
+		if st.Incomplete {
+			// The state may not be the shared one (the log was lost and is being re-established,
+			// or a replica holding it may still reseed it): not ready to route. Routing from a
+			// state that is only behind (Redis unreachable) goes on.
+			routing = healthpb.HealthCheckResponse_NOT_SERVING
 		}
 		if want != last {
 			s.health.SetServingStatus(SharedStateService, want)
 			last = want
+		}
+		if routing != lastRouting {
+			s.health.SetServingStatus(kvrouterv1.RouterService_ServiceDesc.ServiceName, routing)
+			lastRouting = routing
 		}
 		select {
 		case <-s.stopping:

@@ -156,25 +156,6 @@ func logLength(ctx context.Context, rdb redis.UniversalClient) int64 {
 	return n
 }
 
-// steady waits until every replica reports its shared state complete: faults hit a deployment in
-// steady state, not one still in its first reseed window.
-func steady(t *testing.T, addrs ...string) {
-	t.Helper()
-	deadline := time.Now().Add(15 * time.Second)
-	for _, addr := range addrs {
-		for {
-			s, err := readReplica(context.Background(), t, addr)
-			if err == nil && s.state.GetSharedStateComplete() {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("replica %s never reported its shared state complete: %v %v", addr, s.state, err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-	}
-}
-
 // settle pauses the fleet, waits for every event to be acked, then for the replicas to converge; it
 // fills the result's load, loss and convergence columns, timed from fault.
 func settle(t *testing.T, f *fleet, fault time.Time, addrs ...string) chaosResult {

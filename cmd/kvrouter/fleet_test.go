@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -254,6 +255,8 @@ type fleet struct {
 	routes   atomic.Int64
 	failures atomic.Int64
 	lastErr  atomic.Value
+	// mu guards workers against the Route goroutines (registered); the test goroutine changes it.
+	mu sync.Mutex
 }
 
 // startFleet starts n workers, worker i publishing to addrs[i%len] first (then the others, in turn,
@@ -289,13 +292,17 @@ func startFleetWith(t *testing.T, workers []*fleetWorker, interval time.Duration
 
 // add starts w with the fleet and checks its events with the others'.
 func (f *fleet) add(w *fleetWorker) {
+	f.mu.Lock()
 	f.workers = append(f.workers, w)
+	f.mu.Unlock()
 	f.wg.Add(1)
 	go func() { defer f.wg.Done(); w.run(f.ctx, f.interval) }()
 }
 
 // forget leaves the worker with id out of the checks (it was superseded, or left for good).
 func (f *fleet) forget(w *fleetWorker) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
 	for i, x := range f.workers {
 		if x == w {
 			f.workers = append(f.workers[:i:i], f.workers[i+1:]...)
@@ -308,30 +315,68 @@ func (f *fleet) forget(w *fleetWorker) {
 func (f *fleet) routeOn(addr string) {
 	ctx := f.ctx
 	client := kvrouterv1.NewRouterServiceClient(dial(f.t, addr))
-	var prompts [][]uint32 // of the workers started so far
-	var models []string
-	for _, w := range f.workers {
-		prompts, models = append(prompts, w.prompt()), append(models, w.model())
-	}
+	workers := append([]*fleetWorker(nil), f.workers...) // those started so far
 	f.wg.Add(1)
 	go func() {
 		defer f.wg.Done()
 		for i := 0; ctx.Err() == nil; i++ {
-			rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
-			_, err := client.Route(rctx, &kvrouterv1.RouteRequest{Model: models[i%len(models)], TokenIds: prompts[i%len(prompts)], QueryOnly: true})
-			cancel()
+			w := workers[i%len(workers)]
+			err := routeRetrying(ctx, client, &kvrouterv1.RouteRequest{Model: w.model(), TokenIds: w.prompt(), QueryOnly: true})
 			if ctx.Err() != nil {
 				return
 			}
 			f.routes.Add(1)
-			// NOT_FOUND before any worker registered on a fresh replica is an answer, not a failure.
-			if err != nil && status.Code(err) != codes.NotFound {
+			// NOT_FOUND before any worker of the model registered is an answer, not a failure;
+			// once one has (its events are acked), the model exists and NOT_FOUND is wrong.
+			if err != nil && (status.Code(err) != codes.NotFound || f.registered(w.model())) {
 				f.failures.Add(1)
 				f.lastErr.Store(fmt.Sprintf("%s: %v", addr, err))
 			}
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
+}
+
+// routeRetrying calls Route as a frontend does: UNAVAILABLE (a replica whose shared state is being
+// re-established, or still loading) is retried after the delay the router suggests, within a 2 s
+// budget; the last answer is returned.
+func routeRetrying(ctx context.Context, client kvrouterv1.RouterServiceClient, req *kvrouterv1.RouteRequest) error {
+	rctx, cancel := context.WithTimeout(ctx, 2*time.Second)
+	defer cancel()
+	for {
+		_, err := client.Route(rctx, req)
+		if status.Code(err) != codes.Unavailable {
+			return err
+		}
+		select {
+		case <-rctx.Done():
+			return err
+		case <-time.After(retryDelayOf(err, 50*time.Millisecond)):
+		}
+	}
+}
+
+// retryDelayOf returns the delay a status's RetryInfo suggests, or def.
+func retryDelayOf(err error, def time.Duration) time.Duration {
+	for _, d := range status.Convert(err).Details() {
+		if ri, ok := d.(*errdetails.RetryInfo); ok {
+			return ri.GetRetryDelay().AsDuration()
+		}
+	}
+	return def
+}
+
+// registered reports whether some worker of model has had an event acked: the model exists.
+func (f *fleet) registered(model string) bool {
+	f.mu.Lock()
+	workers := append([]*fleetWorker(nil), f.workers...)
+	f.mu.Unlock()
+	for _, w := range workers {
+		if _, acked, _, _, _ := w.status(); w.model() == model && acked >= 0 {
+			return true
+		}
+	}
+	return false
 }
 
 // pause stops producing events; streams go on, so what is in flight gets acked.
@@ -485,4 +530,23 @@ func (f *fleet) waitAllAcked(timeout time.Duration) error {
 		return fmt.Errorf("not every event acked within %v: %s", timeout, pending)
 	}
 	return nil
+}
+
+// steady waits until every replica reports its shared state complete: faults hit a deployment in
+// steady state, not one still in its first reseed window.
+func steady(t *testing.T, addrs ...string) {
+	t.Helper()
+	deadline := time.Now().Add(15 * time.Second)
+	for _, addr := range addrs {
+		for {
+			s, err := readReplica(context.Background(), t, addr)
+			if err == nil && s.state.GetSharedStateComplete() {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("replica %s never reported its shared state complete: %v %v", addr, s.state, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+	}
 }

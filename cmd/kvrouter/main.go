@@ -263,6 +263,10 @@ func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (lo
 		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
 		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second), SnapshotChunkBytes: cfg.SnapshotChunkBytes,
 		ReseedWindow: cfg.RedisReseedWindow,
+		// A replica silent for longer than the booking expiry holds nothing another replica must
+		// wait for: a booking it made before is past the expiry when it arrives, and is expired by
+		// the first housekeeper that sees it.
+		ReplicaTimeout: cfg.BookingExpiry,
 	}
 	if cfg.RedisShardByModel {
 		shards := redislog.NewShards(rdb, redislog.ShardsOptions{

@@ -5,7 +5,12 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/redistest"
 )
 
@@ -58,5 +63,66 @@ func TestRedisRestartedEmpty(t *testing.T) {
 	for _, w := range f.workers {
 		produced, acked, reconnects, dumps, _ := w.status()
 		t.Logf("worker %d: %d events, acked through %d, %d reconnects, %d dumps", w.id, produced, acked, reconnects, dumps)
+	}
+}
+
+// TestIncompleteStateAnswersUnavailable: Redis restarts empty while the replica holding the
+// deployment's state (A) is cut off from it, and replica C starts on the empty Redis: C's state is
+// empty, and A may still reseed the log with its own (within the reseed window). Meanwhile C says
+// so: its RouterService health is NOT_SERVING, and Route for the model and Free for a booking that
+// exist on A are UNAVAILABLE (LOG_UNAVAILABLE, with RetryInfo), never NOT_FOUND. Once A is back
+// and has reseeded the log, C routes to A's worker and frees A's booking. Before, C reported ready
+// and answered NOT_FOUND to both.
+func TestIncompleteStateAnswersUnavailable(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t, srv.Addr)
+	bin := buildBinary(t)
+	window := []string{"--redis-reseed-window", "8s"}
+	a := startProcess(t, bin, append([]string{"--redis-addr", proxy.Addr, "--replica-id", "a"}, window...)...)
+	w := newFleetWorker(t, 1, a.addr)
+	f := startFleetWith(t, []*fleetWorker{w}, 20*time.Millisecond)
+	ctx, cancel := context.WithTimeout(context.Background(), defaultTestTimeout)
+	defer cancel()
+	onA := kvrouterv1.NewRouterServiceClient(dial(t, a.addr))
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
+		_, err := onA.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: w.prompt(), RequestId: "held-by-a"})
+		return err == nil
+	}) {
+		t.Fatal("A never booked a request for its worker")
+	}
+	f.pause()
+	if err := f.waitAllAcked(10 * time.Second); err != nil {
+		t.Fatal(err)
+	}
+
+	proxy.Cut()
+	srv.Restart() // empty: A holds the only copy of the state
+	c := startProcess(t, bin, append([]string{"--redis-addr", srv.Addr, "--replica-id", "c"}, window...)...)
+	conn := dial(t, c.addr)
+	onC := kvrouterv1.NewRouterServiceClient(conn)
+	if st, err := healthpb.NewHealthClient(conn).Check(ctx, &healthpb.HealthCheckRequest{Service: "kvrouter.v1.RouterService"}); err != nil || st.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Errorf("C's RouterService health on an empty log A may still reseed = %v, %v; want NOT_SERVING", st.GetStatus(), err)
+	}
+	wantUnavailable := func(what string, err error) {
+		t.Helper()
+		st := status.Convert(err)
+		if st.Code() != codes.Unavailable || retryDelayOf(err, 0) == 0 {
+			t.Errorf("%s on C while its state may be incomplete = %v, want UNAVAILABLE with RetryInfo (never NOT_FOUND)", what, err)
+		}
+	}
+	_, err := onC.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: w.prompt(), QueryOnly: true})
+	wantUnavailable("Route for A's model", err)
+	_, err = onC.Free(ctx, &kvrouterv1.FreeRequest{RequestId: "held-by-a"})
+	wantUnavailable("Free of A's booking", err)
+
+	proxy.Heal()
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
+		resp, err := onC.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: w.prompt(), QueryOnly: true})
+		return err == nil && resp.GetDecode().GetWorkerId() == w.id
+	}) {
+		t.Fatalf("C never routed to A's worker after A came back\nA:\n%s\nC:\n%s", a.logs, c.logs)
+	}
+	if _, err := onC.Free(ctx, &kvrouterv1.FreeRequest{RequestId: "held-by-a"}); err != nil {
+		t.Errorf("Free of A's booking on C once A reseeded the log = %v, want it freed", err)
 	}
 }

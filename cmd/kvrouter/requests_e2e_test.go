@@ -23,8 +23,12 @@ func TestUnknownRequestBothModes(t *testing.T) {
 	})
 	onEveryRedis(t, func(t *testing.T, r redisTarget) {
 		bin := buildBinary(t)
-		a := startProcess(t, bin, append(r.flags, "--replica-id", "a")...)
-		b := startProcess(t, bin, append(r.flags, "--replica-id", "b")...)
+		// A new deployment's log is fresh: until its reseed window is over, a replica that lost
+		// state could still replace it, and an unknown request is UNAVAILABLE, not NOT_FOUND.
+		window := []string{"--redis-reseed-window", "1s"}
+		a := startProcess(t, bin, append(append(r.flags, window...), "--replica-id", "a")...)
+		b := startProcess(t, bin, append(append(r.flags, window...), "--replica-id", "b")...)
+		steady(t, a.addr, b.addr)
 		testUnknownRequests(t, a, b, &r)
 	})
 }

@@ -59,7 +59,7 @@ type Options struct {
 	// ReplicaTimeout is how long a replica's watermark may stay still before the replica is taken
 	// for dead (its unpublished bookings lost with it), so that it no longer holds such calls up.
 	// Set it to the booking expiry: a replica cut off for longer publishes bookings older than that,
-	// which the expiry it appended meanwhile drops on every replica.
+	// which the first housekeeper to see them expires.
 	ReplicaTimeout time.Duration
 	Logger         *slog.Logger
 }

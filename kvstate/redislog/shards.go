@@ -195,6 +195,23 @@ func (s *Shards) Lookup(model string) (*kvstate.Shard, bool) {
 	return nil, false
 }
 
+// Find returns the shard of model if this replica holds it, or, when it serves model and the
+// registry names a shard for it that this replica has not picked up yet (the registry is read every
+// Poll), adds that shard here and returns it. Nil when no replica has made one.
+func (s *Shards) Find(ctx context.Context, model string) (*kvstate.Shard, error) {
+	if sh, ok := s.Lookup(model); ok || !s.serves(model) {
+		return sh, nil
+	}
+	prefix, err := s.rdb.HGet(ctx, s.RegistryKey(), model).Result()
+	switch {
+	case errors.Is(err, redis.Nil):
+		return nil, nil
+	case err != nil:
+		return nil, fmt.Errorf("%w: finding the shard of model %q: %v", kvstate.ErrLogUnavailable, model, err)
+	}
+	return s.add(model, prefix).shard, nil
+}
+
 // A sharded log is a source of shards for the edge.
 var _ kvstate.ShardSource = (*Shards)(nil)
 

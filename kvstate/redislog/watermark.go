@@ -13,7 +13,8 @@ package redislog
 // replica has read the stream up to the tip it read after those watermarks, a booking it still does
 // not hold does not exist. A replica whose watermark stays behind (unreachable, paused, stuck)
 // makes the answer UNAVAILABLE, for as long as it stays behind and at most ReplicaTimeout: a replica
-// silent for longer is taken for dead (and a booking it made before is past expiry by then).
+// silent for longer is taken for dead (a booking it made before is past the booking expiry when it
+// arrives, and the first housekeeper to see it expires it).
 
 import (
 	"context"

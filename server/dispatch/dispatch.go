@@ -49,11 +49,50 @@ func (d *Dispatcher) Config() policy.Config { return d.kernel.Config }
 // router_queue_threshold set, a request whose every eligible worker is overloaded waits in the
 // queue until capacity frees or ctx ends.
 func (d *Dispatcher) Route(ctx context.Context, req *Request) (*policy.Decision, error) {
+	if err := d.caughtUp(ctx); err != nil {
+		return nil, err
+	}
 	dec, err := d.route(ctx, req)
 	if errors.Is(err, policy.ErrAllWorkersOverloaded) && d.kernel.Config.QueueThreshold != nil {
-		return d.queue.wait(ctx, d.queueKey(req), func() (*policy.Decision, error) { return d.route(ctx, req) })
+		dec, err = d.queue.wait(ctx, d.queueKey(req), func() (*policy.Decision, error) { return d.route(ctx, req) })
+	}
+	if err != nil && (errors.Is(err, policy.ErrUnknownModel) || errors.Is(err, policy.ErrPinnedWorkerNotFound)) {
+		if sl, ok := d.log.(kvstate.SharedLog); ok && sl.Incomplete() {
+			// The worker may well exist: this replica's state is not the whole shared state.
+			return nil, fmt.Errorf("%w: %v, but this replica's shared state may be incomplete (the shared log was lost and is being re-established, or a replica holding it may still reseed it); retry", kvstate.ErrLogUnavailable, err)
+		}
 	}
 	return dec, err
+}
+
+// readyWait bounds how long a Route waits for its shared log to catch up (a shard another replica
+// created a moment ago starts here when it is first asked for).
+const readyWait = 2 * time.Second
+
+// caughtUp waits, up to readyWait, until a shared log has caught up with the log for the first
+// time: before, the state is partial, and a Route would route from it (or answer that a model has
+// no worker) as if it were whole.
+func (d *Dispatcher) caughtUp(ctx context.Context) error {
+	sl, ok := d.log.(kvstate.SharedLog)
+	if !ok {
+		return nil
+	}
+	ready := sl.Ready()
+	select {
+	case <-ready:
+		return nil
+	default:
+	}
+	t := time.NewTimer(readyWait)
+	defer t.Stop()
+	select {
+	case <-ready:
+		return nil
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return fmt.Errorf("%w: this replica is still loading the shared state; retry", kvstate.ErrLogUnavailable)
+	}
 }
 
 // route makes one attempt: decide, then book.

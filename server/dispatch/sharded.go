@@ -50,8 +50,11 @@ func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
 // Route routes req in its model's shard. A model this replica holds no shard of has no worker
 // here: policy.ErrUnknownModel, as a Dispatcher answers for a model without workers.
 func (s *Sharded) Route(ctx context.Context, req *Request) (*policy.Decision, error) {
-	sh, ok := s.source.Lookup(req.Model)
-	if !ok {
+	sh, err := s.source.Find(ctx, req.Model)
+	if err != nil {
+		return nil, err
+	}
+	if sh == nil {
 		return nil, fmt.Errorf("%w: %q", policy.ErrUnknownModel, req.Model)
 	}
 	return s.dispatcher(sh).Route(ctx, req)

@@ -88,7 +88,8 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 	rdb := redistest.Start(t).Client()
 	run := func(replica string) *redislog.Shards {
 		s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond,
-			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)}})
+			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+				ReseedWindow: 300 * time.Millisecond}})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})
 		go func() { _ = s.Run(ctx); close(done) }()
@@ -130,6 +131,11 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 	m1 := func(s *redislog.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
 	kvtest.Eventually(t, testTimeout, "no booking left on either replica", func() bool {
 		return m1(a).Load().Bookings() == 0 && m1(b).Load().Bookings() == 0
+	})
+	// Until the fresh shards are past their reseed window, a request nobody here holds may still
+	// exist (a replica that lost state could reseed them): the answer would be LOG_UNAVAILABLE.
+	kvtest.Eventually(t, testTimeout, "b's shards past their reseed window", func() bool {
+		return !b.Log("m1").Incomplete() && !b.Log("m2").Incomplete()
 	})
 	if err := onB.Free(ctx, "req-a"); !errors.Is(err, kvstate.ErrUnknownRequest) {
 		t.Errorf("Free(req-a) again on b = %v, want ErrUnknownRequest", err)

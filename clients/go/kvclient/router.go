@@ -9,9 +9,12 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	mrand "math/rand/v2"
 	"sync"
+	"sync/atomic"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -24,6 +27,8 @@ const (
 	DefaultMaxPromptTokens = 1 << 20
 	maxRequestIDBytes      = 512
 	defaultEndTimeout      = 5 * time.Second
+	defaultEndRetryFor     = 5 * time.Minute
+	defaultMaxPendingEnds  = 100_000
 )
 
 // RouterOptions tune a Router. The zero value is usable.
@@ -34,12 +39,30 @@ type RouterOptions struct {
 	// EndTimeout bounds the Free a Router sends on its own: for a Route whose context ended while the
 	// call was in flight, and for Do's booking when the caller's context has ended. 0 means 5 s.
 	EndTimeout time.Duration
+	// EndRetryFor is how long a Free or PrefillComplete the router could not accept yet
+	// (UNAVAILABLE: its shared state is being re-established, or the replica that holds the booking
+	// has not published it) is retried in the background once the caller's context has ended,
+	// counted from the call: the booking would otherwise load its workers until the router expires
+	// it. 0 means 5 minutes (the router's booking_expiry default); negative: no retry in the
+	// background.
+	EndRetryFor time.Duration
+	// MaxPendingEnds bounds the ends retried in the background at once; past it an end that
+	// cannot be made is given up (its booking expires on the router). 0 means 100,000.
+	MaxPendingEnds int
 }
 
-// Router routes requests through kvrouter's RouterService. It is safe for concurrent use.
+// Router routes requests through kvrouter's RouterService. It is safe for concurrent use. Close it
+// to stop the ends it retries in the background.
 type Router struct {
 	client kvrouterv1.RouterServiceClient
 	opts   RouterOptions
+
+	// Ends retried in the background (retryEnd), until bg ends (Close).
+	bg      context.Context
+	stop    context.CancelFunc
+	pending   sync.WaitGroup
+	npend     atomic.Int64 // ends retried in the background now
+	abandoned atomic.Int64 // ends given up at Close
 }
 
 // NewRouter returns a Router calling cc.
@@ -50,8 +73,26 @@ func NewRouter(cc grpc.ClientConnInterface, opts RouterOptions) *Router {
 	if opts.EndTimeout <= 0 {
 		opts.EndTimeout = defaultEndTimeout
 	}
-	return &Router{client: kvrouterv1.NewRouterServiceClient(cc), opts: opts}
+	if opts.EndRetryFor == 0 {
+		opts.EndRetryFor = defaultEndRetryFor
+	}
+	if opts.MaxPendingEnds <= 0 {
+		opts.MaxPendingEnds = defaultMaxPendingEnds
+	}
+	bg, stop := context.WithCancel(context.Background())
+	return &Router{client: kvrouterv1.NewRouterServiceClient(cc), opts: opts, bg: bg, stop: stop}
 }
+
+// Close stops retrying ends in the background, and returns how many it gave up (their bookings
+// expire on the router).
+func (r *Router) Close() int {
+	r.stop()
+	r.pending.Wait()
+	return int(r.abandoned.Load())
+}
+
+// PendingEnds returns how many Free and PrefillComplete calls are being retried in the background.
+func (r *Router) PendingEnds() int { return int(r.npend.Load()) }
 
 // Route asks where req runs. Unless req is query-only, the router books the answer: end the booking
 // with Booking.Free (after Booking.PrefillComplete when the request was prefilled remotely), or use
@@ -69,14 +110,21 @@ func (r *Router) Route(ctx context.Context, req *kvrouterv1.RouteRequest) (*Book
 	if err := r.check(req); err != nil {
 		return nil, err
 	}
-	resp, err := r.client.Route(ctx, req)
+	resp, err := r.route(ctx, req)
 	if err != nil {
 		if !req.GetQueryOnly() && ctx.Err() != nil {
 			r.endDetached(ctx, req.GetRequestId())
 		}
 		return nil, err
 	}
-	return &Booking{RouteResponse: resp, RequestID: req.GetRequestId(), router: r, ended: req.GetQueryOnly()}, nil
+	return &Booking{RouteResponse: resp, RequestID: req.GetRequestId(), router: r, ended: req.GetQueryOnly(), at: time.Now()}, nil
+}
+
+// Existing returns the Booking of a request routed elsewhere (by another Router, or another
+// process: the request id is all it takes), for this Router to end: its PrefillComplete and Free
+// behave as those of a Booking that Route returned, retried from now on.
+func (r *Router) Existing(requestID string) *Booking {
+	return &Booking{RouteResponse: &kvrouterv1.RouteResponse{}, RequestID: requestID, router: r, at: time.Now()}
 }
 
 // Do routes req, calls fn with its booking, and frees the booking when fn returns or panics, also
@@ -94,6 +142,21 @@ func (r *Router) Do(ctx context.Context, req *kvrouterv1.RouteRequest, fn func(c
 		}
 	}()
 	return fn(ctx, b)
+}
+
+// route calls Route, and calls it again while the router answers that its shared state is not
+// ready to route from (UNAVAILABLE with reason LOG_UNAVAILABLE: it is loading or re-establishing
+// it, and booked nothing), after the delay it suggests, until ctx ends.
+func (r *Router) route(ctx context.Context, req *kvrouterv1.RouteRequest) (*kvrouterv1.RouteResponse, error) {
+	for attempt := 0; ; attempt++ {
+		resp, err := r.client.Route(ctx, req)
+		if err == nil || !logUnavailable(err) {
+			return resp, err
+		}
+		if !sleep(ctx, retryAfter(err, attempt)) {
+			return nil, err
+		}
+	}
 }
 
 // check refuses, before sending, what the server would refuse, with its message.
@@ -117,7 +180,115 @@ func (r *Router) check(req *kvrouterv1.RouteRequest) error {
 func (r *Router) endDetached(ctx context.Context, id string) {
 	freeCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), r.opts.EndTimeout)
 	defer cancel()
-	_, _ = r.client.Free(freeCtx, &kvrouterv1.FreeRequest{RequestId: id})
+	_ = r.end(freeCtx, id, true, time.Now())
+}
+
+// end sends a Free (or a MarkPrefillComplete) for id, and sends it again while the router cannot
+// accept it yet (UNAVAILABLE: it may not see the booking, which another replica holds and has not
+// published, or its shared state is being re-established), after the delay it suggests, until ctx
+// ends; then it goes on in the background until EndRetryFor after since. NOT_FOUND (the booking
+// expired, or ended through another caller) counts as done.
+func (r *Router) end(ctx context.Context, id string, free bool, since time.Time) error {
+	call := func(ctx context.Context) error {
+		var err error
+		if free {
+			_, err = r.client.Free(ctx, &kvrouterv1.FreeRequest{RequestId: id})
+		} else {
+			_, err = r.client.MarkPrefillComplete(ctx, &kvrouterv1.MarkPrefillCompleteRequest{RequestId: id})
+		}
+		return gone(err)
+	}
+	for attempt := 0; ; attempt++ {
+		err := call(ctx)
+		if !retryableEnd(err) {
+			return err
+		}
+		if !sleep(ctx, retryAfter(err, attempt)) {
+			r.retryEnd(call, since)
+			return err
+		}
+	}
+}
+
+// retryEnd keeps calling an end the router could not accept, in the background, until it is
+// accepted, EndRetryFor after since, or Close.
+func (r *Router) retryEnd(call func(context.Context) error, since time.Time) {
+	if r.opts.EndRetryFor < 0 || r.bg.Err() != nil {
+		return
+	}
+	if r.npend.Add(1) > int64(r.opts.MaxPendingEnds) {
+		r.npend.Add(-1)
+		return
+	}
+	ctx, cancel := context.WithDeadline(r.bg, since.Add(r.opts.EndRetryFor))
+	r.pending.Go(func() {
+		defer cancel()
+		defer r.npend.Add(-1)
+		for attempt := 0; ; attempt++ {
+			cctx, ccancel := context.WithTimeout(ctx, r.opts.EndTimeout)
+			err := call(cctx)
+			ccancel()
+			if !retryableEnd(err) {
+				return
+			}
+			if !sleep(ctx, retryAfter(err, attempt)) {
+				if r.bg.Err() != nil {
+					r.abandoned.Add(1)
+				}
+				return
+			}
+		}
+	})
+}
+
+// retryableEnd reports whether an end failed in a way worth another try: the router could not tell
+// where the booking is yet, or could not be reached.
+func retryableEnd(err error) bool {
+	switch status.Code(err) {
+	case codes.Unavailable, codes.DeadlineExceeded, codes.ResourceExhausted:
+		return true
+	}
+	return false
+}
+
+// logUnavailable reports whether err is the router's LOG_UNAVAILABLE: its shared state cannot
+// answer yet, and the call changed nothing.
+func logUnavailable(err error) bool {
+	st := status.Convert(err)
+	if st.Code() != codes.Unavailable {
+		return false
+	}
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.ErrorInfo); ok && info.GetReason() == "LOG_UNAVAILABLE" {
+			return true
+		}
+	}
+	return false
+}
+
+// retryAfter returns how long to wait before attempt+1: what the router's RetryInfo suggests, or
+// 100 ms doubling per attempt, at most 2 s, with jitter.
+func retryAfter(err error, attempt int) time.Duration {
+	d := 100 * time.Millisecond << min(attempt, 5)
+	for _, det := range status.Convert(err).Details() {
+		if ri, ok := det.(*errdetails.RetryInfo); ok {
+			d = max(ri.GetRetryDelay().AsDuration(), d/2)
+		}
+	}
+	d = min(d, 2*time.Second)
+	return d/2 + time.Duration(mrand.Int64N(int64(d/2)+1))
+}
+
+// sleep waits d, or until ctx ends (false).
+func sleep(ctx context.Context, d time.Duration) bool {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return true
+	case <-ctx.Done():
+		return false
+	}
 }
 
 // Booking is a routed request: the router's answer and the load it booked. PrefillComplete and Free
@@ -131,18 +302,20 @@ type Booking struct {
 	mu     sync.Mutex
 	// prefillDone: the prefill part ended; ended: the whole booking ended (or none was made).
 	prefillDone, ended bool
+	at                 time.Time // when it was routed: background retries of its ends stop EndRetryFor after
 }
 
 // PrefillComplete tells the router the request's remote prefill finished: its prefill worker no
-// longer carries the prompt. After Free, or once it succeeded, it does nothing.
+// longer carries the prompt. After Free, or once it succeeded, it does nothing. While the router
+// cannot accept it yet (UNAVAILABLE) it is sent again until ctx ends, then in the background (see
+// RouterOptions.EndRetryFor), and its error is returned.
 func (b *Booking) PrefillComplete(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.prefillDone || b.ended {
 		return nil
 	}
-	_, err := b.router.client.MarkPrefillComplete(ctx, &kvrouterv1.MarkPrefillCompleteRequest{RequestId: b.RequestID})
-	if err := gone(err); err != nil {
+	if err := b.router.end(ctx, b.RequestID, false, b.at); err != nil {
 		return err
 	}
 	b.prefillDone = true
@@ -150,15 +323,20 @@ func (b *Booking) PrefillComplete(ctx context.Context) error {
 }
 
 // Free ends the booking on every worker. Once it succeeded it does nothing; a booking the router no
-// longer holds (it expired) counts as freed.
+// longer holds (it expired) counts as freed. While the router cannot accept it yet (UNAVAILABLE: a
+// replica that cannot see the booking, which another holds and has not published) it is sent again
+// until ctx ends, then in the background (see RouterOptions.EndRetryFor), and its error is
+// returned: the booking is freed once the router accepts it.
 func (b *Booking) Free(ctx context.Context) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.ended {
 		return nil
 	}
-	_, err := b.router.client.Free(ctx, &kvrouterv1.FreeRequest{RequestId: b.RequestID})
-	if err := gone(err); err != nil {
+	if err := b.router.end(ctx, b.RequestID, true, b.at); err != nil {
+		if retryableEnd(err) && b.router.opts.EndRetryFor >= 0 {
+			b.ended = true // the background retry owns it now
+		}
 		return err
 	}
 	b.ended = true

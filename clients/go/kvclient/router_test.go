@@ -3,12 +3,14 @@ package kvclient_test
 import (
 	"context"
 	"errors"
+	"log/slog"
 	"math/rand/v2"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
@@ -17,6 +19,9 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/kvstate/redislog"
+	"github.com/kvrouter/kvrouter/kvstate/redistest"
 	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/servertest"
 )
@@ -229,4 +234,63 @@ func TestCancelledRoutesLeaveNoBooking(t *testing.T) {
 	if n := s.activeRequests(t); n != 0 {
 		t.Errorf("%d bookings left after every request was freed or cancelled, want 0", n)
 	}
+}
+
+// TestFreeRetriedUntilTheBookingIsFound: two replicas share a Redis log; replica A books a request
+// and is then cut off from Redis before it can publish the booking. A Free sent to replica B cannot
+// find the booking and B says so (UNAVAILABLE, retry): Booking.Free retries until its context ends,
+// returns the error, and goes on in the background; once A is back and has published the booking,
+// the retried Free frees it on every replica. Before, the Free was NOT_FOUND, taken as done, and
+// the booking stayed until it expired.
+func TestFreeRetriedUntilTheBookingIsFound(t *testing.T) {
+	srv := redistest.Start(t)
+	proxy := redistest.StartProxy(t, srv.Addr)
+	replica := func(name, addr string) (*kvstate.State, *redislog.Log, *testServer) {
+		rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}, DialTimeout: 200 * time.Millisecond,
+			ReadTimeout: 300 * time.Millisecond, WriteTimeout: 300 * time.Millisecond, MaxRetries: -1, ContextTimeoutEnabled: true})
+		t.Cleanup(func() { rdb.Close() })
+		state := kvstate.NewState()
+		l := redislog.New(rdb, state, redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: name, ReadBlock: 100 * time.Millisecond,
+			ReseedWindow: 300 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = l.Run(ctx); close(done) }()
+		t.Cleanup(func() { cancel(); <-done })
+		kvtest.Eventually(t, testTimeout, name+" to join the log", func() bool { return !l.Incomplete() })
+		return state, l, startReplica(t, state, l, 1000)
+	}
+	stateA, logA, a := replica("a", proxy.Addr)
+	stateB, _, b := replica("b", srv.Addr)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	info := kvstate.WorkerInfo{Key: kvstate.WorkerKey{ID: 1}, Model: "m", Role: kvstate.RoleAggregated, BlockSize: 4,
+		TotalKVBlocks: 1024, MaxNumBatchedTokens: 8192, KVEventsEnabled: true}
+	if _, err := logA.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	kvtest.Eventually(t, testTimeout, "B to see the worker", func() bool { return stateB.Worker(info.Key) != nil })
+
+	onA := kvclient.NewRouter(a.conn, kvclient.RouterOptions{})
+	onB := kvclient.NewRouter(b.conn, kvclient.RouterOptions{})
+	defer onB.Close()
+	proxy.Cut()
+	booking, err := onA.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: []uint32{1, 2, 3, 4, 5, 6, 7, 8}})
+	if err != nil {
+		t.Fatalf("Route on A while it is cut off = %v, want a booking (routing goes on from local state)", err)
+	}
+	freeOnB := onB.Existing(booking.RequestID) // a frontend whose Free reaches another replica
+	short, cancelShort := context.WithTimeout(ctx, 700*time.Millisecond)
+	err = freeOnB.Free(short)
+	cancelShort()
+	// B waits for A's watermark, then answers UNAVAILABLE; the short context may end first.
+	if c := status.Code(err); c != codes.Unavailable && c != codes.DeadlineExceeded {
+		t.Fatalf("Free on B of A's unpublished booking = %v, want UNAVAILABLE (B cannot tell) or the context's end", err)
+	}
+	if n := onB.PendingEnds(); n != 1 {
+		t.Fatalf("PendingEnds() = %d after the Free gave up in the foreground, want 1 (retried in the background)", n)
+	}
+	proxy.Heal()
+	kvtest.Eventually(t, testTimeout, "the Free retried in the background to free the booking everywhere", func() bool {
+		return onB.PendingEnds() == 0 && stateA.Load().Bookings() == 0 && stateB.Load().Bookings() == 0
+	})
 }

@@ -244,7 +244,8 @@ type RouteRequest struct {
 	// query_only previews the decision without booking anything.
 	QueryOnly bool `protobuf:"varint,6,opt,name=query_only,json=queryOnly,proto3" json:"query_only,omitempty"`
 	// annotations are opaque strings the frontend forwards to workers. The router strips any
-	// client-sent x-bypass-remote-prefill marker: only the router may set it.
+	// client-sent x-bypass-remote-prefill or x-prefill-continue marker (with or without a value):
+	// only the router may set them.
 	Annotations []string `protobuf:"bytes,7,rep,name=annotations,proto3" json:"annotations,omitempty"`
 	// hints pin or restrict the workers the router may choose.
 	Hints *RoutingHints `protobuf:"bytes,8,opt,name=hints,proto3" json:"hints,omitempty"`

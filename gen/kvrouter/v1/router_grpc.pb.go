@@ -33,16 +33,21 @@ type RouterServiceClient interface {
 	// Route picks the workers for one request from cache overlap and load, and books the request's load
 	// on them (unless query_only). Errors: INVALID_ARGUMENT for a malformed request, NOT_FOUND for a model
 	// no worker serves, ALREADY_EXISTS for a request id that is already booked, FAILED_PRECONDITION or
-	// RESOURCE_EXHAUSTED when no eligible worker can take it.
+	// RESOURCE_EXHAUSTED when no eligible worker can take it. UNAVAILABLE with reason LOG_UNAVAILABLE
+	// and a RetryInfo delay, nothing booked, while the replica's shared state is loading or may be
+	// incomplete (it answers UNAVAILABLE where it would answer NOT_FOUND): retry.
 	Route(ctx context.Context, in *RouteRequest, opts ...grpc.CallOption) (*RouteResponse, error)
 	// MarkPrefillComplete records that the request's first token arrived: its prefill tokens stop
 	// counting as prefill load. Repeating it is harmless. NOT_FOUND when the request id is not booked.
 	MarkPrefillComplete(ctx context.Context, in *MarkPrefillCompleteRequest, opts ...grpc.CallOption) (*MarkPrefillCompleteResponse, error)
 	// Free releases everything the request booked. NOT_FOUND when the request id is not booked (never
 	// routed, freed already, or expired after 300 s).
-	// Both may be sent to any replica: one that does not hold the booking yet waits briefly for it to
-	// arrive from the replica that booked it. UNAVAILABLE when that replica cannot tell because the
-	// shared state (Redis) is unreachable: retry, or ask another replica.
+	// Both may be sent to any replica, whatever model the request was routed for: one that does not
+	// hold the booking waits until every other replica has published what it booked before the call,
+	// and answers NOT_FOUND only when none holds it. UNAVAILABLE (reason LOG_UNAVAILABLE, with a
+	// RetryInfo delay) when it cannot tell: the shared state (Redis) is unreachable, its state may be
+	// incomplete, or a replica that may hold the booking has not published for a while. Retry it, here
+	// or on another replica, until it is accepted: an accepted call frees the booking everywhere.
 	Free(ctx context.Context, in *FreeRequest, opts ...grpc.CallOption) (*FreeResponse, error)
 }
 
@@ -93,16 +98,21 @@ type RouterServiceServer interface {
 	// Route picks the workers for one request from cache overlap and load, and books the request's load
 	// on them (unless query_only). Errors: INVALID_ARGUMENT for a malformed request, NOT_FOUND for a model
 	// no worker serves, ALREADY_EXISTS for a request id that is already booked, FAILED_PRECONDITION or
-	// RESOURCE_EXHAUSTED when no eligible worker can take it.
+	// RESOURCE_EXHAUSTED when no eligible worker can take it. UNAVAILABLE with reason LOG_UNAVAILABLE
+	// and a RetryInfo delay, nothing booked, while the replica's shared state is loading or may be
+	// incomplete (it answers UNAVAILABLE where it would answer NOT_FOUND): retry.
 	Route(context.Context, *RouteRequest) (*RouteResponse, error)
 	// MarkPrefillComplete records that the request's first token arrived: its prefill tokens stop
 	// counting as prefill load. Repeating it is harmless. NOT_FOUND when the request id is not booked.
 	MarkPrefillComplete(context.Context, *MarkPrefillCompleteRequest) (*MarkPrefillCompleteResponse, error)
 	// Free releases everything the request booked. NOT_FOUND when the request id is not booked (never
 	// routed, freed already, or expired after 300 s).
-	// Both may be sent to any replica: one that does not hold the booking yet waits briefly for it to
-	// arrive from the replica that booked it. UNAVAILABLE when that replica cannot tell because the
-	// shared state (Redis) is unreachable: retry, or ask another replica.
+	// Both may be sent to any replica, whatever model the request was routed for: one that does not
+	// hold the booking waits until every other replica has published what it booked before the call,
+	// and answers NOT_FOUND only when none holds it. UNAVAILABLE (reason LOG_UNAVAILABLE, with a
+	// RetryInfo delay) when it cannot tell: the shared state (Redis) is unreachable, its state may be
+	// incomplete, or a replica that may hold the booking has not published for a while. Retry it, here
+	// or on another replica, until it is accepted: an accepted call frees the booking everywhere.
 	Free(context.Context, *FreeRequest) (*FreeResponse, error)
 	mustEmbedUnimplementedRouterServiceServer()
 }

@@ -453,7 +453,8 @@ type KvEvent_Removed struct {
 }
 
 type KvEvent_Cleared struct {
-	// cleared says every block of this worker rank in this tier is gone.
+	// cleared says every block of this worker rank is gone, in every tier (Dynamo's AllBlocksCleared;
+	// the event's storage_tier does not narrow it).
 	Cleared *CacheCleared `protobuf:"bytes,6,opt,name=cleared,proto3,oneof"`
 }
 
@@ -647,7 +648,7 @@ func (x *BlocksRemoved) GetBlockHashes() []uint64 {
 	return nil
 }
 
-// CacheCleared says the worker rank dropped every block of the event's tier.
+// CacheCleared says the worker rank dropped every block it held, in every tier.
 type CacheCleared struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
 	unknownFields protoimpl.UnknownFields

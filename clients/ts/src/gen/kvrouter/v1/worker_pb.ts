@@ -237,7 +237,8 @@ export type KvEvent = Message<"kvrouter.v1.KvEvent"> & {
     case: "removed";
   } | {
     /**
-     * cleared says every block of this worker rank in this tier is gone.
+     * cleared says every block of this worker rank is gone, in every tier (Dynamo's AllBlocksCleared;
+     * the event's storage_tier does not narrow it).
      *
      * @generated from field: kvrouter.v1.CacheCleared cleared = 6;
      */
@@ -353,7 +354,7 @@ export const BlocksRemovedSchema: GenMessage<BlocksRemoved> = /*@__PURE__*/
   messageDesc(file_kvrouter_v1_worker, 6);
 
 /**
- * CacheCleared says the worker rank dropped every block of the event's tier.
+ * CacheCleared says the worker rank dropped every block it held, in every tier.
  *
  * @generated from message kvrouter.v1.CacheCleared
  */
