@@ -44,6 +44,13 @@ type ShardSource interface {
 	Find(ctx context.Context, model string) (*Shard, error)
 	// Shards returns every shard this replica holds, in model order.
 	Shards() []*Shard
+	// RegisteredElsewhere returns where the worker rank is registered in this deployment under a
+	// model other than model: the shard holding it, when this replica holds that shard, and that
+	// model's name ("" when there is none). A rank belongs to one model: a hello naming another
+	// is refused (ErrWorkerConflict) unless it starts afresh, which moves it. With one shard for
+	// every model the state decides that itself, and this returns nothing. ErrLogUnavailable when
+	// the store could not be asked.
+	RegisteredElsewhere(ctx context.Context, key WorkerKey, model string) (*Shard, string, error)
 	// Ready is closed once this replica has caught up with the shards it found at start (a
 	// replica routing before would route from a partial view); nil when there is nothing to catch
 	// up with (an unshared, in-process log).
@@ -67,6 +74,12 @@ func (o OneShard) Find(context.Context, string) (*Shard, error) { return o.Shard
 
 // Shards returns the one shard.
 func (o OneShard) Shards() []*Shard { return []*Shard{o.Shard} }
+
+// RegisteredElsewhere returns nothing: the one state holds every model and refuses a conflicting
+// registration itself.
+func (o OneShard) RegisteredElsewhere(context.Context, WorkerKey, string) (*Shard, string, error) {
+	return nil, "", nil
+}
 
 // Ready is the shared log's (nil for a log that is not shared).
 func (o OneShard) Ready() <-chan struct{} {
@@ -130,6 +143,22 @@ func (m *MemShards) Shards() []*Shard {
 	}
 	slices.SortFunc(out, func(a, b *Shard) int { return strings.Compare(a.Model, b.Model) })
 	return out
+}
+
+// RegisteredElsewhere returns the shard of another model whose state holds the worker rank.
+func (m *MemShards) RegisteredElsewhere(_ context.Context, key WorkerKey, model string) (*Shard, string, error) {
+	return HeldElsewhere(m.Shards(), key, model)
+}
+
+// HeldElsewhere returns the first of shards, other than model's, whose state holds the worker rank,
+// and its model.
+func HeldElsewhere(shards []*Shard, key WorkerKey, model string) (*Shard, string, error) {
+	for _, sh := range shards {
+		if sh.Model != model && sh.State.Worker(key) != nil {
+			return sh, sh.Model, nil
+		}
+	}
+	return nil, "", nil
 }
 
 // Ready is nil: an in-process log has nothing to catch up with.

@@ -378,8 +378,7 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 		}
 	}
 	if old != nil && !c.Reset && !old.Info.SameCapacity(info) {
-		return 0, fmt.Errorf("%w: worker %v is registered as model %q, role %v, block_size %d, total_kv_blocks %d, max_num_batched_tokens %d",
-			ErrWorkerConflict, info.Key, old.Info.Model, old.Info.Role, old.Info.BlockSize, old.Info.TotalKVBlocks, old.Info.MaxNumBatchedTokens)
+		return 0, WorkerConflict(old.Info)
 	}
 	m := s.models[info.Model]
 	if m != nil && m.BlockSize != info.BlockSize {
@@ -434,6 +433,14 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 	s.slots[w.Slot] = w
 	setMember(m, w)
 	return epoch, nil
+}
+
+// WorkerConflict is the error of a registration that differs from the worker rank's registration
+// held: a rank belongs to one model, with one role and capacity, until it is removed or registers
+// afresh (fresh_start).
+func WorkerConflict(held WorkerInfo) error {
+	return fmt.Errorf("%w: worker %v is registered as model %q, role %v, block_size %d, total_kv_blocks %d, max_num_batched_tokens %d",
+		ErrWorkerConflict, held.Key, held.Model, held.Role, held.BlockSize, held.TotalKVBlocks, held.MaxNumBatchedTokens)
 }
 
 func (s *State) allocSlotLocked() uint32 {

@@ -130,3 +130,62 @@ func TestShardedServer(t *testing.T) {
 		t.Errorf("hello for model c = %v (reason %q), want FAILED_PRECONDITION MODEL_NOT_SERVED naming hello.model", err, reason)
 	}
 }
+
+// TestOneModelPerWorker: a worker rank registered with one model is refused a hello naming another
+// (FAILED_PRECONDITION, WORKER_CONFLICT, the same message), whether one state holds every model or
+// each model has a shard; a hello that starts afresh moves it, out of the first model. Before,
+// a shard per model accepted the second registration and the rank served two models.
+func TestOneModelPerWorker(t *testing.T) {
+	for _, layout := range []struct {
+		name string
+		opts []func(*Options)
+	}{
+		{"one state", nil},
+		{"a shard per model", []func(*Options){withShards(servedShards{MemShards: &kvstate.MemShards{}, served: []string{"a", "b"}})}},
+	} {
+		t.Run(layout.name, func(t *testing.T) {
+			e := newTestEnv(t, layout.opts...)
+			pa := e.connectModel(7, "a", 2)
+			defer pa.stream.CloseSend()
+			p := e.publish()
+			h := hello(7, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, 4)
+			h.GetHello().Model = "b"
+			p.send(h)
+			err := p.endErr()
+			st := status.Convert(err)
+			want := `worker is registered with a different configuration: worker 7/0 is registered as model "a", role aggregated, block_size 4, total_kv_blocks 100, max_num_batched_tokens 8192`
+			if st.Code() != codes.FailedPrecondition || errorReason(err) != "WORKER_CONFLICT" || st.Message() != want {
+				t.Fatalf("hello for worker 7 in model b while it is registered in a = %v %q (%s), want FAILED_PRECONDITION WORKER_CONFLICT %q",
+					st.Code(), st.Message(), errorReason(err), want)
+			}
+			fresh := e.publish()
+			h.GetHello().FreshStart = true
+			fresh.send(h)
+			wantMsg(t, fresh.recv(), registered(nil))
+			defer fresh.stream.CloseSend()
+			ws, err := e.admin.ListWorkers(e.ctx, &kvrouterv1.ListWorkersRequest{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			var models []string
+			for _, w := range ws.GetWorkers() {
+				if w.GetWorker().GetWorkerId() == 7 {
+					models = append(models, w.GetModel())
+				}
+			}
+			if fmt.Sprint(models) != "[b]" {
+				t.Errorf("worker 7 after a fresh start in model b is registered in %v, want [b] only", models)
+			}
+		})
+	}
+}
+
+// errorReason returns the ErrorInfo reason of a status error.
+func errorReason(err error) string {
+	for _, d := range status.Convert(err).Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok {
+			return ei.GetReason()
+		}
+	}
+	return ""
+}

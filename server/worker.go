@@ -174,6 +174,9 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	if err := s.admit(sh.State, info); err != nil {
 		return err
 	}
+	if err := s.oneModel(ctx, info, hello.GetFreshStart()); err != nil {
+		return err
+	}
 	// The worker counts as connected before its hello applies, so the housekeeper cannot remove it
 	// in between.
 	s.presence.Connected(info.Key)
@@ -253,6 +256,33 @@ func (s *workerService) admit(state *kvstate.State, info kvstate.WorkerInfo) err
 		if n := len(m.Workers()); n >= s.maxWorkersPerModel {
 			return status.Errorf(codes.ResourceExhausted, "hello.model: model %q has %d worker ranks registered, the most max_workers_per_model allows (%d)", info.Model, n, s.maxWorkersPerModel)
 		}
+	}
+	return nil
+}
+
+// oneModel refuses a hello naming another model than the one the worker rank is registered with
+// in the deployment (WORKER_CONFLICT), unless the worker starts afresh, which moves it: its
+// registration in the other model is removed first. One state holding every model decides that as
+// it applies the hello; a log sharded by model has a state per model, and the edge asks them all
+// (kvstate.ShardSource.RegisteredElsewhere), so that every layout answers alike.
+func (s *workerService) oneModel(ctx context.Context, info kvstate.WorkerInfo, fresh bool) error {
+	held, other, err := s.shards.RegisteredElsewhere(ctx, info.Key, info.Model)
+	switch {
+	case err != nil:
+		return toStatus(fmt.Errorf("hello: %w", err))
+	case other == "":
+		return nil
+	case held == nil:
+		return toStatus(fmt.Errorf("%w: worker %v is registered as model %q, which this replica does not serve: start it afresh on a replica that does, or after its grace period",
+			kvstate.ErrWorkerConflict, info.Key, other))
+	case !fresh:
+		if w := held.State.Worker(info.Key); w != nil {
+			return toStatus(kvstate.WorkerConflict(w.Info))
+		}
+		return nil // removed meanwhile
+	}
+	if _, err := held.Log.Append(ctx, kvstate.WorkerRemoved{Key: info.Key}); err != nil {
+		return toStatus(fmt.Errorf("hello: removing the worker's registration as model %q: %w", other, err))
 	}
 	return nil
 }

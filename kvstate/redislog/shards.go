@@ -212,6 +212,43 @@ func (s *Shards) Find(ctx context.Context, model string) (*kvstate.Shard, error)
 	return s.add(model, prefix).shard, nil
 }
 
+// RegisteredElsewhere returns where the worker rank is registered under another model than model:
+// a shard this replica holds whose state holds it, or, for the models of the registry it does not
+// serve, a worker lease of the rank in that model's shard (a worker holds one while its stream is
+// open on some replica, and for the grace period after: as long as it is registered).
+func (s *Shards) RegisteredElsewhere(ctx context.Context, key kvstate.WorkerKey, model string) (*kvstate.Shard, string, error) {
+	if sh, other, _ := kvstate.HeldElsewhere(s.Shards(), key, model); sh != nil {
+		return sh, other, nil
+	}
+	if len(s.opts.Models) == 0 {
+		return nil, "", nil // every model's shard is held here, and checked above
+	}
+	registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
+	if err != nil {
+		return nil, "", fmt.Errorf("%w: reading the registry of shards: %v", kvstate.ErrLogUnavailable, err)
+	}
+	match := fmt.Sprintf("%d/%d/*", key.ID, key.Rank)
+	for other, prefix := range registry {
+		if other == model || s.serves(other) {
+			continue
+		}
+		for cursor := uint64(0); ; {
+			var found []string
+			found, cursor, err = s.rdb.ZScan(ctx, prefix+":leases", cursor, match, 1000).Result()
+			if err != nil {
+				return nil, "", fmt.Errorf("%w: reading the worker leases of model %q: %v", kvstate.ErrLogUnavailable, other, err)
+			}
+			if len(found) > 0 {
+				return nil, other, nil
+			}
+			if cursor == 0 {
+				break
+			}
+		}
+	}
+	return nil, "", nil
+}
+
 // A sharded log is a source of shards for the edge.
 var _ kvstate.ShardSource = (*Shards)(nil)
 

@@ -301,3 +301,29 @@ func TestShardsRedisRestartedEmpty(t *testing.T) {
 		return cmp.Equal(want, digests(late)) && cmp.Equal(want, digests(a))
 	})
 }
+
+// TestShardsRegisteredElsewhere: a replica finds a worker rank registered under another model, in a
+// shard it holds (its state) or in one it does not serve (the rank's worker lease there), so that a
+// hello naming another model is refused alike on every replica.
+func TestShardsRegisteredElsewhere(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	const grace = 5 * time.Second
+	all, _ := runShardsWith(t, rdb, redislog.ShardsOptions{WorkerGracePeriod: grace, Log: redislog.Options{Replica: "all"}})
+	only2, _ := runShardsWith(t, rdb, redislog.ShardsOptions{WorkerGracePeriod: grace, Models: []string{"m2"}, Log: redislog.Options{Replica: "only2"}})
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	m1 := shardOf(t, all, "m1")
+	publishTo(t, m1, 7, 2)
+	key := kvstate.WorkerKey{ID: 7}
+	release := all.Liveness("m1").Hold(ctx, key, m1.State.Worker(key).Status().Epoch)
+	defer release()
+	if held, model, err := all.RegisteredElsewhere(ctx, key, "m2"); err != nil || held != m1 || model != "m1" {
+		t.Errorf("on the replica holding m1: RegisteredElsewhere(7, m2) = %v, %q, %v; want m1's shard", held, model, err)
+	}
+	if held, model, err := only2.RegisteredElsewhere(ctx, key, "m2"); err != nil || held != nil || model != "m1" {
+		t.Errorf("on a replica serving m2 only: RegisteredElsewhere(7, m2) = %v, %q, %v; want model m1 (its lease), no shard", held, model, err)
+	}
+	if _, model, err := only2.RegisteredElsewhere(ctx, kvstate.WorkerKey{ID: 8}, "m2"); err != nil || model != "" {
+		t.Errorf("RegisteredElsewhere(8, m2) = %q, %v; want nothing", model, err)
+	}
+}

@@ -7,6 +7,8 @@ import (
 	"sync"
 	"time"
 
+	"github.com/zeebo/xxh3"
+
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
 )
@@ -24,6 +26,8 @@ type Sharded struct {
 
 	mu          sync.Mutex
 	dispatchers map[*kvstate.Shard]*Dispatcher
+
+	idLocks [64]sync.Mutex // see lockID
 }
 
 // NewSharded returns a router over the shards source holds, deciding with cfg in each.
@@ -57,7 +61,29 @@ func (s *Sharded) Route(ctx context.Context, req *Request) (*policy.Decision, er
 	if sh == nil {
 		return nil, fmt.Errorf("%w: %q", policy.ErrUnknownModel, req.Model)
 	}
+	if req.QueryOnly {
+		return s.dispatcher(sh).Route(ctx, req)
+	}
+	// A request id names one booking in the whole deployment, as it does when one state holds
+	// every model: a Free names no model, and must never end another model's booking. Each shard
+	// checks its own bookings as it books; the others are checked here, with the id's lock held
+	// from the check to the booking, so two Routes of one id on this replica cannot both book.
+	unlock := s.lockID(req.ID)
+	defer unlock()
+	for _, other := range s.source.Shards() {
+		if other != sh && other.State.Load().Booked(req.ID) {
+			return nil, fmt.Errorf("%w: %q (for model %q)", kvstate.ErrAlreadyBooked, req.ID, other.Model)
+		}
+	}
 	return s.dispatcher(sh).Route(ctx, req)
+}
+
+// lockID locks request id against another Route of the same id on this replica, and returns the
+// unlock. Ids hash to a fixed set of locks: an unrelated id sharing one waits for a booking at most.
+func (s *Sharded) lockID(id string) (unlock func()) {
+	l := &s.idLocks[xxh3.HashString(id)%uint64(len(s.idLocks))]
+	l.Lock()
+	return l.Unlock
 }
 
 // PrefillComplete ends the prefill part of request id's booking, in the shard that holds it.

@@ -81,6 +81,57 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 	}
 }
 
+// TestShardedRequestIDsAreUnique: a request id booked in one model's shard cannot be booked in
+// another's (ALREADY_EXISTS, as when one state holds every model), also by two Routes racing, and
+// its Free ends that booking, never another model's. Before, each shard checked only its own
+// bookings, and the later Free could end model a's booking when model b's was meant.
+func TestShardedRequestIDsAreUnique(t *testing.T) {
+	source := &kvstate.MemShards{}
+	tokens := prompt(4 * testBlockSize)
+	for i, m := range []string{"a", "b"} {
+		sh, _ := source.Open(context.Background(), m)
+		register(t, sh, uint64(i+1), tokens, 4)
+	}
+	s := NewSharded(source, policy.DefaultConfig())
+	ctx := context.Background()
+	route := func(id, model string) error {
+		_, err := s.Route(ctx, &Request{Request: policy.Request{ID: id, Model: model, Tokens: tokens}})
+		return err
+	}
+	if err := route("dup", "a"); err != nil {
+		t.Fatal(err)
+	}
+	if err := route("dup", "b"); !errors.Is(err, kvstate.ErrAlreadyBooked) {
+		t.Fatalf("Route(dup in b) while dup is booked in a = %v, want ErrAlreadyBooked", err)
+	}
+	// Racing: of 16 Routes of one id spread over both models, one books.
+	errs := make(chan error, 16)
+	for i := range 16 {
+		go func() { errs <- route("race", []string{"a", "b"}[i%2]) }()
+	}
+	booked := 0
+	for range 16 {
+		switch err := <-errs; {
+		case err == nil:
+			booked++
+		case !errors.Is(err, kvstate.ErrAlreadyBooked):
+			t.Errorf("racing Route = %v", err)
+		}
+	}
+	if booked != 1 {
+		t.Errorf("%d of 16 racing Routes of one id booked, want 1", booked)
+	}
+	if err := s.Free(ctx, "dup"); err != nil {
+		t.Fatal(err)
+	}
+	for _, m := range []string{"a", "b"} {
+		sh, _ := source.Lookup(m)
+		if sh.State.Load().Booked("dup") {
+			t.Errorf("dup still booked in %s after its Free", m)
+		}
+	}
+}
+
 // TestShardedFreeOnAnotherReplica: with a log sharded by model in Redis, a request routed on one
 // replica is freed on another at once, while its booking may still be on its way through its
 // shard's log, although that replica holds another shard too.
