@@ -370,6 +370,17 @@ func (l *Load) Booked(id string) bool {
 	return ok
 }
 
+// BookingTimes returns the time of every live booking (unix nanoseconds), by request id.
+func (l *Load) BookingTimes() map[string]int64 {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	out := make(map[string]int64, len(l.bookings))
+	for id, b := range l.bookings {
+		out[id] = b.at
+	}
+	return out
+}
+
 // BookingIDs returns the ids of live bookings, sorted (for digests and tests).
 func (l *Load) BookingIDs() []string {
 	l.mu.RLock()

@@ -44,6 +44,11 @@ type ShardSource interface {
 	Find(ctx context.Context, model string) (*Shard, error)
 	// Shards returns every shard this replica holds, in model order.
 	Shards() []*Shard
+	// EndElsewhere applies c, a PrefillDone or Freed that no shard of this replica holds the
+	// booking of, to a shard this replica does not hold (a replica serving a subset of the
+	// models): ErrUnknownRequest when none holds it either, ErrLogUnavailable when the store could
+	// not tell.
+	EndElsewhere(ctx context.Context, c Change) error
 	// RegisteredElsewhere returns where the worker rank is registered in this deployment under a
 	// model other than model: the shard holding it, when this replica holds that shard, and that
 	// model's name ("" when there is none). A rank belongs to one model: a hello naming another
@@ -74,6 +79,9 @@ func (o OneShard) Find(context.Context, string) (*Shard, error) { return o.Shard
 
 // Shards returns the one shard.
 func (o OneShard) Shards() []*Shard { return []*Shard{o.Shard} }
+
+// EndElsewhere has nowhere else to look: the one shard holds every model.
+func (o OneShard) EndElsewhere(context.Context, Change) error { return ErrUnknownRequest }
 
 // RegisteredElsewhere returns nothing: the one state holds every model and refuses a conflicting
 // registration itself.
@@ -144,6 +152,9 @@ func (m *MemShards) Shards() []*Shard {
 	slices.SortFunc(out, func(a, b *Shard) int { return strings.Compare(a.Model, b.Model) })
 	return out
 }
+
+// EndElsewhere has nowhere else to look: every shard is in this process.
+func (m *MemShards) EndElsewhere(context.Context, Change) error { return ErrUnknownRequest }
 
 // RegisteredElsewhere returns the shard of another model whose state holds the worker rank.
 func (m *MemShards) RegisteredElsewhere(_ context.Context, key WorkerKey, model string) (*Shard, string, error) {

@@ -117,7 +117,7 @@ func (l *Log) appendLocalFirst(c kvstate.Change) (kvstate.Result, error) {
 	l.queued[seq] = struct{}{}
 	l.mu.Unlock()
 	select {
-	case l.outbox <- outgoing{seq: seq, data: data, gen: l.Generation()}:
+	case l.outbox <- l.outgoingOf(seq, data, c):
 	default:
 		// A long outage filled the outbox. Routing must not wait on Redis: the change stays local
 		// (other replicas miss this booking's load until it is freed or expires), and it is counted.

@@ -61,22 +61,37 @@ func (o Options) ReseedLeaseKey() string { return o.Prefix + ":reseed-lease" }
 var errFenced = errors.New("the shared log's generation changed")
 
 // fencedAdd appends one entry (ARGV[2], appender ARGV[3], the sequence numbers of its changes
-// ARGV[4], and the traceparents ARGV[5] of the calls that append them, when any is traced; both
+// ARGV[4], and the traceparents ARGV[5] of the calls that append them, "" when none is traced; both
 // comma-separated lists when the entry joins several changes) to the stream KEYS[2] if the
 // generation KEYS[1] is ARGV[1], tagging it with the generation and with its number, counted in
 // KEYS[3]. The counter and the stream change together, so a Redis that comes back from an AOF
 // missing its last writes has both rolled back alike: a replica that applied entry N and finds the
-// counter below N knows the log lost entries it holds.
+// counter below N knows the log lost entries it holds. ARGV[6..], three at a time, change the
+// booking index KEYS[4] (bookingindex.go) with the entry: "b" id score adds a booking, "f" id
+// removes one, "e" _ score removes those scored below score.
 var fencedAdd = redis.NewScript(`
 local g = redis.call('GET', KEYS[1])
 if g ~= ARGV[1] then
   return redis.error_reply('KVRFENCED ' .. (g or 'none'))
 end
 local n = redis.call('INCR', KEYS[3])
-if ARGV[5] then
-  return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n, 't', ARGV[5])
+local id
+if ARGV[5] ~= '' then
+  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n, 't', ARGV[5])
+else
+  id = redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n)
 end
-return redis.call('XADD', KEYS[2], '*', 'e', ARGV[2], 'r', ARGV[3], 's', ARGV[4], 'g', ARGV[1], 'n', n)
+for i = 6, #ARGV - 2, 3 do
+  local op = ARGV[i]
+  if op == 'b' then
+    redis.call('ZADD', KEYS[4], ARGV[i + 2], ARGV[i + 1])
+  elseif op == 'f' then
+    redis.call('ZREM', KEYS[4], ARGV[i + 1])
+  elseif op == 'e' then
+    redis.call('ZREMRANGEBYSCORE', KEYS[4], '-inf', '(' .. ARGV[i + 2])
+  end
+end
+return id
 `)
 
 // bootstrapGeneration returns the generation KEYS[1], creating it if missing: "adopted" when a
@@ -99,7 +114,8 @@ return g
 // position "0-0" in KEYS[4]), an empty stream KEYS[2] and entry counter KEYS[5], if the generation
 // is still ARGV[1] ("": missing) and either: ARGV[5] is not 0 and the counter is below it (the log
 // rewound behind entry ARGV[5], which the reseeding replica applied), or the generation is missing,
-// or fresh and at most ARGV[4] ms old by Redis's clock. Returns 1 if done.
+// or fresh and at most ARGV[4] ms old by Redis's clock. The booking index KEYS[6] becomes the
+// bookings of the snapshot: ARGV[6..], an id and its score at a time. Returns 1 if done.
 var reseedGeneration = redis.NewScript(`
 local g = redis.call('GET', KEYS[1])
 if ARGV[5] ~= '0' then
@@ -114,7 +130,10 @@ elseif g then
 elseif ARGV[1] ~= '' then
   return 0
 end
-redis.call('DEL', KEYS[2], KEYS[5])
+redis.call('DEL', KEYS[2], KEYS[5], KEYS[6])
+for i = 6, #ARGV - 1, 2 do
+  redis.call('ZADD', KEYS[6], ARGV[i + 1], ARGV[i])
+end
 redis.call('SET', KEYS[3], ARGV[3])
 redis.call('SET', KEYS[4], '0-0')
 redis.call('SET', KEYS[1], ARGV[2])
@@ -280,8 +299,14 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 	if err != nil && !errors.Is(err, redis.Nil) {
 		return false, err
 	}
-	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.SeqKey()}
-	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, expected, g, data, l.opts.ReseedWindow.Milliseconds(), rewoundBehind).Int()
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SnapshotKey(), l.opts.SnapshotPositionKey(), l.opts.SeqKey(), l.opts.BookingsKey()}
+	args := []any{expected, g, data, l.opts.ReseedWindow.Milliseconds(), rewoundBehind}
+	if l.opts.IndexBookings {
+		for id, at := range l.state.Load().BookingTimes() {
+			args = append(args, id, at/int64(time.Millisecond))
+		}
+	}
+	ok, err := reseedGeneration.Run(ctx, l.rdb, keys, args...).Int()
 	if err != nil || ok != 1 {
 		return false, err
 	}
@@ -420,7 +445,7 @@ const (
 // generation was replaced by a reseed are dropped (reported appended: they are in the snapshot).
 func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 	errs := make([]error, len(entries))
-	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SeqKey()}
+	keys := []string{l.opts.GenerationKey(), l.opts.Stream(), l.opts.SeqKey(), l.opts.BookingsKey()}
 	for attempt := 0; attempt < 2; attempt++ {
 		g := l.Generation()
 		var send []int // the entries this attempt sends, in order
@@ -508,16 +533,12 @@ func joinGroups(entries []outgoing, send []int) [][]int {
 }
 
 // joinedArgs returns fencedAdd's arguments for one stream entry, in generation g, holding the
-// members' changes: the joined data, this replica, the members' sequence numbers (comma-separated)
-// and, when any member was traced, their traceparents (comma-separated).
+// members' changes: the joined data, this replica, the members' sequence numbers (comma-separated),
+// their traceparents (comma-separated, "" when none was traced) and their booking index changes.
 func (l *Log) joinedArgs(g string, entries []outgoing, members []int) ([]any, error) {
 	first := entries[members[0]]
 	if len(members) == 1 {
-		args := []any{g, first.data, l.opts.Replica, strconv.FormatUint(first.seq, 10)}
-		if first.traceParent != "" {
-			args = append(args, first.traceParent)
-		}
-		return args, nil
+		return indexArgs([]any{g, first.data, l.opts.Replica, strconv.FormatUint(first.seq, 10), first.traceParent}, first.index), nil
 	}
 	parts := make([][]byte, len(members))
 	seqs := make([]byte, 0, 8*len(members))
@@ -536,9 +557,9 @@ func (l *Log) joinedArgs(g string, entries []outgoing, members []int) ([]any, er
 	if err != nil {
 		return nil, err
 	}
-	args := []any{g, data, l.opts.Replica, string(seqs)}
-	if len(traces) > 0 {
-		args = append(args, strings.Join(traces, ","))
+	args := []any{g, data, l.opts.Replica, string(seqs), strings.Join(traces, ",")}
+	for _, i := range members {
+		args = indexArgs(args, entries[i].index)
 	}
 	return args, nil
 }

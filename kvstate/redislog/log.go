@@ -61,7 +61,10 @@ type Options struct {
 	// Set it to the booking expiry: a replica cut off for longer publishes bookings older than that,
 	// which the first housekeeper to see them expires.
 	ReplicaTimeout time.Duration
-	Logger         *slog.Logger
+	// IndexBookings keeps the booking index beside the stream (bookingindex.go): a log sharded by
+	// model does, so that a replica that does not serve its model can end its bookings.
+	IndexBookings bool
+	Logger        *slog.Logger
 }
 
 // Stream returns the name of the log stream.
@@ -236,6 +239,17 @@ type outgoing struct {
 	// traceParent is the W3C traceparent of the traced call that appends it ("" when untraced):
 	// replicas link their apply of the entry to that call (Observers.ApplyTraced).
 	traceParent string
+	// index is what the entry changes in the booking index (Options.IndexBookings).
+	index []indexOp
+}
+
+// outgoingOf returns the change c as an entry to append, numbered seq, in this replica's generation.
+func (l *Log) outgoingOf(seq uint64, data []byte, c kvstate.Change) outgoing {
+	o := outgoing{seq: seq, data: data, gen: l.Generation()}
+	if l.opts.IndexBookings {
+		o.index = indexOps(c)
+	}
+	return o
 }
 
 const (
@@ -251,9 +265,8 @@ const (
 	fieldTraceParent = "t"
 )
 
-// New returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
-// appends of worker changes wait.
-func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
+// withDefaults returns the options with every unset one at its default.
+func (opts Options) withDefaults() Options {
 	if opts.ReadBlock <= 0 {
 		opts.ReadBlock = time.Second
 	}
@@ -287,6 +300,13 @@ func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
 	if opts.ReplicaTimeout <= 0 {
 		opts.ReplicaTimeout = 5 * time.Minute
 	}
+	return opts
+}
+
+// New returns a log over rdb applying to state. Call Run to tail the stream; until it runs,
+// appends of worker changes wait.
+func New(rdb redis.UniversalClient, state *kvstate.State, opts Options) *Log {
+	opts = opts.withDefaults()
 	// Entries are recognised as this replica's by its id and a counter that restarts with the
 	// process: a restarted replica with the same name (a container's hostname and pid 1) must not
 	// take its predecessor's entries for its own.
@@ -369,7 +389,7 @@ func (l *Log) Append(ctx context.Context, c kvstate.Change) (kvstate.Result, err
 	l.mu.Lock()
 	l.waiters[seq] = done
 	l.mu.Unlock()
-	entry := outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}
+	entry := l.outgoingOf(seq, kvstate.EncodeEntry(nil, c), c)
 	o := l.observers.Load()
 	if o != nil && o.TraceParent != nil {
 		entry.traceParent = o.TraceParent(ctx)

@@ -60,7 +60,7 @@ func (l *Log) appendBuffered(c kvstate.Change) (kvstate.Result, error) {
 		l.LostChanges.Add(1)
 		return res, nil
 	}
-	l.buffer = append(l.buffer, buffered{outgoing: outgoing{seq: seq, data: kvstate.EncodeEntry(nil, c), gen: l.Generation()}, worker: worker, hasWorker: hasWorker})
+	l.buffer = append(l.buffer, buffered{outgoing: l.outgoingOf(seq, kvstate.EncodeEntry(nil, c), c), worker: worker, hasWorker: hasWorker})
 	l.unechoed[seq] = true
 	l.queued[seq] = struct{}{}
 	if hasWorker {

@@ -147,6 +147,7 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	}
 	opts := s.opts.Log
 	opts.Prefix = prefix
+	opts.IndexBookings = true // a replica serving other models ends its bookings (EndElsewhere)
 	st := s.opts.NewState()
 	l := New(s.rdb, st, opts)
 	l.Observe(s.opts.Observers)
@@ -247,6 +248,40 @@ func (s *Shards) RegisteredElsewhere(ctx context.Context, key kvstate.WorkerKey,
 		}
 	}
 	return nil, "", nil
+}
+
+// EndElsewhere applies c, a PrefillDone or Freed, to a booking held in the shard of a model this
+// replica does not serve (it holds no state of it): the shard whose booking index names the
+// request gets the change in its log, once that shard's replicas have published what they booked
+// before the call (bookingindex.go). ErrUnknownRequest when no such shard holds it;
+// ErrLogUnavailable when this replica cannot tell.
+func (s *Shards) EndElsewhere(ctx context.Context, c kvstate.Change) error {
+	if len(s.opts.Models) == 0 {
+		return kvstate.ErrUnknownRequest // every model's shard is held here
+	}
+	registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
+	if err != nil {
+		return fmt.Errorf("%w: reading the registry of shards: %v", kvstate.ErrLogUnavailable, err)
+	}
+	var unsure error
+	for model, prefix := range registry {
+		if s.serves(model) {
+			continue
+		}
+		opts := s.opts.Log.withDefaults()
+		opts.Prefix = prefix
+		found, err := endElsewhere(ctx, s.rdb, opts, c)
+		switch {
+		case found && err == nil:
+			return nil
+		case err != nil:
+			unsure = fmt.Errorf("model %q: %w", model, err)
+		}
+	}
+	if unsure != nil {
+		return unsure
+	}
+	return kvstate.ErrUnknownRequest
 }
 
 // A sharded log is a source of shards for the edge.

@@ -116,7 +116,9 @@ func TestSilentReplicaIsTakenForDead(t *testing.T) {
 func TestStoppedReplicaHoldsNothingUp(t *testing.T) {
 	srv := redistest.Start(t)
 	rdb := srv.Client()
-	short := func(o *redislog.Options) { o.ReseedWindow, o.WatermarkWait = 300*time.Millisecond, 300*time.Millisecond }
+	short := func(o *redislog.Options) {
+		o.ReseedWindow, o.WatermarkWait = 300*time.Millisecond, 300*time.Millisecond
+	}
 	b := startReplicasNamed(t, rdb, "b", 1, short)[0]
 	cctx, stopC := context.WithCancel(context.Background())
 	o := redislog.Options{Prefix: fmt.Sprintf("kvr:{%s}", t.Name()), Replica: "c", ReadBlock: 100 * time.Millisecond}

@@ -88,20 +88,37 @@ func (s *Sharded) lockID(id string) (unlock func()) {
 
 // PrefillComplete ends the prefill part of request id's booking, in the shard that holds it.
 func (s *Sharded) PrefillComplete(ctx context.Context, id string) error {
-	return s.endBooking(ctx, id, (*Dispatcher).PrefillComplete)
+	return s.endBooking(ctx, id, (*Dispatcher).PrefillComplete, kvstate.PrefillDone{RequestID: id, At: s.Now().UnixNano()})
 }
 
 // Free ends request id's booking, in the shard that holds it.
 func (s *Sharded) Free(ctx context.Context, id string) error {
-	return s.endBooking(ctx, id, (*Dispatcher).Free)
+	return s.endBooking(ctx, id, (*Dispatcher).Free, kvstate.Freed{RequestID: id, At: s.Now().UnixNano()})
 }
 
 // endBooking ends request id's booking with end, in the shard whose state holds it. A request names
 // no model, so when no shard here holds it yet (another replica booked it moments ago and the
 // booking is still on its way through its shard's log), every shard is asked at once: each waits
-// for the booking to arrive as its log does (redislog's BookingArrivalWait), at most one holds it,
-// and the others append nothing.
-func (s *Sharded) endBooking(ctx context.Context, id string, end func(*Dispatcher, context.Context, string) error) error {
+// for the booking as its log does (redislog's watermarks), at most one holds it, and the others
+// append nothing. When none here holds it, the shards of the models this replica does not serve
+// are asked for it (kvstate.ShardSource.EndElsewhere), with change: either may be sent to any
+// replica.
+func (s *Sharded) endBooking(ctx context.Context, id string, end func(*Dispatcher, context.Context, string) error, change kvstate.Change) error {
+	err := s.endHere(ctx, id, end)
+	if !errors.Is(err, kvstate.ErrUnknownRequest) {
+		return err
+	}
+	switch elsewhere := s.source.EndElsewhere(ctx, change); {
+	case elsewhere == nil:
+		return nil
+	case !errors.Is(elsewhere, kvstate.ErrUnknownRequest):
+		return fmt.Errorf("request_id %q: %w", id, elsewhere)
+	}
+	return err
+}
+
+// endHere ends request id's booking with end in the shard of this replica that holds it.
+func (s *Sharded) endHere(ctx context.Context, id string, end func(*Dispatcher, context.Context, string) error) error {
 	shards := s.source.Shards()
 	for _, sh := range shards {
 		if sh.State.Load().Booked(id) {

@@ -192,3 +192,56 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 		t.Errorf("Free(req-a) again on b = %v, want ErrUnknownRequest", err)
 	}
 }
+
+// TestShardedEndOnAReplicaNotServingTheModel: a replica configured to serve model m2 only holds no
+// state of m1, yet a Free or MarkPrefillComplete for a request routed in m1 on another replica
+// ends it there (either may be sent to any replica), and one for a request nobody booked is
+// NOT_FOUND. Before, such a replica answered NOT_FOUND, and the booking stayed until it expired.
+func TestShardedEndOnAReplicaNotServingTheModel(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	run := func(replica string, models ...string) *redislog.Shards {
+		s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond, Models: models,
+			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+				ReseedWindow: 300 * time.Millisecond}})
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan struct{})
+		go func() { _ = s.Run(ctx); close(done) }()
+		t.Cleanup(func() {
+			cancel()
+			<-done
+		})
+		return s
+	}
+	all, only2 := run("all"), run("only2", "m2")
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	tokens := prompt(4 * testBlockSize)
+	for i, m := range []string{"m1", "m2"} {
+		sh, err := all.Open(ctx, m)
+		if err != nil {
+			t.Fatal(err)
+		}
+		register(t, sh, uint64(i+1), tokens, 4)
+	}
+	kvtest.Eventually(t, testTimeout, "the shards past their reseed window", func() bool {
+		return !all.Log("m1").Incomplete() && !all.Log("m2").Incomplete()
+	})
+	onAll, onOnly2 := NewSharded(all, policy.DefaultConfig()), NewSharded(only2, policy.DefaultConfig())
+	if _, err := onAll.Route(ctx, &Request{Request: policy.Request{ID: "in-m1", Model: "m1", Tokens: tokens}}); err != nil {
+		t.Fatal(err)
+	}
+	m1 := func() *kvstate.State { sh, _ := all.Lookup("m1"); return sh.State }
+	if err := onOnly2.PrefillComplete(ctx, "in-m1"); err != nil {
+		t.Fatalf("PrefillComplete(in-m1) on the replica serving m2 only = %v, want it ended in m1", err)
+	}
+	if err := onOnly2.Free(ctx, "in-m1"); err != nil {
+		t.Fatalf("Free(in-m1) on the replica serving m2 only = %v, want it freed in m1", err)
+	}
+	kvtest.Eventually(t, testTimeout, "the booking freed in m1", func() bool { return m1().Load().Bookings() == 0 })
+	if err := onOnly2.Free(ctx, "in-m1"); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("Free(in-m1) again = %v, want ErrUnknownRequest", err)
+	}
+	if err := onOnly2.Free(ctx, "junk"); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("Free(junk) = %v, want ErrUnknownRequest", err)
+	}
+}
