@@ -231,3 +231,37 @@ func FuzzDecodeEntry(f *testing.F) {
 		}
 	})
 }
+
+// TestEncodedEvents: events appended in parts decode to the same events, followed by more, and hold
+// 16 bytes a block and a few an event.
+func TestEncodedEvents(t *testing.T) {
+	var all []Event
+	var enc EncodedEvents
+	for part := range 3 {
+		var evs []Event
+		for i := range 100 {
+			id := uint64(part*100 + i)
+			ev := Event{ID: id, Tier: Tier(i % NumTiers), Kind: EventStored, Blocks: []Block{{Hash: id, Local: id << 8}, {Hash: id + 1<<40, Local: 7}}}
+			if i > 0 {
+				ev.HasParent, ev.Parent = true, id-1
+			}
+			evs = append(evs, ev)
+		}
+		enc.Append(evs)
+		all = append(all, evs...)
+	}
+	last := []Event{{ID: 300, Kind: EventStored, Blocks: []Block{{Hash: 1, Local: 2}}}}
+	got, err := enc.Events(last)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(append(all, last...), got); diff != "" {
+		t.Errorf("decoded events (-want +got):\n%s", diff)
+	}
+	if enc.Len() != 300 || enc.Blocks() != 600 {
+		t.Errorf("Len, Blocks = %d, %d; want 300, 600", enc.Len(), enc.Blocks())
+	}
+	if per := len(enc.data) / enc.Blocks(); per > 16+8 {
+		t.Errorf("%d bytes a block (two blocks an event), want at most 24", per)
+	}
+}

@@ -3,7 +3,9 @@ package server
 import (
 	"fmt"
 	"math/rand/v2"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -246,4 +248,54 @@ func unpackRemoved(t *testing.T, b []byte) []byte {
 		return out
 	}
 	return walk(b, 0)
+}
+
+// TestDumpsInFlightAreBounded: the dumps in parts of all streams hold at most max_dump_bytes_in_flight
+// between their parts, together: with one stream's dump holding part of it, another stream's parts
+// past the rest are refused (RESOURCE_EXHAUSTED, DUMPS_IN_FLIGHT, with a retry delay) and what they
+// held is given back, while the first stream's dump completes. A part held is counted at 16 bytes a
+// block and a few an event, not the ~100 of decoded events. Before, every stream could hold a
+// dump of max_dump_blocks, decoded: 170-367 MiB each for a million blocks, with no bound on them all.
+func TestDumpsInFlightAreBounded(t *testing.T) {
+	const limit = 256 << 10
+	e := newTestEnv(t, func(o *Options) { o.MaxDumpBytesInFlight = limit })
+	held := func() float64 { return e.metric("kvrouter_publish_dump_bytes_in_flight", "", "").GetGauge().GetValue() }
+	a := e.connect(1)
+	a.send(dump(5, true, stored(0, nil, 0, 6000)))
+	eventually(t, "A's first part held", func() bool { return held() > 0 })
+	if got := held(); got > 6000*20 {
+		t.Errorf("a part of 6,000 blocks holds %.0f bytes, want about 16 a block", got)
+	}
+
+	b := e.connect(2)
+	for i := range 8 {
+		if b.stream.Send(dump(5, true, stored(0, nil, 6000+i*4000, 4000))) != nil {
+			break // refused: the stream ended
+		}
+	}
+	err := b.endErr()
+	st := status.Convert(err)
+	var reason string
+	var delay time.Duration
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.ErrorInfo:
+			reason = d.GetReason() + "/" + d.GetMetadata()["limit"]
+		case *errdetails.RetryInfo:
+			delay = d.GetRetryDelay().AsDuration()
+		}
+	}
+	if st.Code() != codes.ResourceExhausted || reason != "DUMPS_IN_FLIGHT/max_dump_bytes_in_flight" || delay <= 0 ||
+		!strings.HasPrefix(st.Message(), "dump.events: the dumps in parts that this replica's streams hold take ") {
+		t.Fatalf("B's parts past the budget = %v %q (%s, retry after %v), want RESOURCE_EXHAUSTED DUMPS_IN_FLIGHT naming max_dump_bytes_in_flight, with a retry delay",
+			st.Code(), st.Message(), reason, delay)
+	}
+	eventually(t, "B's parts given back", func() bool { return held() <= 6000*20 })
+
+	a.send(dump(5, false, stored(0, nil, 6000, 10)))
+	wantMsg(t, a.recv(), ack(5))
+	if got := e.cachedBlocks(1); got != 6010 {
+		t.Errorf("A's cached blocks after its dump = %d, want 6,010", got)
+	}
+	eventually(t, "nothing held once the dump applied", func() bool { return held() == 0 })
 }

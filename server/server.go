@@ -56,6 +56,9 @@ type Options struct {
 	MaxPublishMsgBytes int // largest Publish message
 	MaxBatchBlocks     int // events, and blocks (stored plus removed), in one Publish message
 	MaxDumpBlocks      int // blocks of one dump, over all its parts
+	// MaxDumpBytesInFlight bounds what the dumps in parts of every stream hold between their parts,
+	// together; zero means config.DefaultMaxDumpBytesInFlight.
+	MaxDumpBytesInFlight int
 	MaxWorkersPerModel int // worker ranks one model may register (0: no cap)
 
 	// Creds is the port's transport security (servertls); nil serves plaintext.
@@ -132,6 +135,14 @@ func New(o Options) *Server {
 	if limits.maxDumpBlocks <= 0 {
 		limits.maxDumpBlocks = config.DefaultMaxDumpBlocks
 	}
+	dumps := &dumpBudget{limit: int64(o.MaxDumpBytesInFlight)}
+	if dumps.limit <= 0 {
+		dumps.limit = config.DefaultMaxDumpBytesInFlight
+	}
+	o.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvrouter_publish_dump_bytes_in_flight",
+		Help: "Bytes the dumps in parts of this replica's Publish streams hold between their parts, together; a part that would pass max_dump_bytes_in_flight is refused (RESOURCE_EXHAUSTED, DUMPS_IN_FLIGHT).",
+	}, func() float64 { return float64(dumps.used.Load()) }))
 	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),
 	))
@@ -206,7 +217,8 @@ func New(o Options) *Server {
 	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer})
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, tracer: tracer,
+		dumps: dumps})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4 << 10))

@@ -6,12 +6,16 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"strconv"
+	"sync/atomic"
 	"time"
 
 	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -34,6 +38,8 @@ type workerService struct {
 	limits            publishLimits
 	// maxWorkersPerModel bounds the ranks one model registers (0: no bound).
 	maxWorkersPerModel int
+	// dumps bounds what the streams' dumps in parts hold, together.
+	dumps *dumpBudget
 	// tracer makes the spans of applied messages (server/tracing.go); nil: tracing is off.
 	tracer trace.Tracer
 }
@@ -79,12 +85,47 @@ type publishStream struct {
 	dumpAsked bool
 }
 
-// pendingDump is a dump whose first parts arrived (KvDump.more_follows): it applies, whole, with the last.
+// pendingDump is a dump whose first parts arrived (KvDump.more_follows): it applies, whole, with
+// the last. Its events wait in the log's encoding (16 bytes a block), counted in the replica's
+// dumpBudget.
 type pendingDump struct {
 	through uint64
-	events  []kvstate.Event
-	blocks  int
+	events  kvstate.EncodedEvents
+	held    int64 // bytes taken from the dumpBudget
 }
+
+// dumpBudget bounds the memory that the dumps in parts of all the streams of a replica hold
+// between their parts, together (max_dump_bytes_in_flight): a stream may hold a million-block dump
+// for as long as its worker takes to send it, and many streams may.
+type dumpBudget struct {
+	limit int64
+	used  atomic.Int64
+}
+
+// take counts n more bytes held, unless that would pass the limit (then it counts nothing).
+func (b *dumpBudget) take(n int64) bool {
+	for {
+		cur := b.used.Load()
+		if n > 0 && cur+n > b.limit {
+			return false
+		}
+		if b.used.CompareAndSwap(cur, cur+n) {
+			return true
+		}
+	}
+}
+
+// dropDump gives up the stream's dump in parts, and the memory it held.
+func (ps *publishStream) dropDump() {
+	if ps.dump != nil {
+		ps.svc.dumps.take(-ps.dump.held)
+		ps.dump = nil
+	}
+}
+
+// dumpRetryDelay is suggested to a worker whose dump found the replica's budget for dumps in parts
+// full: other workers' dumps complete within seconds.
+const dumpRetryDelay = 2 * time.Second
 
 // hold takes the worker's lease at the stream's registration epoch: it keeps the worker alive, for
 // every replica, while the stream is open here.
@@ -202,6 +243,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	ended = sh.State.EpochEnds(info.Key, ps.epoch)
 	ps.hold(ctx)
 	defer func() { ps.release() }()
+	defer ps.dropDump()
 	ps.logger.Info("worker connected", "endpoint", info.Endpoint, "block_size", info.BlockSize, "fresh_start", hello.GetFreshStart())
 	if s.conditionalDisagg && info.Role == kvstate.RoleDecode && !info.KVEventsEnabled {
 		ps.logger.Warn("decode worker publishes no KV events: its cache is invisible to the router, so conditional disaggregation will never bypass to it; enable KV events on the engine (vLLM --kv-events-config, TensorRT-LLM --publish-kv-events)")
@@ -349,7 +391,7 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 		case *kvrouterv1.PublishRequest_Dump, *kvrouterv1.PublishRequest_Load:
 		default:
 			return failedPrecondition("DUMP_IN_PROGRESS", "%s: a dump in parts is in progress (through_event_id %d, %d blocks so far): send its remaining parts, the last without more_follows, first",
-				messageKind(msg), d.through, d.blocks)
+				messageKind(msg), d.through, d.events.Blocks())
 		}
 	}
 	switch m := msg.GetMessage().(type) {
@@ -416,18 +458,40 @@ func (ps *publishStream) handle(ctx context.Context, msg *kvrouterv1.PublishRequ
 			if through != d.through {
 				return invalidArgumentf("dump.through_event_id", "must be the same in every part of a dump (the first part had %d, got %d)", d.through, through)
 			}
-			events, blocks = append(d.events, events...), d.blocks+blocks
+			blocks += d.events.Blocks()
 		}
 		if blocks > svc.limits.maxDumpBlocks {
-			ps.dump = nil
+			ps.dropDump()
 			return limitExceeded("DUMP_TOO_LARGE", "dump.events", "max_dump_blocks", svc.limits.maxDumpBlocks, blocks,
 				"the dump holds %d blocks (all its parts so far), more than max_dump_blocks %d", blocks, svc.limits.maxDumpBlocks)
 		}
 		if m.Dump.GetMoreFollows() {
-			ps.dump = &pendingDump{through: through, events: events, blocks: blocks}
+			if ps.dump == nil {
+				ps.dump = &pendingDump{through: through}
+			}
+			d := ps.dump
+			d.events.Append(events)
+			if grow := int64(d.events.Size()) - d.held; !svc.dumps.take(grow) {
+				ps.dropDump()
+				return withDetails(status.Newf(codes.ResourceExhausted,
+					"dump.events: the dumps in parts that this replica's streams hold take %d bytes, and this one's %d more would pass max_dump_bytes_in_flight %d; send the dump again later (or to another replica)",
+					svc.dumps.used.Load(), d.events.Size(), svc.dumps.limit),
+					&errdetails.ErrorInfo{Reason: "DUMPS_IN_FLIGHT", Domain: errorDomain, Metadata: map[string]string{
+						"field": "dump.events", "limit": "max_dump_bytes_in_flight", "max": strconv.FormatInt(svc.dumps.limit, 10)}},
+					&errdetails.RetryInfo{RetryDelay: durationpb.New(dumpRetryDelay)})
+			} else {
+				d.held += grow
+			}
 			return nil
 		}
-		ps.dump = nil
+		if d := ps.dump; d != nil {
+			all, err := d.events.Events(events)
+			ps.dropDump()
+			if err != nil {
+				return status.Errorf(codes.Internal, "dump: decoding its earlier parts: %v", err)
+			}
+			events = all
+		}
 		spanCtx, sp := svc.startSpan(ctx, SpanPublishDump, ps.info)
 		res, err := ps.shard.Log.Append(spanCtx, kvstate.KVDump{Worker: ps.info.Key, Epoch: ps.epoch, ThroughEventID: through, Events: events})
 		if sp != nil {

@@ -135,7 +135,8 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		Config: cfg.Entries(), Logger: logger, Registry: registry, Presence: presence,
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
-		MaxWorkersPerModel: cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
+		MaxDumpBytesInFlight: cfg.MaxDumpBytesInFlight,
+		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
 		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
 		TracerProvider: tracerProvider,
 	})

@@ -26,6 +26,9 @@ const (
 	DefaultMaxPublishMsgBytes = 4 << 20
 	DefaultMaxBatchBlocks     = 16_384
 	DefaultMaxDumpBlocks      = 1 << 20
+	// DefaultMaxDumpBytesInFlight bounds what the dumps in parts of all of a replica's streams
+	// hold between their parts: four dumps of a million blocks each, in the log's encoding.
+	DefaultMaxDumpBytesInFlight = 256 << 20
 )
 
 // Default caps against runaway or hostile callers (docs/security.md, "Limits").
@@ -51,6 +54,7 @@ type Options struct {
 	MaxPublishMsgBytes   int           // largest Publish message
 	MaxBatchBlocks       int           // events, and blocks, in one Publish message
 	MaxDumpBlocks        int           // blocks of one dump, over its parts
+	MaxDumpBytesInFlight int           // bytes the streams' dumps in parts hold between parts, together
 	WorkerGracePeriod    time.Duration // how long a disconnected worker keeps its blocks
 	BookingExpiry        time.Duration // how long an unfreed booking lives
 	ShutdownDrain        time.Duration // NOT_SERVING before stopping
@@ -124,6 +128,7 @@ func New() *Options {
 		MaxPublishMsgBytes:    DefaultMaxPublishMsgBytes,
 		MaxBatchBlocks:        DefaultMaxBatchBlocks,
 		MaxDumpBlocks:         DefaultMaxDumpBlocks,
+		MaxDumpBytesInFlight:  DefaultMaxDumpBytesInFlight,
 		WorkerGracePeriod:     30 * time.Second,
 		BookingExpiry:         300 * time.Second,
 		ShutdownDrain:         2 * time.Second,

@@ -74,6 +74,7 @@ var settings = []setting{
 	layered.Int("max_publish_msg_bytes", "largest Publish message (event batch, dump part, hello, load report), in bytes; at most max_recv_msg_bytes", func(o *Options) *int { return &o.MaxPublishMsgBytes }, 1024),
 	layered.Int("max_batch_blocks", "most events, and most blocks (stored blocks plus removed hashes), one Publish message may carry", func(o *Options) *int { return &o.MaxBatchBlocks }, 1),
 	layered.Int("max_dump_blocks", "most blocks one dump may hold over all its parts", func(o *Options) *int { return &o.MaxDumpBlocks }, 1),
+	layered.Int("max_dump_bytes_in_flight", "most bytes the dumps in parts of all Publish streams may hold between their parts, together (16 bytes a block); past it a part is refused with RESOURCE_EXHAUSTED and a retry delay", func(o *Options) *int { return &o.MaxDumpBytesInFlight }, 1<<20),
 	layered.Duration("worker_grace_period", "how long a worker whose stream closed keeps its blocks before it is removed", func(o *Options) *time.Duration { return &o.WorkerGracePeriod }),
 	layered.Duration("booking_expiry", "how long a booking nobody frees lives", func(o *Options) *time.Duration { return &o.BookingExpiry }),
 	layered.Duration("shutdown_drain", "how long health reports NOT_SERVING before the server stops", func(o *Options) *time.Duration { return &o.ShutdownDrain }),
