@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Installs what the Python client needs (Debian packages), checks that kvrouter_client/_gen matches
-# proto/, builds the kvrouter server, and runs the tests against real `kvrouter serve` processes.
+# proto/, builds the kvrouter server, and runs the tests against real `kvrouter serve` processes
+# (some on a private redis-server, which it installs too).
 # The last line is "N passed, N failed"; the exit status is non-zero on any failure.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
 # Debian's python3-grpcio, python3-protobuf and python3-xxhash install into the system interpreter.
 PYTHON="${PYTHON:-/usr/bin/python3}"
-"$root/scripts/need.sh" py:grpc=python3-grpcio py:google.protobuf=python3-protobuf py:xxhash=python3-xxhash protoc=protobuf-compiler grpc_python_plugin=protobuf-compiler-grpc
+"$root/scripts/need.sh" py:grpc=python3-grpcio py:google.protobuf=python3-protobuf py:xxhash=python3-xxhash protoc=protobuf-compiler grpc_python_plugin=protobuf-compiler-grpc redis-server=redis-server
 
 echo "test.sh: checking that kvrouter_client/_gen matches proto/"
 "$here/generate.sh" --check

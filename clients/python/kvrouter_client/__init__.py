@@ -19,6 +19,7 @@ from kvrouter_client.errors import (
     ValidationError,
     WorkerSupersededError,
     error_reason,
+    retry_delay,
 )
 from kvrouter_client.publisher import DEFAULT_CHANNEL_OPTIONS, DumpFunction, Publisher, PublisherStats
 from kvrouter_client.router import Booking, Router
@@ -39,6 +40,7 @@ __all__ = [
     "error_reason",
     "events",
     "pb",
+    "retry_delay",
 ]
 
 # A library logs, the application decides where to: nothing is printed unless it configures logging.

@@ -14,6 +14,7 @@ __all__ = [
     "UnackedWindowFullError",
     "WorkerSupersededError",
     "error_reason",
+    "retry_delay",
 ]
 
 
@@ -96,19 +97,21 @@ def _fields(buf: bytes) -> list[tuple[int, object]]:
     return out
 
 
-def error_reason(err: BaseException) -> Optional[str]:
-    """Returns the ErrorInfo reason the router attached to a gRPC error (e.g. "WORKER_SUPERSEDED").
+def _details(err: BaseException) -> list[tuple[str, bytes]]:
+    """Returns the (type URL, value) of every detail of the google.rpc.Status the router attached.
 
     The router sends a google.rpc.Status in the ``grpc-status-details-bin`` trailer; it is decoded
-    here by hand, so that no googleapis package is needed. None when there is no ErrorInfo.
+    here by hand, so that no googleapis package is needed. Empty when there is none, or it does not
+    decode.
     """
     trailers = getattr(err, "trailing_metadata", None)
     if not callable(trailers):
-        return None
+        return []
     try:
         md = trailers() or ()
     except Exception:  # noqa: BLE001 - a call without trailers
-        return None
+        return []
+    out: list[tuple[str, bytes]] = []
     for key, value in md:
         if key != "grpc-status-details-bin" or not isinstance(value, bytes):
             continue
@@ -117,9 +120,49 @@ def error_reason(err: BaseException) -> Optional[str]:
                 if num != 3 or not isinstance(detail, bytes):
                     continue
                 any_fields = dict(_fields(detail))
-                if str(any_fields.get(1, b""), "utf-8").endswith("google.rpc.ErrorInfo"):
-                    info = dict(_fields(any_fields.get(2, b"")))  # type: ignore[arg-type]
-                    return str(info.get(1, b""), "utf-8")
+                type_url, body = any_fields.get(1, b""), any_fields.get(2, b"")
+                if isinstance(type_url, bytes) and isinstance(body, bytes):
+                    out.append((str(type_url, "utf-8"), body))
+        except (ValueError, IndexError, TypeError, UnicodeDecodeError):
+            return []
+    return out
+
+
+def error_reason(err: BaseException) -> Optional[str]:
+    """Returns the ErrorInfo reason the router attached to a gRPC error (e.g. "WORKER_SUPERSEDED").
+
+    None when there is no ErrorInfo.
+    """
+    for type_url, body in _details(err):
+        if type_url.endswith("google.rpc.ErrorInfo"):
+            try:
+                return str(dict(_fields(body)).get(1, b""), "utf-8")  # type: ignore[arg-type]
+            except (ValueError, IndexError, TypeError, UnicodeDecodeError):
+                return None
+    return None
+
+
+def retry_delay(err: BaseException) -> Optional[float]:
+    """Returns the delay, in seconds, that the router's google.rpc.RetryInfo suggests before a retry.
+
+    The router attaches one to LOG_UNAVAILABLE (its shared state cannot answer yet) and to
+    RESOURCE_EXHAUSTED. None when there is no RetryInfo.
+    """
+    for type_url, body in _details(err):
+        if not type_url.endswith("google.rpc.RetryInfo"):
+            continue
+        try:
+            duration = dict(_fields(body)).get(1, b"")  # RetryInfo.retry_delay, a google.protobuf.Duration
+            if not isinstance(duration, bytes):
+                return None
+            d = dict(_fields(duration))
+            seconds, nanos = d.get(1, 0), d.get(2, 0)
+            if not isinstance(seconds, int) or not isinstance(nanos, int):
+                return None
+            # int64 and int32 varints: a negative value arrives as its 64-bit two's complement.
+            seconds -= (1 << 64) if seconds >= 1 << 63 else 0
+            nanos -= (1 << 64) if nanos >= 1 << 63 else 0
+            return max(0.0, seconds + nanos / 1e9)
         except (ValueError, IndexError, TypeError):
             return None
     return None

@@ -1,4 +1,5 @@
-"""Starts real `kvrouter serve` processes (embedded mode) on free loopback ports for the tests."""
+"""Starts real `kvrouter serve` processes (embedded mode, or on a private `redis-server`) on free
+loopback ports for the tests."""
 
 from __future__ import annotations
 
@@ -66,6 +67,17 @@ class Server:
                     raise RuntimeError(f"kvrouter did not start: {self.log_text()}")
                 time.sleep(0.05)
 
+    def health(self, service: str) -> int:
+        """Returns the grpc.health.v1 status of a service (1 SERVING, 2 NOT_SERVING).
+
+        The request and answer are encoded by hand (one field each), so that no grpc_health package
+        is needed.
+        """
+        check = self.channel.unary_unary("/grpc.health.v1.Health/Check", request_serializer=None, response_deserializer=None)
+        name = service.encode()
+        answer = check(b"\x0a" + bytes([len(name)]) + name, timeout=2)
+        return answer[1] if len(answer) == 2 and answer[0] == 0x08 else 0
+
     def log_text(self) -> str:
         """Returns what the server logged so far."""
         with open(self.log.name, encoding="utf-8", errors="replace") as f:
@@ -101,3 +113,44 @@ def wait_until(cond, timeout: float = 5.0, interval: float = 0.02) -> bool:
         if v or time.monotonic() > deadline:
             return bool(v)
         time.sleep(interval)
+
+
+class Redis:
+    """Redis is a private `redis-server` on a free loopback port, without persistence, for a test.
+
+    pause() stops the process (SIGSTOP): connections stay open and nothing answers, as a Redis that
+    hangs or a network that drops everything; resume() lets it go on.
+    """
+
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.addr = f"127.0.0.1:{self.port}"
+        args = ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        try:
+            self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        except FileNotFoundError:
+            raise RuntimeError("redis-server not found (apt-get install redis-server, or run clients/python/test.sh)") from None
+        deadline = time.monotonic() + 10
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not listen") from None
+                time.sleep(0.01)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Kills the process (SIGKILL ends a stopped process too)."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)

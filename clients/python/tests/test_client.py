@@ -25,8 +25,9 @@ from kvrouter_client import (
     error_reason,
     events,
     pb,
+    retry_delay,
 )
-from kvserver import CLIENT_ROOT, Server, free_port, wait_until
+from kvserver import CLIENT_ROOT, Redis, Server, free_port, wait_until
 
 # The publisher logs every reconnect; KVROUTER_TEST_LOG=INFO shows it.
 logging.basicConfig(level=os.environ.get("KVROUTER_TEST_LOG", "CRITICAL"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -566,6 +567,136 @@ class BookingTest(ServerTest):
             self.server.router.Free(pb.router.FreeRequest(request_id=b2.request_id))
         self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
 
+
+class SharedStateTest(unittest.TestCase):
+    """A test with a private redis-server and one `kvrouter serve` sharing its state through it."""
+
+    flags: Tuple[str, ...] = ()
+    reseed_window = "1s"
+
+    def setUp(self) -> None:
+        self.redis = Redis()
+        self.addCleanup(self.redis.stop)
+        self.server = Server("--redis-addr", self.redis.addr, "--redis-reseed-window", self.reseed_window, *self.flags)
+        self.addCleanup(self.server.stop)
+
+    def state(self) -> "pb.admin.GetStateResponse":
+        return self.server.admin.GetState(pb.admin.GetStateRequest(), timeout=5)
+
+    def register(self, worker_id: int) -> None:
+        """Registers an aggregated worker that can prefill 8 tokens at once, and waits for it."""
+        h = hello(worker_id)
+        h.max_num_batched_tokens = 8
+        p = Publisher(h, self.server.addr)
+
+        def close() -> None:
+            try:
+                p.close(timeout=2)
+            except Exception:  # noqa: BLE001 - the test checked what it wanted already
+                pass
+
+        self.addCleanup(close)
+        p.publish(events.stored([block(0)]))
+        p.flush(5)
+
+    def pause_redis(self) -> None:
+        """Pauses Redis and waits until the replica says its shared state is unreachable."""
+        self.redis.pause()
+        self.addCleanup(self.redis.resume)  # before stop (cleanups run last first): a clean end
+        self.assertTrue(wait_until(lambda: self.server.health("kvrouter.v1.SharedState") == 2, timeout=10),
+                        "the replica did not notice that Redis stopped answering")
+
+
+class UnavailableEndTest(SharedStateTest):
+    """Free and MarkPrefillComplete that the router cannot accept yet (UNAVAILABLE) are retried."""
+
+    # A worker whose prefill tokens exceed its max_num_batched_tokens is overloaded: a Route then
+    # waits in the router's queue until its deadline, having booked nothing.
+    flags = ("--router-queue-threshold", "1")
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.assertTrue(wait_until(lambda: self.state().shared_state_complete, timeout=10), "the replica's shared state never became complete")
+        self.register(40)
+        self.router = Router(self.server.addr)
+        self.addCleanup(self.router.close)
+
+    def active(self) -> int:
+        return self.server.worker_status(40).load.active_requests
+
+    def test_free_the_router_cannot_accept_yet_is_retried_in_the_background(self) -> None:
+        held = self.router.route(list(range(1, 21)), "demo")  # booked on this replica
+        self.assertEqual(self.active(), 1)
+        self.pause_redis()
+        # A request this replica does not hold may be held, unpublished, by another replica: with
+        # Redis unreachable it cannot tell, and says so. free() retries until its timeout, raises the
+        # last error, and hands the Free to the background.
+        gone = self.router.existing("routed-elsewhere")
+        t0 = time.monotonic()
+        with self.assertRaises(grpc.RpcError) as cm:
+            gone.free(timeout=0.5)
+        self.assertGreaterEqual(time.monotonic() - t0, 0.3, "free() gave up before its timeout instead of retrying")
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(error_reason(cm.exception), "LOG_UNAVAILABLE")
+        self.assertEqual(retry_delay(cm.exception), 0.25)
+        self.assertTrue(gone.freed, "the background retry owns the Free now")
+        self.assertEqual(self.router.pending_ends, 1)
+        gone.free(timeout=0.5)  # nothing more to do: no second retry of the same Free
+        self.assertEqual(self.router.pending_ends, 1)
+        # MarkPrefillComplete goes the same way.
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.router.existing("prefilled-elsewhere").prefill_complete(timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(self.router.pending_ends, 2)
+        # A booking this replica holds is freed at once, locally, while Redis is unreachable.
+        t0 = time.monotonic()
+        held.free(timeout=0.5)
+        self.assertLess(time.monotonic() - t0, 0.25)
+        self.assertEqual(self.active(), 0)
+        # A booking is made on this replica after the Free was sent (as another replica's booking
+        # becomes visible once it is published): the retried Free finds it and frees it.
+        late = self.router.existing("routed-later")
+        with self.assertRaises(grpc.RpcError):
+            late.free(timeout=0.3)
+        self.assertEqual(self.router.pending_ends, 3)
+        self.server.router.Route(pb.router.RouteRequest(request_id="routed-later", model="demo", token_ids=[1, 2, 3]), timeout=5)
+        self.assertEqual(self.active(), 1)
+        self.assertTrue(wait_until(lambda: self.router.pending_ends == 2 and self.active() == 0, timeout=5),
+                        f"the retried Free did not free the booking made after it: {self.router.pending_ends} pending, {self.active()} active")
+        # Closing a Router gives up what it retries.
+        other = Router(self.server.addr)
+        with self.assertRaises(grpc.RpcError):
+            other.existing("closed-while-retried").free(timeout=0.3)
+        self.assertEqual(other.pending_ends, 1)
+        self.assertEqual(other.close(), 1)
+        self.assertEqual(other.pending_ends, 0)
+        # Without background retries the Free is only raised, and a later call tries again.
+        once = Router(self.server.addr, end_retry_for=0)
+        self.addCleanup(once.close)
+        b = once.existing("not-retried")
+        with self.assertRaises(grpc.RpcError):
+            b.free(timeout=0.3)
+        self.assertEqual(once.pending_ends, 0)
+        self.assertFalse(b.freed)
+        # Once Redis answers again, the replica can tell that nobody holds the others (NOT_FOUND).
+        self.redis.resume()
+        self.assertTrue(wait_until(lambda: self.router.pending_ends == 0, timeout=10), f"{self.router.pending_ends} ends still pending after Redis came back")
+        self.assertEqual(self.state().bookings, 0)
+
+    def test_a_route_that_failed_in_flight_is_freed_with_retries(self) -> None:
+        self.router.route(list(range(1, 21)), "demo")  # 20 prefill tokens: the worker is overloaded
+        self.pause_redis()
+        # The Route waits in the router's queue until its deadline: the router may have booked it for
+        # all the client knows, so the client frees it, and the replica cannot tell (UNAVAILABLE).
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.router.route(list(range(1, 21)), "demo", "cut-short", timeout=0.3)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.DEADLINE_EXCEEDED)
+        self.assertEqual(self.router.pending_ends, 1)
+        time.sleep(0.6)  # several tries, each UNAVAILABLE
+        self.assertEqual(self.router.pending_ends, 1)
+        self.redis.resume()
+        self.assertTrue(wait_until(lambda: self.router.pending_ends == 0, timeout=10), "the Free of the failed Route was not retried until the router answered")
+        self.assertEqual(self.state().bookings, 1)  # the first route's only
 
 if __name__ == "__main__":
     unittest.main()
