@@ -14,7 +14,7 @@ from typing import Iterable, List, Optional, Sequence, Set, Tuple, Type, Union
 import grpc
 
 from kvrouter_client import pb
-from kvrouter_client.errors import retry_delay, status_code
+from kvrouter_client.errors import error_reason, retry_delay, status_code
 from kvrouter_client.validation import check_route_request
 
 __all__ = ["Router", "Booking"]
@@ -117,8 +117,8 @@ class Router:
 
     ``target`` is an address ("host:port") or an open grpc.Channel. ``max_prompt_tokens`` is the
     router's max_prompt_tokens: longer prompts are refused here, with the router's message, before
-    anything is sent (None skips that check). ``timeout`` is the deadline of each call, in seconds;
-    for a Free or MarkPrefillComplete, its retries included.
+    anything is sent (None skips that check). ``timeout`` is how long, in seconds, a call may take,
+    its retries included.
 
     A Free or MarkPrefillComplete the router could not accept within its call's timeout is retried in
     the background, from a daemon thread, until the router accepts it (or answers NOT_FOUND: nobody
@@ -165,8 +165,11 @@ class Router:
         """Routes one request and returns its Booking; a request without an id gets a random one.
 
         It raises ValidationError (before sending) for what the router would refuse as malformed,
-        and grpc.RpcError for the router's own errors. A call that fails after the router may have
-        booked it (a deadline, a cancel) is freed here, so it leaves no booking behind.
+        and grpc.RpcError for the router's own errors. While the router answers UNAVAILABLE with
+        reason LOG_UNAVAILABLE (it is loading its shared state, or the state may be incomplete; it
+        booked nothing) the call is sent again after the delay it suggests, until ``timeout`` ends.
+        A call that fails after the router may have booked it (a deadline, a cancel) is freed here,
+        so it leaves no booking behind.
         """
         if request_id is None and not query_only:
             request_id = uuid.uuid4().hex
@@ -192,13 +195,22 @@ class Router:
         if req.request_id == "" and not req.query_only:
             req.request_id = uuid.uuid4().hex
         check_route_request(req, self.max_prompt_tokens)
-        try:
-            resp = self._stub.Route(req, timeout=timeout or self.timeout)
-        except grpc.RpcError as err:
-            if not req.query_only and status_code(err) in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
-                self._free_detached(req.request_id)
-            raise
-        return Booking(self, req.request_id, resp)
+        deadline = time.monotonic() + (timeout or self.timeout)
+        for attempt in itertools.count():
+            try:
+                resp = self._stub.Route(req, timeout=max(deadline - time.monotonic(), 0.001))
+                return Booking(self, req.request_id, resp)
+            except grpc.RpcError as err:
+                code = status_code(err)
+                if code == grpc.StatusCode.UNAVAILABLE and error_reason(err) == "LOG_UNAVAILABLE":
+                    delay = _retry_after(err, attempt)
+                    if time.monotonic() + delay < deadline:
+                        time.sleep(delay)
+                        continue
+                elif not req.query_only and code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+                    self._free_detached(req.request_id)
+                raise
+        raise AssertionError("unreachable")
 
     def existing(self, request_id: str) -> Booking:
         """Returns the Booking of a request routed elsewhere (by another Router or process: its id is

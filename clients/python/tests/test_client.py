@@ -14,6 +14,7 @@ from typing import Iterator, List, Tuple
 import grpc
 
 from kvrouter_client import (
+    Booking,
     Publisher,
     PublisherClosedError,
     PublisherError,
@@ -568,6 +569,20 @@ class BookingTest(ServerTest):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
 
 
+class CountRoutes(grpc.UnaryUnaryClientInterceptor):
+    """Counts the Route calls a Router sends, to see its retries."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.routes = 0
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001
+        if client_call_details.method.endswith("/Route"):
+            with self._lock:
+                self.routes += 1
+        return continuation(client_call_details, request)
+
+
 class SharedStateTest(unittest.TestCase):
     """A test with a private redis-server and one `kvrouter serve` sharing its state through it."""
 
@@ -697,6 +712,43 @@ class UnavailableEndTest(SharedStateTest):
         self.redis.resume()
         self.assertTrue(wait_until(lambda: self.router.pending_ends == 0, timeout=10), "the Free of the failed Route was not retried until the router answered")
         self.assertEqual(self.state().bookings, 1)  # the first route's only
+
+
+class RouteRetryTest(SharedStateTest):
+    # On an empty Redis the replica's state may be incomplete for the reseed window: a replica
+    # holding the lost state may still reseed the log. Meanwhile a Route for a model without workers
+    # is UNAVAILABLE (LOG_UNAVAILABLE), not NOT_FOUND. The window is long enough for the whole test.
+    reseed_window = "8s"
+
+    def test_route_is_retried_while_the_shared_state_may_be_incomplete(self) -> None:
+        self.assertFalse(self.state().shared_state_complete)
+        with self.assertRaises(grpc.RpcError) as cm:
+            self.server.router.Route(pb.router.RouteRequest(request_id="r0", model="demo", token_ids=[1, 2, 3]), timeout=5)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
+        self.assertEqual(error_reason(cm.exception), "LOG_UNAVAILABLE")
+        counter = CountRoutes()
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), counter)
+        self.addCleanup(channel.close)
+        router = Router(channel)
+        got: List[object] = []
+        t = threading.Thread(target=lambda: got.append(self._route(router)))
+        t.start()
+        self.addCleanup(t.join, 10)
+        self.assertTrue(wait_until(lambda: counter.routes >= 2, timeout=5), "the Route was not sent again")
+        self.register(41)  # the worker the Route waited for
+        t.join(10)
+        self.assertEqual(len(got), 1)
+        self.assertIsInstance(got[0], Booking, f"route() = {got[0]!r}")
+        self.assertEqual(got[0].decode.worker_id, 41)  # type: ignore[attr-defined]
+        self.assertFalse(self.state().shared_state_complete, "the reseed window ended before the Route was answered: the test tested nothing")
+
+    @staticmethod
+    def _route(router: Router) -> object:
+        try:
+            return router.route([1, 2, 3, 4, 5], "demo", timeout=6)
+        except grpc.RpcError as err:
+            return err
+
 
 if __name__ == "__main__":
     unittest.main()
