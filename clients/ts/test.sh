@@ -13,6 +13,7 @@ cd "$TS"
 need_node
 need_node_modules
 
+"$ROOT/scripts/need.sh" redis-server=redis-server
 (cd "$ROOT" && go build -o .tmp/bin/kvrouter ./cmd/kvrouter)
 export KVROUTER_BIN="$ROOT/.tmp/bin/kvrouter"
 

@@ -5,6 +5,7 @@ import { Code, ConnectError } from "@connectrpc/connect";
 export const ERROR_DOMAIN = "kvrouter.v1";
 
 const ERROR_INFO_TYPE = "google.rpc.ErrorInfo";
+const RETRY_INFO_TYPE = "google.rpc.RetryInfo";
 
 /** The google.rpc.ErrorInfo detail the router attaches to its errors. */
 export interface ErrorInfo {
@@ -44,6 +45,55 @@ export function errorInfo(err: unknown): ErrorInfo | undefined {
  */
 export function errorReason(err: unknown): string | undefined {
   return errorInfo(err)?.reason;
+}
+
+/**
+ * Returns the delay, in milliseconds, that the router's google.rpc.RetryInfo detail suggests before a
+ * retry, or undefined when there is none or it cannot be decoded. The router attaches one to
+ * LOG_UNAVAILABLE (its shared state cannot answer yet) and to RESOURCE_EXHAUSTED. It is decoded by
+ * hand, as ErrorInfo is.
+ */
+export function retryDelayMs(err: unknown): number | undefined {
+  for (const d of ConnectError.from(err).details) {
+    if ("desc" in d || d.type !== RETRY_INFO_TYPE) {
+      continue;
+    }
+    return decodeRetryInfo(d.value);
+  }
+  return undefined;
+}
+
+/** Decodes RetryInfo { google.protobuf.Duration retry_delay = 1; } into milliseconds. */
+function decodeRetryInfo(bytes: Uint8Array): number | undefined {
+  try {
+    const reader = new BinaryReader(bytes);
+    let ms = 0;
+    while (reader.pos < reader.len) {
+      const [field, wireType] = reader.tag();
+      if (field !== 1 || wireType !== WireType.LengthDelimited) {
+        reader.skip(wireType);
+        continue;
+      }
+      // Duration { int64 seconds = 1; int32 nanos = 2; }
+      const duration = new BinaryReader(reader.bytes());
+      let seconds = 0;
+      let nanos = 0;
+      while (duration.pos < duration.len) {
+        const [f, wt] = duration.tag();
+        if (f === 1 && wt === WireType.Varint) {
+          seconds = Number(duration.int64());
+        } else if (f === 2 && wt === WireType.Varint) {
+          nanos = duration.int32();
+        } else {
+          duration.skip(wt);
+        }
+      }
+      ms = Math.max(0, seconds * 1000 + nanos / 1e6);
+    }
+    return ms;
+  } catch {
+    return undefined; // malformed: as if absent
+  }
 }
 
 /** Decodes ErrorInfo { string reason = 1; string domain = 2; map<string, string> metadata = 3; }. */

@@ -6,7 +6,7 @@ export { Publisher, MAX_BATCH_BLOCKS } from "./publisher.js";
 export type { PublisherOptions, PublisherStats, KvEventInit, WorkerHelloInit, LoadReportInit } from "./publisher.js";
 export { Router, RouteHandle } from "./router.js";
 export type { RouterOptions, RouteInit } from "./router.js";
-export { errorInfo, errorReason, invalidArgument, WorkerSupersededError, PublisherFullError, PublisherClosedError, ERROR_DOMAIN } from "./errors.js";
+export { errorInfo, errorReason, retryDelayMs, invalidArgument, WorkerSupersededError, PublisherFullError, PublisherClosedError, ERROR_DOMAIN } from "./errors.js";
 export { checkEvent, checkRouteRequest, checkRequestId, DEFAULT_MAX_PROMPT_TOKENS, MAX_REQUEST_ID_BYTES } from "./validate.js";
 export { openTransport, baseUrl } from "./transport.js";
 export type { OwnedTransport, TransportOptions } from "./transport.js";

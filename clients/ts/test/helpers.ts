@@ -88,6 +88,47 @@ export async function startRouterOn(port: number, ...flags: string[]): Promise<R
   };
 }
 
+/**
+ * A private `redis-server` on a free loopback port, without persistence. pause() stops the process
+ * (SIGSTOP): its connections stay open and nothing answers, as a Redis that hangs or a network that
+ * drops everything; resume() lets it go on.
+ */
+export interface RedisProcess {
+  addr: string;
+  pause(): void;
+  resume(): void;
+  stop(): Promise<void>;
+}
+
+/** Starts `redis-server` on a free port and waits until it accepts connections. */
+export async function startRedis(): Promise<RedisProcess> {
+  const port = await freePort();
+  const proc = spawn("redis-server", ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], { stdio: "ignore" });
+  const failed = new Promise<never>((_, reject) => {
+    proc.on("error", (err) => reject(new Error(`redis-server did not start (apt-get install redis-server): ${err.message}`)));
+    proc.on("exit", (code) => reject(new Error(`redis-server exited with ${code}`)));
+  });
+  const listening = waitFor("redis-server to listen", () => new Promise<boolean>((resolve) => {
+    const sock = connect(port, "127.0.0.1");
+    sock.once("connect", () => { sock.destroy(); resolve(true); });
+    sock.once("error", () => resolve(false));
+  }), 10_000);
+  await Promise.race([listening, failed]);
+  failed.catch(() => undefined); // it exits when stopped
+  const alive = (): boolean => proc.exitCode === null && proc.signalCode === null;
+  return {
+    addr: `127.0.0.1:${port}`,
+    pause: () => { proc.kill("SIGSTOP"); },
+    resume: () => { if (alive()) proc.kill("SIGCONT"); },
+    stop: async () => {
+      if (alive()) {
+        proc.kill("SIGKILL"); // ends a stopped process too
+        await once(proc, "exit");
+      }
+    },
+  };
+}
+
 export const sleep = (ms: number): Promise<void> => new Promise((r) => setTimeout(r, ms));
 
 /** Polls fn until it returns a truthy value, or fails after timeoutMs with the last value. */
