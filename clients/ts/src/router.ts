@@ -1,7 +1,7 @@
 import { create, isMessage, type MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, createClient, type Client, type Interceptor } from "@connectrpc/connect";
 import { randomUUID } from "node:crypto";
-import { retryDelayMs } from "./errors.js";
+import { errorReason, retryDelayMs } from "./errors.js";
 import { RouteRequestSchema, RouteResponseSchema, RouterService, type RouteResponse } from "./gen/kvrouter/v1/router_pb.js";
 import { openTransport, type OwnedTransport } from "./transport.js";
 import { checkRouteRequest, DEFAULT_MAX_PROMPT_TOKENS } from "./validate.js";
@@ -12,7 +12,7 @@ export interface RouterOptions {
   address: string;
   /** The longest prompt to send, in tokens; longer ones fail before they are sent. Default: the router's default, 1,048,576. */
   maxPromptTokens?: number;
-  /** The deadline of each call, in milliseconds; for free() and prefillComplete(), their retries included. Default: 5,000. */
+  /** How long a call may take, in milliseconds, its retries included. Default: 5,000. */
   timeoutMs?: number;
   /** Connect interceptors for every call, for example to add an authentication header. The first one is the outermost: it sees each call first. */
   interceptors?: Interceptor[];
@@ -74,10 +74,13 @@ export class Router {
    * Routes one request and books its load (unless query_only). A booking request without request_id
    * gets a random one. A request the router would refuse for its shape (no model, no tokens, more than
    * maxPromptTokens tokens, a request_id over 512 bytes) fails with INVALID_ARGUMENT and the router's
-   * message before anything is sent. A call aborted in flight may have been booked: the router frees a
+   * message before anything is sent. While the router answers UNAVAILABLE with reason LOG_UNAVAILABLE
+   * (it is loading its shared state, or the state may be incomplete; it booked nothing) the call is
+   * sent again after the delay it suggests, until opts.timeoutMs (the Router's timeoutMs by default)
+   * ends or opts.signal aborts. A call aborted in flight may have been booked: the router frees a
    * booking whose caller left.
    */
-  async route(init: RouteInit, opts: { signal?: AbortSignal } = {}): Promise<RouteHandle> {
+  async route(init: RouteInit, opts: { signal?: AbortSignal; timeoutMs?: number } = {}): Promise<RouteHandle> {
     // create returns a RouteRequest message as it is: copy it, so that a request id set here stays here.
     const req = isMessage(init, RouteRequestSchema) ? { ...init } : create(RouteRequestSchema, init);
     if (!req.queryOnly && req.requestId === "") {
@@ -87,8 +90,21 @@ export class Router {
     if (invalid) {
       throw invalid;
     }
-    const res = await this.client.route(req, { signal: opts.signal, timeoutMs: this.timeoutMs });
-    return new RouteHandle(this, req.requestId, res);
+    const deadline = performance.now() + (opts.timeoutMs ?? this.timeoutMs);
+    for (let attempt = 0; ; attempt++) {
+      try {
+        const res = await this.client.route(req, { signal: opts.signal, timeoutMs: msLeft(deadline) });
+        return new RouteHandle(this, req.requestId, res);
+      } catch (err) {
+        if (!logUnavailable(err)) {
+          throw err;
+        }
+        const delay = retryAfterMs(err, attempt);
+        if (performance.now() + delay >= deadline || !(await sleep(delay, opts.signal))) {
+          throw err;
+        }
+      }
+    }
   }
 
   /**
@@ -237,6 +253,11 @@ const RETRYABLE_END: ReadonlySet<Code> = new Set([Code.Unavailable, Code.Deadlin
  */
 function msLeft(deadline: number): number {
   return Math.max(Math.floor(deadline - performance.now()), 1);
+}
+
+/** Says whether err is the router's LOG_UNAVAILABLE: its shared state cannot answer yet, and the call changed nothing. */
+function logUnavailable(err: unknown): boolean {
+  return ConnectError.from(err).code === Code.Unavailable && errorReason(err) === "LOG_UNAVAILABLE";
 }
 
 /**

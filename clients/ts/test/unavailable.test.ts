@@ -2,7 +2,7 @@
 // reason LOG_UNAVAILABLE) are retried: a private redis-server and a real `kvrouter serve --redis-addr`.
 import { test } from "node:test";
 import assert from "node:assert/strict";
-import { Code, ConnectError, createClient } from "@connectrpc/connect";
+import { Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
 import { errorReason, openTransport, Publisher, retryDelayMs, Router, RouterService, StorageTier, WorkerRole } from "../src/index.js";
 import { chain, startRedis, startRouter, waitFor, type RedisProcess, type RouterProcess } from "./helpers.js";
 
@@ -106,6 +106,43 @@ test("free and prefillComplete the router cannot accept yet are retried in the b
     redis.resume();
     await waitFor("every pending end to finish after Redis came back", () => router.pendingEnds === 0, 10_000);
     assert.equal((await server.admin.getState({})).bookings, 0n);
+  } finally {
+    await runCleanup(cleanup);
+  }
+});
+
+test("route is retried while the shared state may be incomplete", async () => {
+  // On an empty Redis the replica's state may be incomplete for the reseed window: a replica holding
+  // the lost state may still reseed the log. Meanwhile a Route for a model without workers is
+  // UNAVAILABLE (LOG_UNAVAILABLE), not NOT_FOUND. The window is long enough for the whole test.
+  const { server, cleanup } = await sharedState("8s");
+  try {
+    assert.equal((await server.admin.getState({})).sharedStateComplete, false);
+    const t = openTransport(server.addr);
+    cleanup.push(() => t.close());
+    const err = await createClient(RouterService, t.transport).route({ requestId: "r0", model: MODEL, tokenIds: [1, 2, 3] }).then(
+      () => assert.fail("the router routed a model without workers"),
+      (e: unknown) => e,
+    );
+    assert.equal(code(err), Code.Unavailable);
+    assert.equal(errorReason(err), "LOG_UNAVAILABLE");
+    let routes = 0;
+    const count: Interceptor = (next) => async (req) => {
+      if (req.method.name === "Route") {
+        routes++;
+      }
+      return next(req);
+    };
+    const router = new Router({ address: server.addr, interceptors: [count] });
+    cleanup.push(() => void router.close());
+    const routed = router.route({ model: MODEL, tokenIds: [1, 2, 3, 4, 5] }, { timeoutMs: 6_000 });
+    routed.catch(() => undefined); // awaited below; a rejection before then is not unhandled
+    await waitFor("the Route to be sent again", () => routes >= 2);
+    await register(server, 41n, cleanup); // the worker the Route waited for
+    const h = await routed;
+    assert.equal(h.response.decode?.workerId, 41n);
+    assert.equal((await server.admin.getState({})).sharedStateComplete, false, "the reseed window ended before the Route was answered: the test tested nothing");
+    await h.free();
   } finally {
     await runCleanup(cleanup);
   }
