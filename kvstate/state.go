@@ -395,6 +395,16 @@ func (s *State) workerUp(c WorkerUp) (uint64, error) {
 		setMember(m, w)
 		return c.Epoch, nil
 	}
+	if old != nil && !c.Reset && c.Incarnation != 0 {
+		old.track.mu.Lock()
+		again := old.track.epoch == c.Incarnation
+		old.track.mu.Unlock()
+		if again {
+			// The same registration applied twice (its entry appended again after an append
+			// that got no reply): the stream that holds the rank holds it still.
+			return c.Incarnation, nil
+		}
+	}
 	// Validated; from here on the change applies whole.
 	var previous uint64 // the epoch before: a reset worker's, an entry without incarnation bumps it
 	if old != nil && c.Reset {

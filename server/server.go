@@ -59,7 +59,7 @@ type Options struct {
 	// MaxDumpBytesInFlight bounds what the dumps in parts of every stream hold between their parts,
 	// together; zero means config.DefaultMaxDumpBytesInFlight.
 	MaxDumpBytesInFlight int
-	MaxWorkersPerModel int // worker ranks one model may register (0: no cap)
+	MaxWorkersPerModel   int // worker ranks one model may register (0: no cap)
 
 	// Creds is the port's transport security (servertls); nil serves plaintext.
 	Creds credentials.TransportCredentials

@@ -32,10 +32,13 @@ type chaosResult struct {
 	name           string
 	routes, failed int64
 	ackedLost      int64
-	converged      time.Duration
-	digestsEqual   bool
-	notes          string
-	err            error
+	// bookingsLeft is the most bookings any replica holds once every request the booking load
+	// made was freed (-1: the scenario books nothing).
+	bookingsLeft int64
+	converged    time.Duration
+	digestsEqual bool
+	notes        string
+	err          error
 }
 
 var (
@@ -53,15 +56,18 @@ func chaosReport() string {
 	chaosMu.Lock()
 	defer chaosMu.Unlock()
 	var b strings.Builder
-	fmt.Fprintf(&b, "%-38s %8s %7s %11s %10s %8s  %s\n", "scenario", "routes", "failed", "acked lost", "converged", "digests", "notes")
+	fmt.Fprintf(&b, "%-46s %8s %7s %11s %13s %10s %8s  %s\n", "scenario", "routes", "failed", "acked lost", "bookings left", "converged", "digests", "notes")
 	for _, r := range chaosResults {
-		conv, dig := r.converged.Round(10*time.Millisecond).String(), "equal"
+		conv, dig, left := r.converged.Round(10*time.Millisecond).String(), "equal", "-"
 		if r.err != nil {
 			conv, dig = "NO", "-"
 		} else if !r.digestsEqual {
 			dig = "DIFFER"
 		}
-		fmt.Fprintf(&b, "%-38s %8d %7d %11d %10s %8s  %s\n", r.name, r.routes, r.failed, r.ackedLost, conv, dig, r.notes)
+		if r.bookingsLeft >= 0 {
+			left = fmt.Sprint(r.bookingsLeft)
+		}
+		fmt.Fprintf(&b, "%-46s %8d %7d %11d %13s %10s %8s  %s\n", r.name, r.routes, r.failed, r.ackedLost, left, conv, dig, r.notes)
 	}
 	return b.String()
 }
@@ -113,6 +119,10 @@ func runChaosScenarios(t *testing.T, bin, prefix string) {
 		{"two streams, one worker id", chaosDuplicateWorker},
 		{"20,000 junk Free calls", chaosJunkFree},
 		{"15.6 MB event batch", chaosBigBatch},
+		{"replica paused past the grace period", chaosReplicaPaused},
+		{"replica cut off from Redis 15 s", chaosReplicaCutOff},
+		{"Redis restarted empty, a replica restarts", chaosRedisEmptyReplicaRestarts},
+		{"three unfinished 1M-block dumps", chaosDumpsInFlight},
 	} {
 		t.Run(sc.name, func(t *testing.T) {
 			start := time.Now()
@@ -130,6 +140,9 @@ func runChaosScenarios(t *testing.T, bin, prefix string) {
 			}
 			if r.err == nil && !r.digestsEqual {
 				t.Error("digests differ")
+			}
+			if r.bookingsLeft > 0 {
+				t.Errorf("%d bookings left after every request was freed", r.bookingsLeft)
 			}
 			t.Logf("%s: %v", sc.name, time.Since(start).Round(100*time.Millisecond))
 		})
@@ -156,12 +169,18 @@ func logLength(ctx context.Context, rdb redis.UniversalClient) int64 {
 	return n
 }
 
-// settle pauses the fleet, waits for every event to be acked, then for the replicas to converge; it
-// fills the result's load, loss and convergence columns, timed from fault.
+// settle pauses the fleet, waits for every event to be acked and every booked request to be freed,
+// then for the replicas to converge; it fills the result's load, loss, bookings and convergence
+// columns, timed from fault.
 func settle(t *testing.T, f *fleet, fault time.Time, addrs ...string) chaosResult {
 	f.pause()
-	var r chaosResult
-	if err := f.waitAllAcked(20 * time.Second); err != nil {
+	r := chaosResult{bookingsLeft: -1}
+	if len(f.bookers) > 0 {
+		if pending := f.endBookings(30 * time.Second); pending > 0 {
+			r.err = fmt.Errorf("%d Free calls still retried 30 s after the booking load stopped", pending)
+		}
+	}
+	if err := f.waitAllAcked(20 * time.Second); err != nil && r.err == nil {
 		r.err = err
 	}
 	_, states, err := f.waitConverged(20*time.Second, addrs...)
@@ -176,6 +195,9 @@ func settle(t *testing.T, f *fleet, fault time.Time, addrs ...string) chaosResul
 		r.digestsEqual = true
 		for _, s := range states {
 			r.digestsEqual = r.digestsEqual && s.state.GetDigest() == states[0].state.GetDigest()
+			if len(f.bookers) > 0 {
+				r.bookingsLeft = max(r.bookingsLeft, int64(s.state.GetBookings()))
+			}
 		}
 	}
 	if n, last := f.routeFailures(); n > 0 {
@@ -229,6 +251,7 @@ func chaosRedisPaused(t *testing.T, bin string) chaosResult {
 	b := startProcess(t, bin, append(append(flags, chaosFlags...), "--replica-id", "b")...)
 	steady(t, a.addr, b.addr)
 	f := startFleet(t, 4, 20*time.Millisecond, a.addr, b.addr)
+	f.bookOn(a.addr, b.addr)
 	time.Sleep(time.Second)
 	srv.Pause()
 	time.Sleep(10 * time.Second)
@@ -256,6 +279,7 @@ func chaosRedisRestart(aof bool) func(t *testing.T, bin string) chaosResult {
 		b := startProcess(t, bin, append(append(flags, chaosFlags...), "--replica-id", "b")...)
 		steady(t, a.addr, b.addr)
 		f := startFleet(t, 4, 20*time.Millisecond, a.addr, b.addr)
+		f.bookOn(a.addr, b.addr)
 		time.Sleep(1500 * time.Millisecond)
 		srv.Restart()
 		fault := time.Now()

@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
@@ -257,6 +258,12 @@ type fleet struct {
 	lastErr  atomic.Value
 	// mu guards workers against the Route goroutines (registered); the test goroutine changes it.
 	mu sync.Mutex
+	// Booking load (bookOn): the routers that free, each ending its bookings in the background
+	// while the replica it asks cannot accept them yet; bookingWG tracks the loops.
+	bookers       []*kvclient.Router
+	bookingPaused atomic.Bool
+	bookingWG     sync.WaitGroup
+	booked        atomic.Int64
 }
 
 // startFleet starts n workers, worker i publishing to addrs[i%len] first (then the others, in turn,
@@ -335,6 +342,65 @@ func (f *fleet) routeOn(addr string) {
 			time.Sleep(5 * time.Millisecond)
 		}
 	}()
+}
+
+// bookOn adds booking load: for each addr, requests are routed (and booked) on it, every 10 ms,
+// and each is freed at once on the next addr, as a frontend behind a load balancer may end a
+// request on another replica than the one that routed it. Both go through kvclient.Router, which
+// frees in the background what a replica cannot accept yet; settle waits until every request is.
+func (f *fleet) bookOn(addrs ...string) {
+	f.mu.Lock()
+	workers := append([]*fleetWorker(nil), f.workers...)
+	f.mu.Unlock()
+	for i, addr := range addrs {
+		onRoute := kvclient.NewRouter(dial(f.t, addr), kvclient.RouterOptions{EndTimeout: 2 * time.Second})
+		onFree := kvclient.NewRouter(dial(f.t, addrs[(i+1)%len(addrs)]), kvclient.RouterOptions{EndTimeout: 2 * time.Second})
+		f.bookers = append(f.bookers, onRoute, onFree)
+		f.t.Cleanup(func() { onRoute.Close(); onFree.Close() })
+		f.bookingWG.Add(1)
+		f.wg.Add(1)
+		go func() {
+			defer f.wg.Done()
+			defer f.bookingWG.Done()
+			for n := 0; f.ctx.Err() == nil && !f.bookingPaused.Load(); n++ {
+				w := workers[n%len(workers)]
+				rctx, cancel := context.WithTimeout(f.ctx, 2*time.Second)
+				b, err := onRoute.Route(rctx, &kvrouterv1.RouteRequest{Model: w.model(), TokenIds: w.prompt()})
+				cancel()
+				if f.ctx.Err() != nil {
+					return
+				}
+				f.routes.Add(1)
+				switch {
+				case err != nil && (status.Code(err) != codes.NotFound || f.registered(w.model())):
+					f.failures.Add(1)
+					f.lastErr.Store(fmt.Sprintf("%s (booking): %v", addr, err))
+				case err == nil:
+					f.booked.Add(1)
+					fctx, cancel := context.WithTimeout(f.ctx, time.Second)
+					_ = onFree.Existing(b.RequestID).Free(fctx) // retried in the background until accepted
+					cancel()
+				}
+				time.Sleep(10 * time.Millisecond)
+			}
+		}()
+	}
+}
+
+// endBookings stops the booking load and waits, up to timeout, until every request it booked was
+// freed (no Free left to retry); it reports how many still wait.
+func (f *fleet) endBookings(timeout time.Duration) int {
+	f.bookingPaused.Store(true)
+	f.bookingWG.Wait()
+	pending := 0
+	kvtest.Poll(timeout, 50*time.Millisecond, func() bool {
+		pending = 0
+		for _, r := range f.bookers {
+			pending += r.PendingEnds()
+		}
+		return pending == 0
+	})
+	return pending
 }
 
 // routeRetrying calls Route as a frontend does: UNAVAILABLE (a replica whose shared state is being

@@ -133,17 +133,24 @@ func (b *lockedBuffer) waitLine(t *testing.T, s string) string {
 
 // serverProcess is a running `kvrouter serve`.
 type serverProcess struct {
-	addr   string
-	logs   *lockedBuffer
-	cmd    *exec.Cmd
-	killed bool
+	addr    string
+	metrics string // its /metrics listener, host:port
+	logs    *lockedBuffer
+	cmd     *exec.Cmd
+	killed  bool
 }
 
 // kill ends the process abruptly (SIGKILL), as a crash would.
 func (p *serverProcess) kill() {
 	p.killed = true
+	_ = p.cmd.Process.Signal(syscall.SIGCONT) // a paused process must run to die
 	_ = p.cmd.Process.Kill()
 }
+
+// pause freezes the process (SIGSTOP), as a long stall, a frozen VM or a debugger would; resume
+// continues it.
+func (p *serverProcess) pause()  { _ = p.cmd.Process.Signal(syscall.SIGSTOP) }
+func (p *serverProcess) resume() { _ = p.cmd.Process.Signal(syscall.SIGCONT) }
 
 // runUntilCleanup starts cmd, a `kvrouter serve` whose output goes to logs, and stops it at the
 // test's cleanup with SIGTERM, after which it must exit 0 within defaultTestTimeout (unless killed
@@ -182,12 +189,17 @@ func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 // startProcessWith is startProcess for a server whose health checks need dial (TLS, a token).
 func startProcessWith(t *testing.T, bin string, dial []grpc.DialOption, extra ...string) *serverProcess {
 	t.Helper()
-	addr := freePort(t)
-	args := append([]string{"serve", "--listen", addr, "--metrics-listen", freePort(t), "--shutdown-drain", "0s"}, extra...)
+	addr, metrics := freePort(t), freePort(t)
+	args := append([]string{"serve", "--listen", addr, "--metrics-listen", metrics, "--shutdown-drain", "0s"}, extra...)
+	for i, a := range extra {
+		if a == "--metrics-listen" && i+1 < len(extra) {
+			metrics = extra[i+1] // the last one given wins
+		}
+	}
 	cmd := exec.Command(bin, args...)
 	logs := &lockedBuffer{}
 	cmd.Stderr = logs
-	p := &serverProcess{addr: addr, logs: logs, cmd: cmd}
+	p := &serverProcess{addr: addr, metrics: metrics, logs: logs, cmd: cmd}
 	exited := runUntilCleanup(t, cmd, logs, &p.killed)
 	conn, err := grpc.NewClient("passthrough:///"+addr, dial...)
 	if err != nil {

@@ -72,6 +72,43 @@ func (l *Log) appendBookingEnd(ctx context.Context, c kvstate.Change) (kvstate.R
 	}
 }
 
+// resolveUncertain returns at once unless an append's outcome is unknown (uncertain); then it
+// reads the stream's tip and waits until this replica has applied the stream up to it: each of its
+// own entries read meanwhile is confirmed (no longer queued), so what is still queued was not
+// appended. An error when the stream cannot be read yet (retry later).
+func (l *Log) resolveUncertain(ctx context.Context) error {
+	if !l.uncertain.Load() {
+		return nil
+	}
+	last, err := l.rdb.XRevRangeN(ctx, l.opts.Stream(), "+", "-", 1).Result()
+	if err != nil {
+		return err
+	}
+	tip := "0-0"
+	if len(last) > 0 {
+		tip = last[0].ID
+	}
+	if err := l.catchUpTo(ctx, tip); err != nil {
+		return err
+	}
+	l.uncertain.Store(false)
+	return nil
+}
+
+// stillQueued returns the entries of batch that are still to be appended: not confirmed by this
+// replica reading them back from the stream (resolveUncertain).
+func (l *Log) stillQueued(batch []outgoing) []outgoing {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	kept := batch[:0]
+	for _, o := range batch {
+		if _, ok := l.queued[o.seq]; ok {
+			kept = append(kept, o)
+		}
+	}
+	return kept
+}
+
 // unreachable is the error of a call that could not ask Redis.
 func (l *Log) unreachable(ctx context.Context, err error) error {
 	if ctx.Err() != nil {
@@ -163,6 +200,18 @@ func (l *Log) publish(ctx context.Context) {
 			}
 		}
 		for len(batch) > 0 {
+			if err := l.resolveUncertain(ctx); err != nil {
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(100 * time.Millisecond):
+				}
+				continue
+			}
+			batch = l.stillQueued(batch)
+			if len(batch) == 0 {
+				break
+			}
 			errs := l.addEntries(ctx, batch)
 			var failed []outgoing
 			var lastErr error

@@ -511,6 +511,14 @@ func (l *Log) addEntries(ctx context.Context, entries []outgoing) []error {
 			break
 		}
 	}
+	for _, err := range errs {
+		var reply redis.Error
+		if err != nil && !errors.Is(err, errFenced) && !errors.As(err, &reply) {
+			// No reply: the script may have run, and the entry be in the stream (resolveUncertain).
+			l.uncertain.Store(true)
+			break
+		}
+	}
 	return errs
 }
 

@@ -138,6 +138,12 @@ type Log struct {
 	queued map[uint64]struct{}
 
 	outbox chan outgoing // locally applied bookings to publish
+	// uncertain is set when an append got no reply (the connection broke): its entry may be in the
+	// stream although the append failed. Retrying it blindly would append it twice, and a booking
+	// appended again after its Free would be booked again everywhere; so retries of queued changes
+	// wait until this replica has read the stream past the failure (resolveUncertain), which
+	// confirms the changes that did go in.
+	uncertain atomic.Bool
 
 	// The committer (commit): worker changes waiting to be appended, joined into one entry.
 	commitMu      sync.Mutex

@@ -74,6 +74,25 @@ func (l *Log) appendBuffered(c kvstate.Change) (kvstate.Result, error) {
 	return res, nil
 }
 
+// dropConfirmedLocked removes from the buffer the changes this replica read back from the stream
+// (an append that got no reply had put them in: resolveUncertain). The caller holds mu.
+func (l *Log) dropConfirmedLocked() {
+	kept := l.buffer[:0]
+	for _, b := range l.buffer {
+		if _, ok := l.queued[b.seq]; ok {
+			kept = append(kept, b)
+			continue
+		}
+		if b.hasWorker {
+			if l.bufferedBy[b.worker]--; l.bufferedBy[b.worker] <= 0 {
+				delete(l.bufferedBy, b.worker)
+			}
+		}
+	}
+	clear(l.buffer[len(kept):])
+	l.buffer = kept
+}
+
 // probe pings Redis with a short timeout, so an outage shows in health within a second whether or
 // not changes are flowing (client retries can hold a failing append for several seconds).
 func (l *Log) probe(ctx context.Context) {
@@ -148,7 +167,11 @@ func (l *Log) TakeResync(key kvstate.WorkerKey) bool {
 // buffer is empty.
 func (l *Log) flushBuffer(ctx context.Context) bool {
 	for {
+		if err := l.resolveUncertain(ctx); err != nil {
+			return false
+		}
 		l.mu.Lock()
+		l.dropConfirmedLocked()
 		batch := append([]buffered(nil), l.buffer[:min(len(l.buffer), 256)]...)
 		l.mu.Unlock()
 		if len(batch) == 0 {

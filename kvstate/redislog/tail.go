@@ -360,6 +360,7 @@ func (l *Log) applyMessage(msg redis.XMessage) bool {
 		for i, seq := range seqs {
 			local[i] = l.unechoed[seq]
 			delete(l.unechoed, seq)
+			delete(l.queued, seq) // appended, whatever its appender was told (resolveUncertain)
 			allLocal = allLocal && local[i]
 		}
 		l.mu.Unlock()

@@ -145,3 +145,49 @@ func TestStoppedReplicaHoldsNothingUp(t *testing.T) {
 		t.Errorf("the answer took %v after C stopped cleanly, want it without waiting for C", took)
 	}
 }
+
+// TestAppendWithoutReplyIsNotRepeated: replica A's append of a booking reaches Redis but its reply
+// is lost (the connection breaks after the command was sent). Replica B frees the booking. When A
+// reaches Redis again it does not append the booking a second time: it first reads the stream past
+// the failure, where it finds its booking. Before, it appended it again, after the Free, and every
+// replica held the booking until it expired.
+func TestAppendWithoutReplyIsNotRepeated(t *testing.T) {
+	a, b, proxy, rdb := startCutOff(t)
+	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+	defer cancel()
+	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "B to see the worker", func() bool { return b.state.Worker(wk) != nil })
+	proxy.MuteReplies()
+	if _, err := a.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: "once", At: time.Now().UnixNano(),
+		Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{9}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "B to see the booking that reached Redis", func() bool { return b.state.Load().Booked("once") })
+	if _, err := b.log.Append(ctx, kvstate.Freed{RequestID: "once", At: time.Now().UnixNano()}); err != nil {
+		t.Fatalf("B frees the booking = %v", err)
+	}
+	time.Sleep(time.Second) // A's append times out (300 ms) and is retried meanwhile, without a reply
+	proxy.Heal()
+	eventually(t, "A and B to converge", func() bool { return converged(a, b) })
+	if na, nb := a.state.Load().Bookings(), b.state.Load().Bookings(); na != 0 || nb != 0 {
+		t.Errorf("bookings after the Free: A %d, B %d; want 0 (the booking appended again after its Free)", na, nb)
+	}
+	n := 0
+	entries, err := rdb.XRange(ctx, fmt.Sprintf("kvr:{%s}:log", t.Name()), "-", "+").Result()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		changes, _ := kvstate.DecodeEntry([]byte(e.Values["e"].(string)))
+		for _, c := range changes {
+			if bk, ok := c.(kvstate.Booked); ok && bk.Booking.RequestID == "once" {
+				n++
+			}
+		}
+	}
+	if n != 1 {
+		t.Errorf("the booking is in the stream %d times, want once", n)
+	}
+}

@@ -19,6 +19,7 @@ type Proxy struct {
 
 	mu    sync.Mutex
 	cut   bool
+	mute  bool                  // replies are dropped; requests still reach Redis
 	conns map[net.Conn]struct{} // both sides of every connection, to close at Heal or Close
 	held  map[net.Conn]struct{} // connections opened during a cut, forwarding nothing
 	wg    sync.WaitGroup
@@ -62,13 +63,14 @@ func (p *Proxy) accept() {
 		p.conns[c], p.conns[up] = struct{}{}, struct{}{}
 		p.mu.Unlock()
 		p.wg.Add(2)
-		go p.pipe(up, c)
-		go p.pipe(c, up)
+		go p.pipe(up, c, false)
+		go p.pipe(c, up, true)
 	}
 }
 
-// pipe copies from src to dst until either side closes; during a cut the bytes read are dropped.
-func (p *Proxy) pipe(dst, src net.Conn) {
+// pipe copies from src to dst until either side closes; during a cut the bytes read are dropped,
+// and so are Redis's replies (replies) while they are muted.
+func (p *Proxy) pipe(dst, src net.Conn, replies bool) {
 	defer p.wg.Done()
 	defer func() {
 		dst.Close()
@@ -83,7 +85,7 @@ func (p *Proxy) pipe(dst, src net.Conn) {
 		n, err := src.Read(buf)
 		if n > 0 {
 			p.mu.Lock()
-			cut := p.cut
+			cut := p.cut || replies && p.mute
 			p.mu.Unlock()
 			if !cut {
 				if _, werr := dst.Write(buf[:n]); werr != nil {
@@ -104,12 +106,20 @@ func (p *Proxy) Cut() {
 	p.cut = true
 }
 
-// Heal ends the partition: the connections it held are closed (their clients reconnect), and new
-// ones are forwarded.
+// MuteReplies lets requests through to Redis but drops its replies, as a connection that breaks
+// after a command was sent: the client cannot tell whether the command ran (it did). Heal ends it.
+func (p *Proxy) MuteReplies() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.mute = true
+}
+
+// Heal ends the partition (or the muting): the connections it held are closed (their clients
+// reconnect), and new ones are forwarded.
 func (p *Proxy) Heal() {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	p.cut = false
+	p.cut, p.mute = false, false
 	for c := range p.conns {
 		c.Close()
 	}

@@ -58,8 +58,8 @@ type Router struct {
 	opts   RouterOptions
 
 	// Ends retried in the background (retryEnd), until bg ends (Close).
-	bg      context.Context
-	stop    context.CancelFunc
+	bg        context.Context
+	stop      context.CancelFunc
 	pending   sync.WaitGroup
 	npend     atomic.Int64 // ends retried in the background now
 	abandoned atomic.Int64 // ends given up at Close
