@@ -53,7 +53,17 @@ func chaosReplicaPaused(t *testing.T, bin string) chaosResult {
 	a := startProcess(t, bin, append(flags, "--replica-id", "a")...)
 	b := startProcess(t, bin, append(flags, "--replica-id", "b")...)
 	steady(t, a.addr, b.addr)
-	f := startFleetOn(t, 4, 20*time.Millisecond, []string{a.addr, b.addr}, []string{b.addr})
+	// Workers 1 and 2 stream to A, 3 and 4 to B: each model keeps a worker on B while A is paused
+	// (sharded, worker id mod 2 picks the model).
+	var workers []*fleetWorker
+	for id := uint64(1); id <= 4; id++ {
+		addrs := []string{a.addr, b.addr}
+		if id > 2 {
+			addrs = []string{b.addr, a.addr}
+		}
+		workers = append(workers, newFleetWorker(t, id, addrs...))
+	}
+	f := startFleetWith(t, workers, 20*time.Millisecond, b.addr)
 	f.bookOn(b.addr)
 	time.Sleep(time.Second)
 	a.pause()

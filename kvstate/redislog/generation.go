@@ -350,7 +350,7 @@ func (l *Log) loadGeneration(ctx context.Context, g string) error {
 		return fmt.Errorf("the snapshot belongs to generation %q, not to the log's %q; retrying", h.Generation, g)
 	}
 	var freshUntil int64
-	if kind == genFresh {
+	if kind == genFresh && !l.opts.NoFreshWindow {
 		// The window ends on Redis's clock; translate it to this replica's. Known before the
 		// switch, so that this replica never reports its state complete inside the window.
 		freshUntil = time.Now().Add(l.opts.ReseedWindow).UnixNano() // Redis's clock unknown: all of it

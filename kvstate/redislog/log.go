@@ -61,6 +61,11 @@ type Options struct {
 	// Set it to the booking expiry: a replica cut off for longer publishes bookings older than that,
 	// which the first housekeeper to see them expires.
 	ReplicaTimeout time.Duration
+	// NoFreshWindow says no replica can hold lost state of this log (a shard made for a model new
+	// to a deployment whose Redis kept its data: redislog.Shards knows): a fresh generation is the
+	// whole shared state at once, not incomplete for ReseedWindow. A replica with state may still
+	// reseed it within the window.
+	NoFreshWindow bool
 	// IndexBookings keeps the booking index beside the stream (bookingindex.go): a log sharded by
 	// model does, so that a replica that does not serve its model can end its bookings.
 	IndexBookings bool

@@ -13,6 +13,7 @@ import (
 	"runtime"
 	"slices"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -63,6 +64,8 @@ type Shards struct {
 	// conflicts are the models the registry names another prefix for than the one held here (by
 	// Run's goroutine only).
 	conflicts map[string]string
+	// lineage is the deployment's lineage as this replica first saw it (lineageSettled), under mu.
+	lineage string
 }
 
 // shardRun is a shard, its Log and its worker leases (nil without a grace period).
@@ -135,11 +138,15 @@ func (s *Shards) Open(ctx context.Context, model string) (*kvstate.Shard, error)
 	if err != nil {
 		return nil, fmt.Errorf("%w: finding the shard of model %q: %v", kvstate.ErrLogUnavailable, model, err)
 	}
-	return s.add(model, prefix).shard, nil
+	return s.add(ctx, model, prefix).shard, nil
 }
 
 // add makes the shard of model under prefix, unless it exists, and starts its Log if Run runs.
-func (s *Shards) add(model, prefix string) *shardRun {
+func (s *Shards) add(ctx context.Context, model, prefix string) *shardRun {
+	if r, ok := s.held(model); ok {
+		return r
+	}
+	trusted := s.lineageSettled(ctx)
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if r := s.shards[model]; r != nil {
@@ -148,6 +155,7 @@ func (s *Shards) add(model, prefix string) *shardRun {
 	opts := s.opts.Log
 	opts.Prefix = prefix
 	opts.IndexBookings = true // a replica serving other models ends its bookings (EndElsewhere)
+	opts.NoFreshWindow = trusted
 	st := s.opts.NewState()
 	l := New(s.rdb, st, opts)
 	l.Observe(s.opts.Observers)
@@ -162,6 +170,66 @@ func (s *Shards) add(model, prefix string) *shardRun {
 		s.start(r)
 	}
 	return r
+}
+
+// held returns the shard of model run here, if there is one.
+func (s *Shards) held(model string) (*shardRun, bool) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	r, ok := s.shards[model]
+	return r, ok
+}
+
+// LineageKey names the deployment's data in Redis: "<id>/<created, unix ms of Redis's clock>",
+// made by the first replica to find it missing. Redis losing its data loses it with the logs.
+func (s *Shards) LineageKey() string { return s.opts.Log.Prefix + ":lineage" }
+
+// ensureLineage returns the lineage KEYS[1], creating it ("ARGV[1]/<Redis ms>") if it is missing,
+// and Redis's time in milliseconds.
+var ensureLineage = redis.NewScript(`
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local v = redis.call('GET', KEYS[1])
+if not v then
+  v = ARGV[1] .. '/' .. string.format('%.0f', now)
+  redis.call('SET', KEYS[1], v)
+end
+return {v, now}
+`)
+
+// readLineage reads (or makes) the deployment's lineage and remembers the one seen first: Redis
+// lost its data since when it is another.
+func (s *Shards) readLineage(ctx context.Context) (lineage string, now int64, err error) {
+	v, err := ensureLineage.Run(ctx, s.rdb, []string{s.LineageKey()}, newGenerationID()).Slice()
+	if err != nil || len(v) != 2 {
+		return "", 0, fmt.Errorf("reading the deployment's lineage: %v", err)
+	}
+	lineage, _ = v[0].(string)
+	now, _ = v[1].(int64)
+	s.mu.Lock()
+	if s.lineage == "" {
+		s.lineage = lineage
+	}
+	s.mu.Unlock()
+	return lineage, now, nil
+}
+
+// lineageSettled reports whether a shard made now for a model may skip its fresh log's reseed
+// window (Options.NoFreshWindow): no replica can hold lost state of it, because Redis has kept the
+// deployment's data since this replica first saw it, and since longer than the window (so that
+// a loss before, from which a replica with state might reseed, is over). A new deployment, or one
+// whose Redis lost its data, keeps the window for its models' logs.
+func (s *Shards) lineageSettled(ctx context.Context) bool {
+	lineage, now, err := s.readLineage(ctx)
+	if err != nil {
+		return false
+	}
+	s.mu.Lock()
+	first := s.lineage
+	s.mu.Unlock()
+	created, _ := strconv.ParseInt(lineage[strings.LastIndexByte(lineage, '/')+1:], 10, 64)
+	window := s.opts.Log.withDefaults().ReseedWindow.Milliseconds()
+	return lineage == first && created > 0 && now-created > window
 }
 
 // start runs r's Log, and its leases, until Run's context ends. The caller holds mu.
@@ -210,7 +278,7 @@ func (s *Shards) Find(ctx context.Context, model string) (*kvstate.Shard, error)
 	case err != nil:
 		return nil, fmt.Errorf("%w: finding the shard of model %q: %v", kvstate.ErrLogUnavailable, model, err)
 	}
-	return s.add(model, prefix).shard, nil
+	return s.add(ctx, model, prefix).shard, nil
 }
 
 // RegisteredElsewhere returns where the worker rank is registered under another model than model:
@@ -369,10 +437,11 @@ func (s *Shards) Run(ctx context.Context) error {
 		if err != nil {
 			return // Redis unreachable: each shard's Log reports it; the registry is read again later
 		}
+		s.readLineage(ctx)
 		var logs []*Log
 		for model, prefix := range registry {
 			if s.serves(model) {
-				logs = append(logs, s.add(model, prefix).log)
+				logs = append(logs, s.add(ctx, model, prefix).log)
 			}
 		}
 		s.repairRegistry(ctx, registry)

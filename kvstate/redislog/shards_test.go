@@ -327,3 +327,46 @@ func TestShardsRegisteredElsewhere(t *testing.T) {
 		t.Errorf("RegisteredElsewhere(8, m2) = %q, %v; want nothing", model, err)
 	}
 }
+
+// TestNewModelInASettledDeployment: a shard made for a model new to a deployment whose Redis has
+// kept its data for longer than the reseed window is complete at once (no replica can hold lost
+// state of it), so that adding a model does not make every replica answer UNAVAILABLE, and report
+// not ready, for a reseed window. In a new deployment (or one whose Redis lost its data) a new
+// model's log keeps the window: a replica holding the lost state may still reseed it.
+func TestNewModelInASettledDeployment(t *testing.T) {
+	for _, tt := range []struct {
+		name      string
+		lineage   time.Duration // age of the deployment's lineage when the replica starts (0: none)
+		wantFresh bool
+	}{
+		{"settled deployment", time.Hour, false},
+		{"new deployment", 0, true},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			rdb := redistest.Start(t).Client()
+			ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
+			defer cancel()
+			if tt.lineage > 0 {
+				v := fmt.Sprintf("0123456789abcdef/%d", time.Now().Add(-tt.lineage).UnixMilli())
+				if err := rdb.Set(ctx, "kvr:{"+t.Name()+"}:lineage", v, 0).Err(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			s, _ := runShardsWith(t, rdb, redislog.ShardsOptions{Log: redislog.Options{Replica: "a", ReseedWindow: 5 * time.Second}})
+			eventually(t, "the first registry read", func() bool {
+				select {
+				case <-s.Ready():
+					return true
+				default:
+					return false
+				}
+			})
+			shardOf(t, s, "new-model")
+			l := s.Log("new-model")
+			eventually(t, "the new model's log to join", func() bool { return l.Generation() != "" })
+			if got := l.Incomplete(); got != tt.wantFresh {
+				t.Errorf("the new model's log right after it joined: incomplete %v, want %v", got, tt.wantFresh)
+			}
+		})
+	}
+}

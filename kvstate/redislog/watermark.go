@@ -239,6 +239,11 @@ func (l *Log) watermarks(ctx context.Context) (now int64, tip string, marks map[
 	return now, tip, marks, nil
 }
 
+// rejoinTimeout bounds how long a replica seen before, whose watermark Redis no longer holds (it
+// lost its data), counts as behind: a live one rejoins the log and writes its watermark again
+// within about a second.
+const rejoinTimeout = 10 * time.Second
+
 // noteReplicas remembers the replicas whose live watermarks marks holds (read at now, Redis
 // microseconds), with when each was last written, and forgets those that stopped cleanly or were
 // silent for longer than ReplicaTimeout.
@@ -275,6 +280,10 @@ func (l *Log) behind(since, now int64, marks map[string]string) error {
 		v, ok := marks[id]
 		m := parseWatermark(v)
 		switch {
+		case !ok && now-seen > rejoinTimeout.Microseconds():
+			// A live replica writes its watermark again within moments of Redis coming back; one
+			// that does not is gone (killed meanwhile), with whatever it had not published.
+			delete(l.known, id)
 		case !ok:
 			return errBehind{replica: id, missing: true, silent: time.Duration(now-seen) * time.Microsecond}
 		case m.promise <= since:
