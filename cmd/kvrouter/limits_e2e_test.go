@@ -15,22 +15,28 @@ import (
 )
 
 // peakRSS returns the process's peak resident memory (VmHWM) in bytes.
-func peakRSS(t *testing.T, pid int) int64 {
+func peakRSS(t *testing.T, pid int) int64 { return procStatusBytes(t, pid, "VmHWM") }
+
+// currentRSS returns the process's resident memory now (VmRSS).
+func currentRSS(t *testing.T, pid int) int64 { return procStatusBytes(t, pid, "VmRSS") }
+
+// procStatusBytes returns a memory figure of /proc/<pid>/status (field VmHWM, VmRSS, ...), in bytes.
+func procStatusBytes(t *testing.T, pid int, field string) int64 {
 	t.Helper()
 	data, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		t.Skipf("no /proc on this machine: %v", err)
 	}
 	for _, line := range strings.Split(string(data), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
 			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
 			if err != nil {
-				t.Fatalf("VmHWM %q: %v", v, err)
+				t.Fatalf("%s %q: %v", field, v, err)
 			}
 			return kb << 10
 		}
 	}
-	t.Fatalf("no VmHWM in /proc/%d/status", pid)
+	t.Fatalf("no %s in /proc/%d/status", field, pid)
 	return 0
 }
 

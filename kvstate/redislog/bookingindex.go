@@ -11,7 +11,6 @@ package redislog
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"strconv"
 	"time"
@@ -53,18 +52,6 @@ func indexArgs(args []any, ops []indexOp) []any {
 	return args
 }
 
-// readBookingIndex returns Redis's time in microseconds, the stream KEYS[2]'s tip, the watermarks
-// of the hash KEYS[1], and the score of member ARGV[1] in the index KEYS[3] (false: none), in one
-// step.
-var readBookingIndex = redis.NewScript(`
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
-local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
-local tip = '0-0'
-if #last > 0 then tip = last[1][1] end
-return {now, tip, redis.call('HGETALL', KEYS[1]), redis.call('ZSCORE', KEYS[3], ARGV[1])}
-`)
-
 // endElsewhere appends c, a PrefillDone or Freed, to the log under prefix (a shard this replica
 // does not serve) if its booking index names the request, once every replica of that shard has
 // published what it booked before the call. It reports whether it found the booking; ErrLogUnavailable
@@ -79,35 +66,28 @@ func endElsewhere(ctx context.Context, rdb redis.UniversalClient, opts Options, 
 	default:
 		return false, fmt.Errorf("redislog: endElsewhere(%T)", c)
 	}
-	keys := []string{opts.ReplicasKey(), opts.Stream(), opts.BookingsKey()}
 	var since int64
 	deadline := time.Now().Add(opts.WatermarkWait)
 	for {
-		v, err := readBookingIndex.Run(ctx, rdb, keys, id).Slice()
-		if err != nil && !errors.Is(err, redis.Nil) {
+		r, err := readMarks(ctx, rdb, opts, id)
+		if err != nil {
 			return false, fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
 		}
-		if len(v) != 4 {
-			return false, errors.New("unexpected reply to the booking index script")
-		}
-		now, _ := v[0].(int64)
 		if since == 0 {
-			since = now // the call's time: every booking made before it is in the stream once
-			continue    // every replica's watermark is past it
+			since = r.now // the call's time: every booking made before it is in the stream once
+			continue      // every replica's watermark is past it
 		}
 		var behind error
-		pairs, _ := v[2].([]any)
-		for i := 0; i+1 < len(pairs); i += 2 {
-			replica, _ := pairs[i].(string)
-			val, _ := pairs[i+1].(string)
-			m := parseWatermark(val)
-			if !m.gone && now-m.at <= opts.ReplicaTimeout.Microseconds() && m.promise <= since {
-				behind = errBehind{replica: replica, silent: time.Duration(now-m.promise) * time.Microsecond, fresh: m.promise == 0}
-				break
+		for replica, v := range r.marks {
+			m := parseWatermark(v)
+			if !m.gone && r.now-m.at <= opts.ReplicaTimeout.Microseconds() {
+				if behind = behindMark(replica, m, since, r.now); behind != nil {
+					break
+				}
 			}
 		}
 		if behind == nil {
-			if v[3] == nil {
+			if !r.indexed {
 				return false, nil // no booking of this id in the shard
 			}
 			return true, appendForeign(ctx, rdb, opts, c)

@@ -54,16 +54,59 @@ return now
 `)
 
 // readWatermarks returns Redis's time in microseconds, the stream KEYS[2]'s last entry id ("0-0"
-// when empty), and the hash KEYS[1] of watermarks, in that order and in one step: every entry the
-// watermarks promise is at or before that id.
+// when empty), the hash KEYS[1] of watermarks, and the score of member ARGV[1] in the booking index
+// KEYS[3] (false: none), in that order and in one step: every entry the watermarks promise is at or
+// before that id.
 var readWatermarks = redis.NewScript(`
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local last = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
 local tip = '0-0'
 if #last > 0 then tip = last[1][1] end
-return {now, tip, redis.call('HGETALL', KEYS[1])}
+return {now, tip, redis.call('HGETALL', KEYS[1]), redis.call('ZSCORE', KEYS[3], ARGV[1])}
 `)
+
+// reading is what readWatermarks returned.
+type reading struct {
+	now     int64             // Redis's time, microseconds
+	tip     string            // the stream's last entry id
+	marks   map[string]string // replica id -> watermark value
+	indexed bool              // the booking index holds the member asked for
+}
+
+// readMarks runs readWatermarks for the log under opts, asking the booking index for member ("":
+// nothing).
+func readMarks(ctx context.Context, rdb redis.UniversalClient, opts Options, member string) (reading, error) {
+	v, err := readWatermarks.Run(ctx, rdb, []string{opts.ReplicasKey(), opts.Stream(), opts.BookingsKey()}, member).Slice()
+	if err != nil && !errors.Is(err, redis.Nil) {
+		return reading{}, err
+	}
+	if len(v) != 4 {
+		return reading{}, errors.New("unexpected reply to the watermark script")
+	}
+	r := reading{indexed: v[3] != nil}
+	r.now, _ = v[0].(int64)
+	r.tip, _ = v[1].(string)
+	pairs, _ := v[2].([]any)
+	r.marks = make(map[string]string, len(pairs)/2)
+	for i := 0; i+1 < len(pairs); i += 2 {
+		k, _ := pairs[i].(string)
+		val, _ := pairs[i+1].(string)
+		r.marks[k] = val
+	}
+	return r, nil
+}
+
+// behindMark returns an errBehind when the watermark m of replica id, read at now, does not promise
+// everything applied before since (microseconds of Redis's clock), or nil. A watermark equal to
+// since says nothing: the clock may have been read in the same microsecond for the watermark and
+// for the call, the watermark's before a change it does not cover.
+func behindMark(id string, m watermark, since, now int64) error {
+	if m.promise > since {
+		return nil
+	}
+	return errBehind{replica: id, silent: time.Duration(now-m.promise) * time.Microsecond, fresh: m.promise == 0}
+}
 
 // runWatermarks writes this replica's watermark every WatermarkInterval until ctx ends, then marks
 // it gone (what it had not published by then is lost with it). Every second it reads the others'
@@ -217,26 +260,14 @@ func (l *Log) clock(ctx context.Context) (now int64, tip string, err error) {
 
 // watermarks returns Redis's time, the stream's tip and every replica's watermark, read at once.
 func (l *Log) watermarks(ctx context.Context) (now int64, tip string, marks map[string]string, err error) {
-	v, err := readWatermarks.Run(ctx, l.rdb, []string{l.opts.ReplicasKey(), l.opts.Stream()}).Slice()
+	r, err := readMarks(ctx, l.rdb, l.opts, "")
 	if err != nil {
 		if ctx.Err() == nil {
 			l.setDegraded(err)
 		}
 		return 0, "", nil, err
 	}
-	if len(v) != 3 {
-		return 0, "", nil, errors.New("unexpected reply to the watermark script")
-	}
-	now, _ = v[0].(int64)
-	tip, _ = v[1].(string)
-	pairs, _ := v[2].([]any)
-	marks = make(map[string]string, len(pairs)/2)
-	for i := 0; i+1 < len(pairs); i += 2 {
-		k, _ := pairs[i].(string)
-		val, _ := pairs[i+1].(string)
-		marks[k] = val
-	}
-	return now, tip, marks, nil
+	return r.now, r.tip, r.marks, nil
 }
 
 // rejoinTimeout bounds how long a replica seen before, whose watermark Redis no longer holds (it
@@ -267,11 +298,9 @@ func (l *Log) noteReplicas(now int64, marks map[string]string) {
 }
 
 // behind returns an errBehind for a replica other than this one whose changes applied before since
-// (Redis microseconds) may not all be in the stream yet, given marks read at now, or nil when
-// there is none. A watermark equal to since says nothing: the clock may have been read in the same
-// microsecond for the watermark and for the call, the watermark's before a change it does not
-// cover. A replica seen before whose entry is missing counts as behind: Redis lost the hash, and
-// the replica may hold changes it has not published since.
+// (Redis microseconds) may not all be in the stream yet, given marks read at now (behindMark), or
+// nil when there is none. A replica seen before whose entry is missing counts as behind for a
+// while: Redis lost the hash, and the replica may hold changes it has not published since.
 func (l *Log) behind(since, now int64, marks map[string]string) error {
 	l.noteReplicas(now, marks)
 	l.knownMu.Lock()
@@ -286,8 +315,10 @@ func (l *Log) behind(since, now int64, marks map[string]string) error {
 			delete(l.known, id)
 		case !ok:
 			return errBehind{replica: id, missing: true, silent: time.Duration(now-seen) * time.Microsecond}
-		case m.promise <= since:
-			return errBehind{replica: id, silent: time.Duration(now-m.promise) * time.Microsecond, fresh: m.promise == 0}
+		default:
+			if err := behindMark(id, m, since, now); err != nil {
+				return err
+			}
 		}
 	}
 	return nil
