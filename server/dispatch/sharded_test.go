@@ -8,6 +8,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/redis/go-redis/v9"
+
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
@@ -132,35 +134,47 @@ func TestShardedRequestIDsAreUnique(t *testing.T) {
 	}
 }
 
-// TestShardedFreeOnAnotherReplica: with a log sharded by model in Redis, a request routed on one
-// replica is freed on another at once, while its booking may still be on its way through its
-// shard's log, although that replica holds another shard too.
-func TestShardedFreeOnAnotherReplica(t *testing.T) {
-	rdb := redistest.Start(t).Client()
-	run := func(replica string) *redislog.Shards {
-		s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond,
-			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
-				ReseedWindow: 300 * time.Millisecond}})
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = s.Run(ctx); close(done) }()
-		t.Cleanup(func() {
-			cancel()
-			<-done
-		})
-		return s
-	}
-	a, b := run("a"), run("b")
+// runShards runs a log sharded by model, replica of the test's deployment on rdb, serving models
+// (all when none), until the test ends.
+func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *redislog.Shards {
+	t.Helper()
+	s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond, Models: models,
+		Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+			ReseedWindow: 300 * time.Millisecond}})
+	ctx, cancel := context.WithCancel(context.Background())
+	done := make(chan struct{})
+	go func() { _ = s.Run(ctx); close(done) }()
+	t.Cleanup(func() {
+		cancel()
+		<-done
+	})
+	return s
+}
+
+// registerModels registers worker 1 of model m1 and worker 2 of m2 on s, each caching tokens.
+func registerModels(t *testing.T, s *redislog.Shards, tokens []uint32) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
-	tokens := prompt(4 * testBlockSize)
 	for i, m := range []string{"m1", "m2"} {
-		sh, err := a.Open(ctx, m)
+		sh, err := s.Open(ctx, m)
 		if err != nil {
 			t.Fatal(err)
 		}
 		register(t, sh, uint64(i+1), tokens, 4)
 	}
+}
+
+// TestShardedFreeOnAnotherReplica: with a log sharded by model in Redis, a request routed on one
+// replica is freed on another at once, while its booking may still be on its way through its
+// shard's log, although that replica holds another shard too.
+func TestShardedFreeOnAnotherReplica(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	a, b := runShards(t, rdb, "a"), runShards(t, rdb, "b")
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	tokens := prompt(4 * testBlockSize)
+	registerModels(t, a, tokens)
 	kvtest.Eventually(t, testTimeout, "replica b to hold both shards", func() bool {
 		for i, m := range []string{"m1", "m2"} {
 			if sh, ok := b.Lookup(m); !ok || sh.State.Worker(kvstate.WorkerKey{ID: uint64(i + 1)}) == nil {
@@ -199,30 +213,11 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 // NOT_FOUND. Before, such a replica answered NOT_FOUND, and the booking stayed until it expired.
 func TestShardedEndOnAReplicaNotServingTheModel(t *testing.T) {
 	rdb := redistest.Start(t).Client()
-	run := func(replica string, models ...string) *redislog.Shards {
-		s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond, Models: models,
-			Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
-				ReseedWindow: 300 * time.Millisecond}})
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan struct{})
-		go func() { _ = s.Run(ctx); close(done) }()
-		t.Cleanup(func() {
-			cancel()
-			<-done
-		})
-		return s
-	}
-	all, only2 := run("all"), run("only2", "m2")
+	all, only2 := runShards(t, rdb, "all"), runShards(t, rdb, "only2", "m2")
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	tokens := prompt(4 * testBlockSize)
-	for i, m := range []string{"m1", "m2"} {
-		sh, err := all.Open(ctx, m)
-		if err != nil {
-			t.Fatal(err)
-		}
-		register(t, sh, uint64(i+1), tokens, 4)
-	}
+	registerModels(t, all, tokens)
 	kvtest.Eventually(t, testTimeout, "the shards past their reseed window", func() bool {
 		return !all.Log("m1").Incomplete() && !all.Log("m2").Incomplete()
 	})
