@@ -650,7 +650,9 @@ class UnavailableEndTest(SharedStateTest):
         t0 = time.monotonic()
         with self.assertRaises(grpc.RpcError) as cm:
             gone.free(timeout=0.5)
-        self.assertGreaterEqual(time.monotonic() - t0, 0.3, "free() gave up before its timeout instead of retrying")
+        # At least one retry, after the router's 250 ms RetryInfo, jittered to no less than half;
+        # free() hands over to the background once the next wait would pass its timeout.
+        self.assertGreaterEqual(time.monotonic() - t0, 0.1, "free() gave up at once instead of retrying")
         self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
         self.assertEqual(error_reason(cm.exception), "LOG_UNAVAILABLE")
         self.assertEqual(retry_delay(cm.exception), 0.25)
@@ -663,10 +665,10 @@ class UnavailableEndTest(SharedStateTest):
             self.router.existing("prefilled-elsewhere").prefill_complete(timeout=0.3)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
         self.assertEqual(self.router.pending_ends, 2)
-        # A booking this replica holds is freed at once, locally, while Redis is unreachable.
-        t0 = time.monotonic()
-        held.free(timeout=0.5)
-        self.assertLess(time.monotonic() - t0, 0.25)
+        # A booking this replica holds is freed at once, locally, while Redis is unreachable: the
+        # first call is accepted, nothing goes to the background.
+        held.free(timeout=5)
+        self.assertEqual(self.router.pending_ends, 2)
         self.assertEqual(self.active(), 0)
         # A booking is made on this replica after the Free was sent (as another replica's booking
         # becomes visible once it is published): the retried Free finds it and frees it.
