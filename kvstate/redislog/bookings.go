@@ -58,8 +58,12 @@ func (l *Log) appendBookingEnd(ctx context.Context, c kvstate.Change) (kvstate.R
 				return kvstate.Result{}, err
 			}
 			res, err = l.appendLocalFirst(c)
-			if errors.Is(err, kvstate.ErrUnknownRequest) && l.Incomplete() {
+			switch {
+			case !errors.Is(err, kvstate.ErrUnknownRequest):
+			case l.Incomplete():
 				return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, whose shared state may be incomplete (the shared log was lost and is being re-established, or may still be), so the booking may exist; retry", kvstate.ErrLogUnavailable)
+			case l.justReseeded(now):
+				return kvstate.Result{}, fmt.Errorf("%w: not booked on this replica, and the shared log was reseeded moments ago (Redis lost its data): a replica holding the booking may not have rejoined it yet; retry", kvstate.ErrLogUnavailable)
 			}
 			return res, err
 		}
@@ -107,6 +111,15 @@ func (l *Log) stillQueued(batch []outgoing) []outgoing {
 		}
 	}
 	return kept
+}
+
+// justReseeded reports whether the log this replica follows was reseeded less than rejoinTimeout
+// before now (Redis microseconds). Redis lost every replica's watermark with its data, and a
+// replica that has not rejoined yet writes none: one that never saw it (started since) cannot know
+// it may hold a booking not published yet. Those that rejoin write theirs again within moments.
+func (l *Log) justReseeded(now int64) bool {
+	kind, created := generationKind(l.Generation())
+	return kind == genSeeded && !created.IsZero() && now/1000-created.UnixMilli() < rejoinTimeout.Milliseconds()
 }
 
 // unreachable is the error of a call that could not ask Redis.

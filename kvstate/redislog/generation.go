@@ -38,7 +38,7 @@ import (
 //   - Each stream compares its last ack with the reloaded state and asks its worker for a dump when
 //     acked events were lost with Redis.
 //
-// The value is "<id>/<kind>" or "<id>/fresh/<created unix ms>"; kinds are seeded (reseeded from a
+// The value is "<id>/<kind>/<created unix ms>" or "<id>/adopted"; kinds are seeded (reseeded from a
 // replica's state), fresh (created on an empty Redis) and adopted (a log written before generations
 // existed, taken over as it is).
 
@@ -156,13 +156,14 @@ func newGenerationID() string {
 	return hex.EncodeToString(b[:])
 }
 
-// generationKind returns a generation's kind and, for a fresh one, when Redis created it.
+// generationKind returns a generation's kind and, for a fresh or a seeded one, when it was created
+// (Redis's clock; zero for a seeded one of a release before it was written down).
 func generationKind(g string) (kind string, created time.Time) {
 	parts := strings.Split(g, "/")
 	if len(parts) < 2 {
 		return "", time.Time{}
 	}
-	if parts[1] == genFresh && len(parts) == 3 {
+	if (parts[1] == genFresh || parts[1] == genSeeded) && len(parts) == 3 {
 		if ms, err := strconv.ParseInt(parts[2], 10, 64); err == nil {
 			created = time.UnixMilli(ms)
 		}
@@ -287,7 +288,11 @@ func (l *Log) reseedRewound(ctx context.Context, expected string, rewoundBehind 
 	}
 	defer l.rdb.Del(context.WithoutCancel(ctx), l.opts.ReseedLeaseKey())
 	start := time.Now()
-	g := newGenerationID() + "/" + genSeeded
+	now, err := l.rdb.Time(ctx).Result()
+	if err != nil {
+		return false, err
+	}
+	g := fmt.Sprintf("%s/%s/%d", newGenerationID(), genSeeded, now.UnixMilli())
 	// Local bookings wait until the new generation is in place: they must be in the snapshot, or be
 	// published under the new generation, never both and never neither.
 	l.localMu.Lock()

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,9 +18,9 @@ import (
 // startCutOff starts replica "a" behind a proxy that can cut it off from Redis, and replica "b"
 // connected directly, both with short timeouts and reseed window, and waits until their shared
 // state is complete and each has the other's watermark.
-func startCutOff(t *testing.T, opts ...func(*redislog.Options)) (a, b replica, proxy *redistest.Proxy, rdb redis.UniversalClient) {
+func startCutOff(t *testing.T, opts ...func(*redislog.Options)) (a, b replica, proxy *redistest.Proxy, srv *redistest.Server) {
 	t.Helper()
-	srv := redistest.Start(t)
+	srv = redistest.Start(t)
 	proxy = redistest.StartProxy(t, srv.Addr)
 	fast := func(addr string) redis.UniversalClient {
 		c := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}, DialTimeout: 200 * time.Millisecond,
@@ -30,7 +31,7 @@ func startCutOff(t *testing.T, opts ...func(*redislog.Options)) (a, b replica, p
 	short := append([]func(*redislog.Options){func(o *redislog.Options) { o.ReseedWindow = 300 * time.Millisecond }}, opts...)
 	a = startReplicasNamed(t, fast(proxy.Addr), "a", 1, short...)[0]
 	b = startReplicasNamed(t, fast(srv.Addr), "b", 1, short...)[0]
-	rdb = srv.Client()
+	rdb := srv.Client()
 	key := fmt.Sprintf("kvr:{%s}:replicas", t.Name())
 	eventually(t, "both replicas complete, with live watermarks", func() bool {
 		marks, err := rdb.HGetAll(context.Background(), key).Result()
@@ -44,7 +45,7 @@ func startCutOff(t *testing.T, opts ...func(*redislog.Options)) (a, b replica, p
 		}
 		return true
 	})
-	return a, b, proxy, rdb
+	return a, b, proxy, srv
 }
 
 // TestFreeOfABookingNotPublishedYet: replica A, cut off from Redis, books a request; a Free for it
@@ -152,7 +153,8 @@ func TestStoppedReplicaHoldsNothingUp(t *testing.T) {
 // the failure, where it finds its booking. Before, it appended it again, after the Free, and every
 // replica held the booking until it expired.
 func TestAppendWithoutReplyIsNotRepeated(t *testing.T) {
-	a, b, proxy, rdb := startCutOff(t)
+	a, b, proxy, srv := startCutOff(t)
+	rdb := srv.Client()
 	ctx, cancel := context.WithTimeout(context.Background(), redisTestTimeout)
 	defer cancel()
 	if _, err := a.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
@@ -190,4 +192,44 @@ func TestAppendWithoutReplyIsNotRepeated(t *testing.T) {
 	if n != 1 {
 		t.Errorf("the booking is in the stream %d times, want once", n)
 	}
+}
+
+// TestFreeRightAfterAReseed: Redis restarts empty while replica A, cut off from it, holds a booking
+// it has not published; replica B reseeds the log from its state (which lacks the booking), and a
+// new replica C starts. Redis lost every watermark, and C never saw A's: a Free of A's booking sent
+// to C is UNAVAILABLE for a while after the reseed (replicas holding changes may not have rejoined),
+// not NOT_FOUND; once A is back and has published the booking, the retried Free frees it
+// everywhere. Before, C answered NOT_FOUND, and the booking stayed until it expired.
+func TestFreeRightAfterAReseed(t *testing.T) {
+	a, b, proxy, srv := startCutOff(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*redisTestTimeout)
+	defer cancel()
+	if _, err := b.log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "A to see the worker", func() bool { return a.state.Worker(wk) != nil })
+	proxy.Cut()
+	if _, err := a.log.Append(ctx, kvstate.Booked{Booking: kvstate.Booking{RequestID: "on-a", At: time.Now().UnixNano(),
+		Hops: []kvstate.HopBooking{{Worker: wk, Blocks: []uint64{3}}}}}); err != nil {
+		t.Fatal(err)
+	}
+	srv.Restart() // empty
+	rdb := srv.Client()
+	eventually(t, "B to reseed the lost log", func() bool {
+		g, _ := rdb.Get(ctx, fmt.Sprintf("kvr:{%s}:generation", t.Name())).Result()
+		return strings.Contains(g, "/seeded/") && b.log.Generation() == g
+	})
+	c := startReplicasNamed(t, rdb, "c", 1, func(o *redislog.Options) { o.WatermarkWait = 300 * time.Millisecond })[0]
+	eventually(t, "C to join the reseeded log", func() bool { return c.log.Generation() == b.log.Generation() && !c.log.Incomplete() })
+	if _, err := c.log.Append(ctx, kvstate.Freed{RequestID: "on-a", At: time.Now().UnixNano()}); !errors.Is(err, kvstate.ErrLogUnavailable) {
+		t.Fatalf("Free on C of a booking A holds unpublished, right after the reseed = %v, want ErrLogUnavailable", err)
+	}
+	proxy.Heal()
+	eventually(t, "the Free, retried on C, to find the booking", func() bool {
+		_, err := c.log.Append(ctx, kvstate.Freed{RequestID: "on-a", At: time.Now().UnixNano()})
+		return err == nil
+	})
+	eventually(t, "A, B and C to converge with no booking", func() bool {
+		return converged(a, b, c) && a.state.Load().Bookings() == 0 && c.state.Load().Bookings() == 0
+	})
 }
