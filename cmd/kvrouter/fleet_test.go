@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -264,6 +265,7 @@ type fleet struct {
 	bookingPaused atomic.Bool
 	bookingWG     sync.WaitGroup
 	booked        atomic.Int64
+	freeChecks    []*freeCheck
 }
 
 // startFleet starts n workers, worker i publishing to addrs[i%len] first (then the others, in turn,
@@ -354,8 +356,10 @@ func (f *fleet) bookOn(addrs ...string) {
 	f.mu.Unlock()
 	for i, addr := range addrs {
 		onRoute := kvclient.NewRouter(dial(f.t, addr), kvclient.RouterOptions{EndTimeout: 2 * time.Second})
-		onFree := kvclient.NewRouter(dial(f.t, addrs[(i+1)%len(addrs)]), kvclient.RouterOptions{EndTimeout: 2 * time.Second})
+		check := &freeCheck{addr: addrs[(i+1)%len(addrs)]}
+		onFree := kvclient.NewRouter(dial(f.t, check.addr, grpc.WithChainUnaryInterceptor(check.interceptor)), kvclient.RouterOptions{EndTimeout: 2 * time.Second})
 		f.bookers = append(f.bookers, onRoute, onFree)
+		f.freeChecks = append(f.freeChecks, check)
 		f.t.Cleanup(func() { onRoute.Close(); onFree.Close() })
 		f.bookingWG.Add(1)
 		f.wg.Add(1)
@@ -459,6 +463,17 @@ func (f *fleet) halt() {
 }
 
 // routeFailures returns how many Route calls failed, and the last failure.
+// wrongFrees returns how many Free calls were answered NOT_FOUND for a request the fleet booked
+// (freeCheck), and the first few.
+func (f *fleet) wrongFrees() (int, []string) {
+	n, first := 0, []string(nil)
+	for _, c := range f.freeChecks {
+		m, w := c.report()
+		n, first = n+m, append(first, w...)
+	}
+	return n, first
+}
+
 func (f *fleet) routeFailures() (int64, string) {
 	s, _ := f.lastErr.Load().(string)
 	return f.failures.Load(), s

@@ -16,9 +16,9 @@ import (
 	"github.com/kvrouter/kvrouter/server"
 )
 
-func dial(t *testing.T, addr string) *grpc.ClientConn {
+func dial(t *testing.T, addr string, opts ...grpc.DialOption) *grpc.ClientConn {
 	t.Helper()
-	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient("passthrough:///"+addr, append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, opts...)...)
 	if err != nil {
 		t.Fatalf("grpc.NewClient() = %v", err)
 	}

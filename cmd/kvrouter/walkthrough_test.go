@@ -163,6 +163,7 @@ func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *boo
 	exited := make(chan error, 1)
 	go func() { exited <- cmd.Wait() }()
 	t.Cleanup(func() {
+		defer keepLogsOfFailure(t, cmd, logs)
 		if killed != nil && *killed {
 			<-exited
 			return
@@ -179,6 +180,20 @@ func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *boo
 		}
 	})
 	return exited
+}
+
+// keepLogsOfFailure writes a failed test's kvrouter logs to the folder $KVROUTER_TEST_LOGS names,
+// if it names one, a file per process: a fault found once in many runs can then be traced.
+func keepLogsOfFailure(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer) {
+	dir := os.Getenv("KVROUTER_TEST_LOGS")
+	if dir == "" || !t.Failed() {
+		return
+	}
+	name := strings.NewReplacer("/", "_", " ", "_").Replace(t.Name())
+	path := filepath.Join(dir, fmt.Sprintf("%s-%d.log", name, cmd.Process.Pid))
+	if err := os.WriteFile(path, []byte(logs.String()), 0o644); err != nil {
+		t.Logf("keeping the logs: %v", err)
+	}
 }
 
 func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {

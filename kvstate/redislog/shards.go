@@ -318,15 +318,18 @@ func (s *Shards) RegisteredElsewhere(ctx context.Context, key kvstate.WorkerKey,
 	return nil, "", nil
 }
 
-// EndElsewhere applies c, a PrefillDone or Freed, to a booking held in the shard of a model this
-// replica does not serve (it holds no state of it): the shard whose booking index names the
-// request gets the change in its log, once that shard's replicas have published what they booked
-// before the call (bookingindex.go). ErrUnknownRequest when no such shard holds it;
-// ErrLogUnavailable when this replica cannot tell.
+// EndElsewhere applies c, a PrefillDone or Freed, that no shard this replica holds has the
+// booking of. The booking may be in the shard of a model this replica does not serve (it holds no
+// state of it): the shard whose booking index names the request gets the change in its log, once
+// that shard's replicas have published what they booked before the call (bookingindex.go). It may
+// be in a shard of a model this replica serves and has not picked up yet (the registry is read
+// every Poll; another replica made the shard, or registered it again after Redis lost its data,
+// moments ago): that shard is added here, and the call is ErrLogUnavailable until it has loaded.
+// And while the deployment's data is younger than the reseed window (Redis lost it, or the
+// deployment is new), a replica holding the booking may not have registered its shard again yet:
+// ErrLogUnavailable too, as a log's fresh generation is incomplete for the window. Otherwise
+// ErrUnknownRequest.
 func (s *Shards) EndElsewhere(ctx context.Context, c kvstate.Change) error {
-	if len(s.opts.Models) == 0 {
-		return kvstate.ErrUnknownRequest // every model's shard is held here
-	}
 	registry, err := s.rdb.HGetAll(ctx, s.RegistryKey()).Result()
 	if err != nil {
 		return fmt.Errorf("%w: reading the registry of shards: %v", kvstate.ErrLogUnavailable, err)
@@ -334,6 +337,10 @@ func (s *Shards) EndElsewhere(ctx context.Context, c kvstate.Change) error {
 	var unsure error
 	for model, prefix := range registry {
 		if s.serves(model) {
+			if _, ok := s.held(model); !ok {
+				s.add(ctx, model, prefix)
+				unsure = fmt.Errorf("%w: the shard of model %q, made moments ago on another replica, is loading here and may hold the booking; retry", kvstate.ErrLogUnavailable, model)
+			}
 			continue
 		}
 		opts := s.opts.Log.withDefaults()
@@ -348,6 +355,14 @@ func (s *Shards) EndElsewhere(ctx context.Context, c kvstate.Change) error {
 	}
 	if unsure != nil {
 		return unsure
+	}
+	lineage, now, err := s.readLineage(ctx)
+	if err != nil {
+		return fmt.Errorf("%w: %v", kvstate.ErrLogUnavailable, err)
+	}
+	created, _ := strconv.ParseInt(lineage[strings.LastIndexByte(lineage, '/')+1:], 10, 64)
+	if now-created < s.opts.Log.withDefaults().ReseedWindow.Milliseconds() {
+		return fmt.Errorf("%w: not booked in any shard, and Redis lost its data moments ago (or the deployment is new): a replica holding the booking may not have registered its shard again yet; retry", kvstate.ErrLogUnavailable)
 	}
 	return kvstate.ErrUnknownRequest
 }

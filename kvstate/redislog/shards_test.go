@@ -370,3 +370,30 @@ func TestNewModelInASettledDeployment(t *testing.T) {
 		})
 	}
 }
+
+// TestShardsEndWhileTheDeploymentIsYoung: a replica that holds no shard cannot tell whether a
+// booking exists while the deployment's data is younger than the reseed window: Redis lost it
+// moments ago, and a replica holding the booking may not have registered its shard again yet. A
+// Free for a request it does not find is then ErrLogUnavailable (retry), as in a log's fresh
+// generation; after the window it is ErrUnknownRequest. Before, it was ErrUnknownRequest at once,
+// and a Free retried on another replica would have found the booking.
+func TestShardsEndWhileTheDeploymentIsYoung(t *testing.T) {
+	srv := redistest.Start(t)
+	const window = 3 * time.Second
+	s, _ := runShardsWith(t, srv.Client(), redislog.ShardsOptions{Log: redislog.Options{Replica: "a", ReseedWindow: window}})
+	ctx := context.Background()
+	free := kvstate.Freed{RequestID: "r"}
+	for _, when := range []string{"in a new deployment", "after Redis restarted empty"} {
+		if err := s.EndElsewhere(ctx, free); !errors.Is(err, kvstate.ErrLogUnavailable) {
+			t.Fatalf("%s: EndElsewhere(r) = %v, want ErrLogUnavailable", when, err)
+		}
+		start := time.Now()
+		eventually(t, "the deployment past its reseed window", func() bool {
+			return errors.Is(s.EndElsewhere(ctx, free), kvstate.ErrUnknownRequest)
+		})
+		if took := time.Since(start); took < window/3 {
+			t.Errorf("%s: ErrUnknownRequest %v after the first call, want about the %v window", when, took, window)
+		}
+		srv.Restart()
+	}
+}

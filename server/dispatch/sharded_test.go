@@ -138,7 +138,13 @@ func TestShardedRequestIDsAreUnique(t *testing.T) {
 // (all when none), until the test ends.
 func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *redislog.Shards {
 	t.Helper()
-	s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: 20 * time.Millisecond, Models: models,
+	return runShardsPolling(t, rdb, replica, 20*time.Millisecond, models...)
+}
+
+// runShardsPolling is runShards reading the registry of shards every poll.
+func runShardsPolling(t *testing.T, rdb redis.UniversalClient, replica string, poll time.Duration, models ...string) *redislog.Shards {
+	t.Helper()
+	s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: poll, Models: models,
 		Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 			ReseedWindow: 300 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
@@ -204,6 +210,50 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 	})
 	if err := onB.Free(ctx, "req-a"); !errors.Is(err, kvstate.ErrUnknownRequest) {
 		t.Errorf("Free(req-a) again on b = %v, want ErrUnknownRequest", err)
+	}
+}
+
+// TestShardedFreeOnAReplicaThatHasNotPickedUpTheShard: a replica reads the registry of shards every
+// Poll, so a shard another replica made (or registered again after Redis lost its data) moments
+// ago is not held here yet. A Free for a booking in it is UNAVAILABLE while the shard loads, then
+// accepted; before, it was NOT_FOUND and the booking stayed on every replica (the fault suite's
+// empty Redis with a replica restarting, once in CI).
+func TestShardedFreeOnAReplicaThatHasNotPickedUpTheShard(t *testing.T) {
+	rdb := redistest.Start(t).Client()
+	a, late := runShards(t, rdb, "a"), runShardsPolling(t, rdb, "late", time.Hour)
+	<-late.Ready() // it read the registry, empty, and reads it again in an hour
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	tokens := prompt(4 * testBlockSize)
+	registerModels(t, a, tokens)
+	kvtest.Eventually(t, testTimeout, "the shards past their reseed window", func() bool {
+		return !a.Log("m1").Incomplete() && !a.Log("m2").Incomplete()
+	})
+	onA, onLate := NewSharded(a, policy.DefaultConfig()), NewSharded(late, policy.DefaultConfig())
+	if _, err := onA.Route(ctx, &Request{Request: policy.Request{ID: "r", Model: "m1", Tokens: tokens}}); err != nil {
+		t.Fatal(err)
+	}
+	err := onLate.Free(ctx, "r")
+	if !errors.Is(err, kvstate.ErrLogUnavailable) {
+		t.Fatalf("Free(r) on a replica that has not picked up m1's shard = %v, want ErrLogUnavailable (retry)", err)
+	}
+	kvtest.Eventually(t, testTimeout, "Free(r) retried until accepted", func() bool {
+		err = onLate.Free(ctx, "r")
+		return !errors.Is(err, kvstate.ErrLogUnavailable)
+	})
+	if err != nil {
+		t.Fatalf("Free(r) once m1's shard loaded = %v, want it freed", err)
+	}
+	m1 := func(s *redislog.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
+	kvtest.Eventually(t, testTimeout, "the booking freed on both replicas", func() bool {
+		return m1(a).Load().Bookings() == 0 && m1(late).Load().Bookings() == 0
+	})
+	kvtest.Eventually(t, testTimeout, "the late replica's shards past their reseed window", func() bool {
+		_, ok := late.Lookup("m2")
+		return ok && !late.Log("m1").Incomplete() && !late.Log("m2").Incomplete()
+	})
+	if err := onLate.Free(ctx, "junk"); !errors.Is(err, kvstate.ErrUnknownRequest) {
+		t.Errorf("Free(junk) = %v, want ErrUnknownRequest", err)
 	}
 }
 
