@@ -43,10 +43,50 @@ type publishFrame struct {
 // limitingCodec is the server's codec: the standard protobuf codec, except that a publishFrame is
 // sized and counted before it is decoded, and a RouteRequest's token ids are decoded by a fast path
 // (unmarshalRoute).
-type limitingCodec struct{ base encoding.CodecV2 }
+//
+// A RouteRequest larger than maxRouteBytes is not decoded at all: it is marked (markTooLarge) and
+// the handler refuses it. Decoding is where a message's memory multiplies (a one-byte token id
+// becomes four bytes, a two-byte annotation a 16-byte string header and an allocation), so a
+// Route's cost is bounded by what the largest legitimate one needs, not by gRPC's server-wide limit.
+type limitingCodec struct {
+	base          encoding.CodecV2
+	maxRouteBytes int
+}
 
-func newLimitingCodec() limitingCodec {
-	return limitingCodec{base: encoding.GetCodecV2(grpcproto.Name)}
+func newLimitingCodec(maxRouteBytes int) limitingCodec {
+	return limitingCodec{base: encoding.GetCodecV2(grpcproto.Name), maxRouteBytes: maxRouteBytes}
+}
+
+// routeOverhead is what a Route may hold besides its token ids: its names (model, request and
+// session ids, LoRA and namespace), annotations, hints and configuration override.
+const routeOverhead = 64 << 10
+
+// maxRouteBytes is the largest Route message with at most maxPromptTokens token ids: five bytes
+// per token id (the longest varint of a uint32) plus routeOverhead.
+func maxRouteBytes(maxPromptTokens int) int { return 5*maxPromptTokens + routeOverhead }
+
+// tooLargeField is the field number that marks a message too large to decode (markTooLarge): the
+// largest protobuf allows, which no kvrouter message uses.
+const tooLargeField = protowire.Number(1<<29 - 1)
+
+// markTooLarge leaves m empty but for a mark holding the size of the message that was not decoded.
+func markTooLarge(m proto.Message, size int) {
+	b := protowire.AppendTag(nil, tooLargeField, protowire.VarintType)
+	m.ProtoReflect().SetUnknown(protowire.AppendVarint(b, uint64(size)))
+}
+
+// tooLarge returns the size markTooLarge recorded in m, if it holds the mark.
+func tooLarge(m proto.Message) (int, bool) {
+	b := m.ProtoReflect().GetUnknown()
+	num, typ, n := protowire.ConsumeTag(b)
+	if n < 0 || num != tooLargeField || typ != protowire.VarintType {
+		return 0, false
+	}
+	size, k := protowire.ConsumeVarint(b[n:])
+	if k < 0 || n+k != len(b) {
+		return 0, false
+	}
+	return int(size), true
 }
 
 func (c limitingCodec) Name() string                           { return c.base.Name() }
@@ -54,6 +94,10 @@ func (c limitingCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.M
 
 func (c limitingCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if m, ok := v.(*kvrouterv1.RouteRequest); ok {
+		if size := data.Len(); size > c.maxRouteBytes {
+			markTooLarge(m, size)
+			return nil
+		}
 		buf := data.MaterializeToBuffer(mem.DefaultBufferPool())
 		defer buf.Free()
 		return unmarshalRoute(buf.ReadOnlyData(), m)

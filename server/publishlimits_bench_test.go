@@ -73,7 +73,7 @@ func largestMessages() map[string]*kvrouterv1.PublishRequest {
 // kvstate events (hashing token ids), and the entry's encoding. B/op is the memory one message in
 // flight holds at most (docs/BENCHMARKS.md, "Publish message memory").
 func BenchmarkPublishMessageMemory(b *testing.B) {
-	codec := newLimitingCodec()
+	codec := newLimitingCodec(maxRouteBytes(1 << 20))
 	limits := publishLimits{maxBytes: config.DefaultMaxPublishMsgBytes, maxBlocks: config.DefaultMaxBatchBlocks, maxDumpBlocks: config.DefaultMaxDumpBlocks}
 	refused := map[string]bool{"refused-15MB-empties": true, "15MB-token-ids": true}
 	for name, msg := range largestMessages() {

@@ -1,11 +1,15 @@
 package server
 
 import (
+	"fmt"
 	"math/rand/v2"
 	"sync"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protowire"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/testing/protocmp"
@@ -182,4 +186,55 @@ func TestRouteTokensPooledAcrossCalls(t *testing.T) {
 		})
 	}
 	wg.Wait()
+}
+
+// TestRouteTooLargeIsNotDecoded: a Route message larger than the largest one max_prompt_tokens
+// allows (five bytes a token id, plus routeOverhead) is refused with RESOURCE_EXHAUSTED naming the
+// limit, without being decoded. Before, it was decoded whatever it held: 4 MiB of two-byte
+// annotations became a million strings, to be refused (or not: annotations had no limit) only
+// after. A message just within the bound is decoded and routed.
+func TestRouteTooLargeIsNotDecoded(t *testing.T) {
+	e := newTestEnv(t) // max_prompt_tokens 1000: at most 5000 + routeOverhead bytes
+	most := maxRouteBytes(1000)
+	withAnnotations := func(bytes int) *kvrouterv1.RouteRequest {
+		r := &kvrouterv1.RouteRequest{Model: "m", TokenIds: promptTokens(2), QueryOnly: true}
+		for size := proto.Size(r); size < bytes; size += 4 { // tag, length, two bytes
+			r.Annotations = append(r.Annotations, "ab")
+		}
+		return r
+	}
+	tests := []struct {
+		name   string
+		req    *kvrouterv1.RouteRequest
+		reason string // "" when routed (NOT_FOUND: no worker of the model)
+	}{
+		{"at the bound", withAnnotations(most - 8), ""},
+		{"past the bound", withAnnotations(most + 1), "ROUTE_MESSAGE_TOO_LARGE"},
+		{"a million annotations", withAnnotations(3 << 20), "ROUTE_MESSAGE_TOO_LARGE"},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := e.router.Route(e.ctx, tt.req)
+			st := status.Convert(err)
+			var info *errdetails.ErrorInfo
+			for _, d := range st.Details() {
+				if i, ok := d.(*errdetails.ErrorInfo); ok {
+					info = i
+				}
+			}
+			if tt.reason == "" {
+				if st.Code() != codes.NotFound {
+					t.Fatalf("Route of %d bytes = %v, want it decoded and routed (NOT_FOUND: no worker)", proto.Size(tt.req), err)
+				}
+				return
+			}
+			if st.Code() != codes.ResourceExhausted || info.GetReason() != tt.reason {
+				t.Fatalf("Route of %d bytes = %v, want RESOURCE_EXHAUSTED %s", proto.Size(tt.req), err, tt.reason)
+			}
+			want := map[string]string{"field": "message", "limit": "max_prompt_tokens", "max": fmt.Sprint(most), "got": fmt.Sprint(proto.Size(tt.req))}
+			if diff := cmp.Diff(want, info.GetMetadata()); diff != "" {
+				t.Errorf("ErrorInfo metadata (-want +got):\n%s", diff)
+			}
+		})
+	}
 }

@@ -90,6 +90,11 @@ func checkRequestID(id string) error {
 
 // routeRequest validates a RouteRequest and converts it to the dispatcher's request.
 func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Request, error) {
+	if size, ok := tooLarge(req); ok {
+		most := maxRouteBytes(s.maxPromptTokens)
+		return nil, limitExceeded("ROUTE_MESSAGE_TOO_LARGE", "message", "max_prompt_tokens", most, size,
+			"%d bytes, more than the %d a Route of max_prompt_tokens (%d) token ids takes; it was not decoded", size, most, s.maxPromptTokens)
+	}
 	if !req.GetQueryOnly() || req.GetRequestId() != "" {
 		if err := checkRequestID(req.GetRequestId()); err != nil {
 			return nil, err

@@ -163,7 +163,9 @@ func New(o Options) *Server {
 		grpcMetrics.StreamServerInterceptor(),
 		logging.StreamServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)),
 	}
-	// Who may call what is checked after the call is counted and logged, so refusals show in both.
+	// Who may call what is decided before the call reaches an interceptor (auth.TapHandle): a
+	// refused call is counted in kvrouter_auth_failures_total and logged, sampled, by the
+	// Authenticator. The interceptors put the admitted Caller in the handler's context.
 	if o.Auth != nil {
 		unary = append(unary, o.Auth.UnaryServerInterceptor())
 		stream = append(stream, o.Auth.StreamServerInterceptor())
@@ -183,14 +185,18 @@ func New(o Options) *Server {
 		grpc.ChainStreamInterceptor(stream...),
 		grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
 		// The standard codec, except that a Publish message is sized and counted before it is
-		// decoded (publishLimits).
-		grpc.ForceServerCodecV2(newLimitingCodec()),
+		// decoded (publishLimits), and a Route larger than max_prompt_tokens allows is not decoded.
+		grpc.ForceServerCodecV2(newLimitingCodec(maxRouteBytes(o.MaxPromptTokens))),
 		grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(serverParams),
 	}
 	if o.Creds != nil {
 		opts = append(opts, grpc.Creds(o.Creds))
+	}
+	if o.Auth != nil {
+		// Callers are admitted on their headers, before any message is read (auth.TapHandle).
+		opts = append(opts, grpc.InTapHandle(o.Auth.TapHandle()))
 	}
 	var tracer trace.Tracer
 	if o.TracerProvider != nil {

@@ -30,6 +30,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/types/known/durationpb"
 )
 
@@ -73,6 +74,13 @@ type Authenticator struct {
 	// never refills a bucket or forgets an open stream.
 	mu    sync.Mutex
 	usage map[string]*usage
+
+	// refusals samples the log lines of refused calls (logRefusal).
+	refusals struct {
+		sync.Mutex
+		logged   time.Time
+		unlogged int
+	}
 
 	failures    *prometheus.CounterVec
 	limited     *prometheus.CounterVec
@@ -214,32 +222,107 @@ func FromContext(ctx context.Context) *Caller {
 	return c
 }
 
-// UnaryServerInterceptor checks unary calls.
+// tappedKey marks a call's context as admitted by TapHandle (its value: the Caller, nil for an
+// open service).
+type tappedKey struct{}
+
+// TapHandle admits a call on its headers alone, before the server reads, decompresses or decodes
+// any of its messages: it authenticates the caller, checks the role the service needs, and takes
+// a Route call from the credential's rate. A refused call costs the router its headers and
+// nothing more (a message body it sends after is discarded unread): without it, a caller without
+// credentials could make the router decompress and decode message after message, to be refused
+// only then. Install it with grpc.InTapHandle; the interceptors then find the call admitted and
+// check nothing again. It runs on the connection's reader goroutine, so it does only lookups.
+func (a *Authenticator) TapHandle() tap.ServerInHandle {
+	return func(ctx context.Context, info *tap.Info) (context.Context, error) {
+		c, err := a.admit(ctx, info.FullMethodName)
+		if err != nil {
+			return ctx, err
+		}
+		return context.WithValue(ctx, tappedKey{}, c), nil
+	}
+}
+
+// admitted returns the Caller TapHandle admitted the call as (nil for an open service), and
+// whether it ran.
+func admitted(ctx context.Context) (*Caller, bool) {
+	c, ok := ctx.Value(tappedKey{}).(*Caller)
+	return c, ok
+}
+
+// admit authenticates a call to method, checks its role, and takes a Route call from the
+// credential's rate: the Caller (nil for an open service), or the status refusing the call.
+func (a *Authenticator) admit(ctx context.Context, method string) (*Caller, error) {
+	c, err := a.check(ctx, method)
+	if err != nil {
+		a.logRefusal(ctx, method, err)
+		return nil, err
+	}
+	if c == nil {
+		return nil, nil
+	}
+	if method == a.opts.RouteMethod && c.use.route.limited.Load() {
+		if wait, ok := c.use.route.take(1, a.opts.Now(), 0); !ok {
+			a.limited.WithLabelValues(c.Name, "route").Inc()
+			return nil, exhausted(wait, "credential %q is over its Route rate limit (%g calls/s); retry in %v", c.Name, c.use.route.rate, wait.Round(time.Millisecond))
+		}
+	}
+	return c, nil
+}
+
+// refusalLogEvery is the least time between two log lines about refused calls: a flood of calls
+// without credentials must not flood the log (kvrouter_auth_failures_total counts every one).
+const refusalLogEvery = time.Second
+
+// logRefusal logs a refused call, at most one line every refusalLogEvery, saying how many were
+// refused since the last line.
+func (a *Authenticator) logRefusal(ctx context.Context, method string, err error) {
+	a.refusals.Lock()
+	now := a.opts.Now()
+	if now.Sub(a.refusals.logged) < refusalLogEvery {
+		a.refusals.unlogged++
+		a.refusals.Unlock()
+		return
+	}
+	unlogged := a.refusals.unlogged
+	a.refusals.logged, a.refusals.unlogged = now, 0
+	a.refusals.Unlock()
+	addr := ""
+	if p, ok := peer.FromContext(ctx); ok && p.Addr != nil {
+		addr = p.Addr.String()
+	}
+	st := status.Convert(err)
+	a.opts.Logger.Info("refused a call", "method", method, "peer", addr, "code", st.Code().String(), "error", st.Message(),
+		"refused_since_last_line", unlogged)
+}
+
+// UnaryServerInterceptor checks unary calls that TapHandle did not admit already.
 func (a *Authenticator) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-		c, err := a.check(ctx, info.FullMethod)
-		if err != nil {
-			return nil, err
+		c, tapped := admitted(ctx)
+		if !tapped {
+			var err error
+			if c, err = a.admit(ctx, info.FullMethod); err != nil {
+				return nil, err
+			}
 		}
 		if c == nil {
 			return handler(ctx, req)
-		}
-		if info.FullMethod == a.opts.RouteMethod && c.use.route.limited.Load() {
-			if wait, ok := c.use.route.take(1, a.opts.Now(), 0); !ok {
-				a.limited.WithLabelValues(c.Name, "route").Inc()
-				return nil, exhausted(wait, "credential %q is over its Route rate limit (%g calls/s); retry in %v", c.Name, c.use.route.rate, wait.Round(time.Millisecond))
-			}
 		}
 		return handler(context.WithValue(ctx, callerKey{}, c), req)
 	}
 }
 
-// StreamServerInterceptor checks streams, and bounds each credential's concurrent Publish streams.
+// StreamServerInterceptor checks streams that TapHandle did not admit already, and bounds each
+// credential's concurrent Publish streams.
 func (a *Authenticator) StreamServerInterceptor() grpc.StreamServerInterceptor {
 	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, handler grpc.StreamHandler) error {
-		c, err := a.check(ss.Context(), info.FullMethod)
-		if err != nil {
-			return err
+		c, tapped := admitted(ss.Context())
+		if !tapped {
+			var err error
+			if c, err = a.admit(ss.Context(), info.FullMethod); err != nil {
+				return err
+			}
 		}
 		if c == nil {
 			return handler(srv, ss)

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	grpctap "google.golang.org/grpc/tap"
 )
 
 // TestOpenServices: health and reflection answer callers without credentials only when the
@@ -55,5 +56,53 @@ func TestOpenServices(t *testing.T) {
 				t.Errorf("%s = %v, want %v", tt.method, err, tt.want)
 			}
 		})
+	}
+}
+
+// TestTapHandleAdmitsOnHeaders: TapHandle refuses a call on its headers (no credentials, or the
+// wrong role) with the status the interceptors would give, and admits one once: the interceptor
+// after it neither checks it again nor takes a second Route call from the credential's rate.
+func TestTapHandleAdmitsOnHeaders(t *testing.T) {
+	token := "frontend-token"
+	sum := sha256.Sum256([]byte(token))
+	path := filepath.Join(t.TempDir(), "credentials.yaml")
+	if err := os.WriteFile(path, []byte("credentials:\n  - name: fe\n    roles: [frontend]\n    route_rate_limit: 1\n    token_sha256: "+hex.EncodeToString(sum[:])+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	const route, admin = "/kvrouter.v1.RouterService/Route", "/kvrouter.v1.AdminService/GetState"
+	a, err := New(Options{CredentialsFile: path, RouteMethod: route,
+		Services: map[string]Role{"kvrouter.v1.RouterService": RoleFrontend, "kvrouter.v1.AdminService": RoleAdmin}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	frontend := metadata.NewIncomingContext(context.Background(), metadata.Pairs("authorization", "Bearer "+token))
+	tap := a.TapHandle()
+	for _, tt := range []struct {
+		name   string
+		ctx    context.Context
+		method string
+		want   codes.Code
+	}{
+		{"no credentials", context.Background(), route, codes.Unauthenticated},
+		{"the wrong role", frontend, admin, codes.PermissionDenied},
+	} {
+		if _, err := tap(tt.ctx, &grpctap.Info{FullMethodName: tt.method}); status.Code(err) != tt.want {
+			t.Errorf("%s: TapHandle = %v, want %v", tt.name, err, tt.want)
+		}
+	}
+	ctx, err := tap(frontend, &grpctap.Info{FullMethodName: route}) // the one call a second the rate allows
+	if err != nil {
+		t.Fatalf("TapHandle(Route as fe) = %v", err)
+	}
+	var got *Caller
+	_, err = a.UnaryServerInterceptor()(ctx, nil, &grpc.UnaryServerInfo{FullMethod: route}, func(ctx context.Context, _ any) (any, error) {
+		got = FromContext(ctx)
+		return nil, nil
+	})
+	if err != nil || got == nil || got.Name != "fe" {
+		t.Fatalf("the interceptor after TapHandle = %v, caller %v; want the call admitted once, as fe", err, got)
+	}
+	if _, err := tap(frontend, &grpctap.Info{FullMethodName: route}); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("a second Route within the second = %v, want RESOURCE_EXHAUSTED", err)
 	}
 }
