@@ -60,6 +60,11 @@ type Options struct {
 	// together; zero means config.DefaultMaxDumpBytesInFlight.
 	MaxDumpBytesInFlight int
 	MaxWorkersPerModel   int // worker ranks one model may register (0: no cap)
+	// Connections each port holds at once (0: config.DefaultMaxConnections and
+	// config.DefaultHealthMaxConnections), and the largest header list a call may send (0:
+	// config.DefaultMaxHeaderListBytes).
+	MaxConnections, HealthMaxConnections int
+	MaxHeaderListBytes                   int
 
 	// Creds is the port's transport security (servertls); nil serves plaintext.
 	Creds credentials.TransportCredentials
@@ -96,6 +101,9 @@ const (
 	PublishMethod = "/kvrouter.v1.WorkerService/Publish"
 )
 
+// healthStreamsPerConn bounds the streams of one health port connection: a probe needs one.
+const healthStreamsPerConn = 4
+
 // Server is kvrouter's gRPC server.
 type Server struct {
 	grpc   *grpc.Server
@@ -103,10 +111,14 @@ type Server struct {
 	// healthOnly serves the health service alone, in plaintext (ServeHealth): probes that cannot
 	// speak TLS or carry credentials (Kubernetes' gRPC probes) check it there.
 	healthOnly *grpc.Server
-	stopping   chan struct{}
-	stopOnce   sync.Once
-	bg         sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
-	logger     *slog.Logger
+	// Connection caps of the two ports (limitListener).
+	maxConns, healthMaxConns int
+	connsOpen                *prometheus.GaugeVec
+	connsRefused             *prometheus.CounterVec
+	stopping                 chan struct{}
+	stopOnce                 sync.Once
+	bg                       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
+	logger                   *slog.Logger
 }
 
 // serviceNames are the services whose health is reported (besides "", the whole server).
@@ -175,6 +187,24 @@ func New(o Options) *Server {
 	if o.KeepaliveMinTime <= 0 {
 		o.KeepaliveMinTime = 10 * time.Second
 	}
+	if o.MaxConnections <= 0 {
+		o.MaxConnections = config.DefaultMaxConnections
+	}
+	if o.HealthMaxConnections <= 0 {
+		o.HealthMaxConnections = config.DefaultHealthMaxConnections
+	}
+	if o.MaxHeaderListBytes <= 0 {
+		o.MaxHeaderListBytes = config.DefaultMaxHeaderListBytes
+	}
+	connsOpen := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "kvrouter_connections",
+		Help: "Connections a port holds now (port grpc or health); at max_connections (health_max_connections) new ones are refused.",
+	}, []string{"port"})
+	connsRefused := prometheus.NewCounterVec(prometheus.CounterOpts{
+		Name: "kvrouter_connections_refused_total",
+		Help: "Connections closed as soon as accepted because the port held max_connections (health_max_connections) already, by port.",
+	}, []string{"port"})
+	o.Registry.MustRegister(connsOpen, connsRefused)
 	serverParams := keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
 	if o.MaxConnectionAge > 0 {
 		serverParams.MaxConnectionAge = o.MaxConnectionAge
@@ -188,6 +218,10 @@ func New(o Options) *Server {
 		// decoded (publishLimits), and a Route larger than max_prompt_tokens allows is not decoded.
 		grpc.ForceServerCodecV2(newLimitingCodec(maxRouteBytes(o.MaxPromptTokens))),
 		grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
+		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListBytes)),
+		// A connection that has not finished its TLS handshake and HTTP/2 preface by then is
+		// closed: it holds one of max_connections meanwhile (gRPC's default waits 120 s).
+		grpc.ConnectionTimeout(10 * time.Second),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(serverParams),
 	}
@@ -206,6 +240,8 @@ func New(o Options) *Server {
 	s := &Server{
 		grpc:     grpc.NewServer(opts...),
 		health:   health.NewServer(),
+		maxConns: o.MaxConnections, healthMaxConns: o.HealthMaxConnections,
+		connsOpen: connsOpen, connsRefused: connsRefused,
 		stopping: make(chan struct{}),
 		logger:   o.Logger,
 	}
@@ -227,7 +263,13 @@ func New(o Options) *Server {
 		dumps: dumps})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
-	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4 << 10))
+	// The health port takes callers without credentials, so everything a caller could grow there
+	// is small: a probe's message, its headers, a few streams a connection (a Watch holds one), and
+	// a connection idle for a minute or still handshaking after 5 s is closed.
+	s.healthOnly = grpc.NewServer(grpc.MaxRecvMsgSize(4<<10), grpc.MaxHeaderListSize(uint32(o.MaxHeaderListBytes)),
+		grpc.MaxConcurrentStreams(healthStreamsPerConn), grpc.ConnectionTimeout(5*time.Second),
+		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime}),
+		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: time.Minute, Time: 30 * time.Second, Timeout: 10 * time.Second}))
 	healthpb.RegisterHealthServer(s.healthOnly, s.health)
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
@@ -295,6 +337,7 @@ func (s *Server) watchSharedLog(ready <-chan struct{}, shards kvstate.ShardSourc
 
 // Serve accepts connections on lis until Shutdown.
 func (s *Server) Serve(lis net.Listener) error {
+	lis = limitConnections(lis, s.maxConns, s.connsOpen.WithLabelValues("grpc"), s.connsRefused.WithLabelValues("grpc"))
 	err := s.grpc.Serve(lis)
 	if err == grpc.ErrServerStopped {
 		return nil
@@ -305,6 +348,7 @@ func (s *Server) Serve(lis net.Listener) error {
 // ServeHealth serves only the health service, in plaintext, on lis until Shutdown: the answers of
 // the main port's health service, for probes that cannot use its TLS or credentials.
 func (s *Server) ServeHealth(lis net.Listener) error {
+	lis = limitConnections(lis, s.healthMaxConns, s.connsOpen.WithLabelValues("health"), s.connsRefused.WithLabelValues("health"))
 	err := s.healthOnly.Serve(lis)
 	if err == grpc.ErrServerStopped {
 		return nil

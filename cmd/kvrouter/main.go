@@ -137,6 +137,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 		MaxDumpBytesInFlight: cfg.MaxDumpBytesInFlight,
 		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, Creds: sec.creds, Auth: sec.auth,
+		MaxConnections: cfg.MaxConnections, HealthMaxConnections: cfg.HealthMaxConnections, MaxHeaderListBytes: cfg.MaxHeaderListBytes,
 		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
 		TracerProvider: tracerProvider,
 	})

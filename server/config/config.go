@@ -29,6 +29,14 @@ const (
 	// DefaultMaxDumpBytesInFlight bounds what the dumps in parts of all of a replica's streams
 	// hold between their parts: four dumps of a million blocks each, in the log's encoding.
 	DefaultMaxDumpBytesInFlight = 256 << 20
+	// DefaultMaxConnections bounds the gRPC port's connections: about 256 MiB of buffers, well
+	// within a container's file descriptors.
+	DefaultMaxConnections = 4096
+	// DefaultHealthMaxConnections bounds the health port's: probes open one at a time.
+	DefaultHealthMaxConnections = 64
+	// DefaultMaxHeaderListBytes bounds a call's metadata: a token, a traceparent and a few
+	// application headers take well under 1 KiB.
+	DefaultMaxHeaderListBytes = 16 << 10
 )
 
 // Default caps against runaway or hostile callers (docs/security.md, "Limits").
@@ -51,6 +59,9 @@ type Options struct {
 	MaxPromptTokens      int           // longest accepted prompt
 	MaxRecvMsgBytes      int           // largest accepted gRPC message
 	MaxConcurrentStreams int           // per connection
+	MaxConnections       int           // connections the gRPC port holds at once
+	HealthMaxConnections int           // connections the health port holds at once
+	MaxHeaderListBytes   int           // largest header list of a call (both ports)
 	MaxPublishMsgBytes   int           // largest Publish message
 	MaxBatchBlocks       int           // events, and blocks, in one Publish message
 	MaxDumpBlocks        int           // blocks of one dump, over its parts
@@ -125,6 +136,9 @@ func New() *Options {
 		MaxPromptTokens:       1 << 20,
 		MaxRecvMsgBytes:       16 << 20,
 		MaxConcurrentStreams:  1000,
+		MaxConnections:        DefaultMaxConnections,
+		HealthMaxConnections:  DefaultHealthMaxConnections,
+		MaxHeaderListBytes:    DefaultMaxHeaderListBytes,
 		MaxPublishMsgBytes:    DefaultMaxPublishMsgBytes,
 		MaxBatchBlocks:        DefaultMaxBatchBlocks,
 		MaxDumpBlocks:         DefaultMaxDumpBlocks,
