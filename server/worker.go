@@ -36,8 +36,9 @@ type workerService struct {
 	// conditionalDisagg is on: decode workers without KV events are worth a warning (§8 item 8).
 	conditionalDisagg bool
 	limits            publishLimits
-	// maxWorkersPerModel bounds the ranks one model registers (0: no bound).
-	maxWorkersPerModel int
+	// maxWorkersPerModel bounds the ranks one model registers, maxRanksPerWorker those of one
+	// worker id in a model (0: no bound).
+	maxWorkersPerModel, maxRanksPerWorker int
 	// dumps bounds what the streams' dumps in parts hold, together.
 	dumps *dumpBudget
 	// tracer makes the spans of applied messages (server/tracing.go); nil: tracing is off.
@@ -290,13 +291,35 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 // admit refuses a new worker rank of a model that has max_workers_per_model already. A rank the
 // state knows re-registers freely. Replicas admit on their own view of the state, so registrations
 // racing on several replicas may pass the cap by one per replica.
+//
+// A worker id is held to max_ranks_per_worker ranks in the model as well, so that one worker's
+// credential (whose worker_ids name a few ids) cannot fill the model's cap with ranks of its own
+// and lock every other worker of the model out: before, the documented worker-7 credential
+// registered 10,000 ranks of worker 7 in 3.7 s. A credential may so register at most
+// max_ranks_per_worker ranks for each of its worker ids.
 func (s *workerService) admit(state *kvstate.State, info kvstate.WorkerInfo) error {
-	if s.maxWorkersPerModel <= 0 || state.Worker(info.Key) != nil {
+	if state.Worker(info.Key) != nil {
 		return nil
 	}
-	if m := state.Model(info.Model); m != nil {
-		if n := len(m.Workers()); n >= s.maxWorkersPerModel {
-			return status.Errorf(codes.ResourceExhausted, "hello.model: model %q has %d worker ranks registered, the most max_workers_per_model allows (%d)", info.Model, n, s.maxWorkersPerModel)
+	m := state.Model(info.Model)
+	if m == nil {
+		return nil
+	}
+	workers := m.Workers()
+	if s.maxWorkersPerModel > 0 && len(workers) >= s.maxWorkersPerModel {
+		return limitExceeded("WORKERS_PER_MODEL", "hello.model", "max_workers_per_model", s.maxWorkersPerModel, len(workers),
+			"model %q has %d worker ranks registered, the most max_workers_per_model allows (%d)", info.Model, len(workers), s.maxWorkersPerModel)
+	}
+	if s.maxRanksPerWorker > 0 {
+		ranks := 0
+		for _, w := range workers {
+			if w.Info.Key.ID == info.Key.ID {
+				ranks++
+			}
+		}
+		if ranks >= s.maxRanksPerWorker {
+			return limitExceeded("RANKS_PER_WORKER", "hello.dp_rank", "max_ranks_per_worker", s.maxRanksPerWorker, ranks,
+				"worker %d has %d ranks registered in model %q, the most max_ranks_per_worker allows (%d)", info.Key.ID, ranks, info.Model, s.maxRanksPerWorker)
 		}
 	}
 	return nil

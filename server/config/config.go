@@ -43,6 +43,9 @@ const (
 const (
 	DefaultMaxPublishStreams  = 1024
 	DefaultMaxWorkersPerModel = 10_000
+	// DefaultMaxRanksPerWorker bounds one worker id's data-parallel ranks in a model: wider than
+	// any data-parallel deployment in use, far below max_workers_per_model.
+	DefaultMaxRanksPerWorker = 256
 	// DefaultMaxIndexBlocks is about 10 GB of index at the per-block cost docs/BENCHMARKS.md measures.
 	DefaultMaxIndexBlocks = 100_000_000
 )
@@ -86,6 +89,7 @@ type Options struct {
 	EventRateLimit        float64       // event blocks per second per credential (0 = none)
 	MaxPublishStreams     int           // concurrent Publish streams per credential
 	MaxWorkersPerModel    int           // worker ranks per model
+	MaxRanksPerWorker     int           // ranks of one worker id per model
 	MaxIndexBlocks        int           // distinct blocks over all indexes (0 = no cap)
 	KeepaliveMinTime      time.Duration // clients pinging more often are disconnected
 	MaxConnectionAge      time.Duration // connections are asked to go away after this long (0 = never)
@@ -154,6 +158,7 @@ func New() *Options {
 		FileReloadInterval:    5 * time.Second,
 		MaxPublishStreams:     DefaultMaxPublishStreams,
 		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
+		MaxRanksPerWorker:     DefaultMaxRanksPerWorker,
 		MaxIndexBlocks:        DefaultMaxIndexBlocks,
 		KeepaliveMinTime:      10 * time.Second,
 		MaxConnectionAge:      30 * time.Minute,
