@@ -81,6 +81,9 @@ type Load struct {
 	warm     uint64              // sink of touch
 	slots    map[uint32]*SlotLoad
 	bookings map[string]*booked
+	// held counts the block keys the bookings hold, every hop's, shared ones each time: what
+	// bookings pin in memory (HeldBlocks).
+	held int
 }
 
 // NewLoad returns empty bookkeeping.
@@ -111,6 +114,7 @@ func (l *Load) book(id string, at int64, hops []bookedHop) error {
 		return ErrAlreadyBooked
 	}
 	for _, h := range hops {
+		l.held += len(h.blocks)
 		s := l.slotLoadLocked(h.slot)
 		s.ActiveRequests++
 		s.ActivePrefillTokens += h.prefillTokens
@@ -190,6 +194,7 @@ func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
 }
 
 func (l *Load) releaseHopLocked(h *bookedHop) {
+	l.held -= len(h.blocks)
 	s := l.slotLoadLocked(h.slot)
 	s.ActiveRequests--
 	if !h.prefillDone {
@@ -288,6 +293,14 @@ func (l *Load) dropSlot(slot uint32) {
 		}
 	}
 	delete(l.slots, slot)
+}
+
+// HeldBlocks returns the block keys the bookings hold, every hop's (a block two hops share counts
+// twice): about what they pin in memory, 8 bytes each. dispatch.BookingCap bounds it.
+func (l *Load) HeldBlocks() int {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.held
 }
 
 // Slot returns the worker's current load.

@@ -33,6 +33,7 @@ var domainErrors = []struct {
 	{policy.ErrPinnedWorkerNotFound, codes.NotFound, "PINNED_WORKER_NOT_FOUND"},
 	{policy.ErrPinnedWorkerOverloaded, codes.ResourceExhausted, "PINNED_WORKER_OVERLOADED"},
 	{dispatch.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
+	{dispatch.ErrBookingsFull, codes.ResourceExhausted, "BOOKINGS_FULL"},
 	{policy.ErrAllWorkersOverloaded, codes.ResourceExhausted, "ALL_WORKERS_OVERLOADED"},
 	{policy.ErrDisaggRequired, codes.FailedPrecondition, "DISAGG_REQUIRED"},
 	{kvstate.ErrAlreadyBooked, codes.AlreadyExists, "ALREADY_BOOKED"},

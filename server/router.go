@@ -10,6 +10,7 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/auth"
 	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
@@ -37,6 +38,11 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 	preq, err := s.routeRequest(req)
 	if err != nil {
 		return nil, err
+	}
+	if !req.GetQueryOnly() {
+		if err := auth.FromContext(ctx).TakeRouteTokens(len(req.GetTokenIds())); err != nil {
+			return nil, err
+		}
 	}
 	start := time.Now()
 	dec, err := s.dispatcher.Route(ctx, preq)

@@ -115,9 +115,13 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 	var dispatcher dispatch.Router
 	if b.shards != nil {
-		dispatcher = dispatch.NewSharded(b.shards, cfg.Router)
+		sharded := dispatch.NewSharded(b.shards, cfg.Router)
+		sharded.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: sharded.HeldBlocks}
+		dispatcher = sharded
 	} else {
-		dispatcher = dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router))
+		one := dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router))
+		one.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: state.Load().HeldBlocks}
+		dispatcher = one
 	}
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 

@@ -35,6 +35,7 @@ func newPortSecurity(cfg *config.Options, registry *prometheus.Registry, logger 
 		AnyCaller:       append(slices.Clone(server.HealthServices), server.ReflectionServices...), // when not open
 		RouteMethod:     server.RouteMethod, PublishMethod: server.PublishMethod,
 		RouteRateLimit: cfg.RouteRateLimit, EventRateLimit: cfg.EventRateLimit,
+		RouteTokenRate: cfg.RouteTokenRateLimit, RouteTokenBurst: cfg.MaxPromptTokens,
 		MaxPublishStreams: cfg.MaxPublishStreams, EventBurst: cfg.MaxBatchBlocks,
 		Registry: registry, Logger: logger,
 	})

@@ -49,10 +49,14 @@ type Options struct {
 	// RouteMethod is the full method name whose calls RouteRateLimit counts; PublishMethod's streams
 	// are the ones MaxPublishStreams bounds.
 	RouteMethod, PublishMethod string
-	// Defaults of each credential's limits (the file may set its own): Route calls a second, KV
-	// event blocks a second (0: no limit), and concurrent Publish streams.
-	RouteRateLimit, EventRateLimit float64
-	MaxPublishStreams              int
+	// Defaults of each credential's limits (the file may set its own): Route calls a second, prompt
+	// tokens of booked Routes a second, KV event blocks a second (0: no limit), and concurrent
+	// Publish streams.
+	RouteRateLimit, RouteTokenRate, EventRateLimit float64
+	MaxPublishStreams                              int
+	// RouteTokenBurst is the token bucket's least size: the longest prompt (max_prompt_tokens), so
+	// that any Route passes once the bucket is full.
+	RouteTokenBurst int
 	// EventBurst is the event bucket's least size: the most blocks one message may carry, so that
 	// any message passes once the bucket is full.
 	EventBurst int
@@ -97,8 +101,8 @@ type callers struct {
 
 // usage is what a credential has used of its limits.
 type usage struct {
-	route, events *bucket
-	streams       atomic.Int64
+	route, routeTokens, events *bucket
+	streams                    atomic.Int64
 }
 
 // Caller is the credential a call was authenticated as, with its limits.
@@ -124,7 +128,7 @@ func New(o Options) (*Authenticator, error) {
 		}, []string{"code", "reason"}),
 		limited: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_rate_limited_total",
-			Help: "Calls and streams refused (RESOURCE_EXHAUSTED) or slowed by a credential's limits, by credential and limit (route, events, events_slowed, publish_streams).",
+			Help: "Calls and streams refused (RESOURCE_EXHAUSTED) or slowed by a credential's limits, by credential and limit (route, route_tokens, events, events_slowed, publish_streams).",
 		}, []string{"credential", "limit"}),
 		reloads: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "kvrouter_credentials_reloads_total",
@@ -187,9 +191,12 @@ func (a *Authenticator) Reload() error {
 
 // caller binds a credential to its usage (kept by name) with the limits it has now.
 func (a *Authenticator) caller(c *Credential) *Caller {
-	routeRate, eventRate, streams := a.opts.RouteRateLimit, a.opts.EventRateLimit, a.opts.MaxPublishStreams
+	routeRate, tokenRate, eventRate, streams := a.opts.RouteRateLimit, a.opts.RouteTokenRate, a.opts.EventRateLimit, a.opts.MaxPublishStreams
 	if c.RouteRateLimit != nil {
 		routeRate = *c.RouteRateLimit
+	}
+	if c.RouteTokenRate != nil {
+		tokenRate = *c.RouteTokenRate
 	}
 	if c.EventRateLimit != nil {
 		eventRate = *c.EventRateLimit
@@ -200,14 +207,16 @@ func (a *Authenticator) caller(c *Credential) *Caller {
 	now := a.opts.Now()
 	// A second's worth of calls may come at once; an event bucket holds at least one whole message.
 	routeBurst, eventBurst := routeRate, max(eventRate, float64(a.opts.EventBurst))
+	tokenBurst := max(tokenRate, float64(a.opts.RouteTokenBurst))
 	a.mu.Lock()
 	defer a.mu.Unlock()
 	u := a.usage[c.Name]
 	if u == nil {
-		u = &usage{route: newBucket(routeRate, routeBurst, now), events: newBucket(eventRate, eventBurst, now)}
+		u = &usage{route: newBucket(routeRate, routeBurst, now), routeTokens: newBucket(tokenRate, tokenBurst, now), events: newBucket(eventRate, eventBurst, now)}
 		a.usage[c.Name] = u
 	} else {
 		u.route.set(routeRate, routeBurst, now)
+		u.routeTokens.set(tokenRate, tokenBurst, now)
 		u.events.set(eventRate, eventBurst, now)
 	}
 	return &Caller{Credential: c, use: u, maxStreams: streams, a: a}
@@ -437,6 +446,21 @@ func (c *Caller) MayPublishFor(worker uint64, model string) error {
 	if err := c.Credential.MayPublishFor(worker, model); err != nil {
 		c.a.failures.WithLabelValues("permission_denied", "worker_scope").Inc()
 		return status.Error(codes.PermissionDenied, err.Error())
+	}
+	return nil
+}
+
+// TakeRouteTokens counts the n prompt tokens of a Route to be booked against the caller's token
+// rate: a booking pins its prompt's blocks on every replica until it is freed or expires, and the
+// call rate alone would let one caller pin a million tokens a call. Over the rate it refuses with
+// RESOURCE_EXHAUSTED carrying RetryInfo, taking nothing. A nil Caller is not limited.
+func (c *Caller) TakeRouteTokens(n int) error {
+	if c == nil || n == 0 {
+		return nil
+	}
+	if wait, ok := c.use.routeTokens.take(float64(n), c.a.opts.Now(), 0); !ok {
+		c.a.limited.WithLabelValues(c.Name, "route_tokens").Inc()
+		return exhausted(wait, "credential %q is over its booked prompt token rate limit (%g tokens/s); retry in %v", c.Name, c.use.routeTokens.rate, wait.Round(time.Millisecond))
 	}
 	return nil
 }

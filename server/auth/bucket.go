@@ -20,6 +20,9 @@ type bucket struct {
 	last    time.Time
 }
 
+// maxBucketWait bounds the wait a bucket computes.
+const maxBucketWait = time.Hour
+
 func newBucket(rate, burst float64, now time.Time) *bucket {
 	b := &bucket{last: now}
 	b.set(rate, burst, now)
@@ -62,7 +65,9 @@ func (b *bucket) take(n float64, now time.Time, maxWait time.Duration) (wait tim
 		b.tokens -= n
 		return 0, true
 	}
-	wait = time.Duration(math.Ceil(need / b.rate * float64(time.Second)))
+	// A tiny rate (1e-12/s) would overflow a Duration into a negative wait, which passed: the
+	// wait is capped at maxBucketWait instead.
+	wait = time.Duration(math.Ceil(min(need/b.rate, maxBucketWait.Seconds()) * float64(time.Second)))
 	if wait <= maxWait {
 		b.tokens -= n
 		return wait, true

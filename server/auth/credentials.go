@@ -54,6 +54,7 @@ type fileCredential struct {
 	AnyWorker         bool     `yaml:"any_worker"`
 	Models            []string `yaml:"models"`
 	RouteRateLimit    *float64 `yaml:"route_rate_limit"`
+	RouteTokenRate    *float64 `yaml:"route_token_rate_limit"`
 	EventRateLimit    *float64 `yaml:"event_rate_limit"`
 	MaxPublishStreams *int     `yaml:"max_publish_streams"`
 }
@@ -78,6 +79,7 @@ type Credential struct {
 	Models []string
 	// Limits override the configured defaults when set.
 	RouteRateLimit    *float64
+	RouteTokenRate    *float64
 	EventRateLimit    *float64
 	MaxPublishStreams *int
 }
@@ -139,7 +141,7 @@ func (fc fileCredential) credential() (*Credential, error) {
 		return nil, fmt.Errorf("name: must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit (got %q)", fc.Name)
 	}
 	c := &Credential{Name: fc.Name, Identity: fc.Identity, AnyWorker: fc.AnyWorker, Models: fc.Models,
-		RouteRateLimit: fc.RouteRateLimit, EventRateLimit: fc.EventRateLimit, MaxPublishStreams: fc.MaxPublishStreams}
+		RouteRateLimit: fc.RouteRateLimit, RouteTokenRate: fc.RouteTokenRate, EventRateLimit: fc.EventRateLimit, MaxPublishStreams: fc.MaxPublishStreams}
 	if len(fc.Roles) == 0 {
 		return nil, errors.New("roles: must list at least one of worker, frontend, admin")
 	}
@@ -183,7 +185,7 @@ func (fc fileCredential) credential() (*Credential, error) {
 	for _, l := range []struct {
 		name string
 		v    *float64
-	}{{"route_rate_limit", fc.RouteRateLimit}, {"event_rate_limit", fc.EventRateLimit}} {
+	}{{"route_rate_limit", fc.RouteRateLimit}, {"route_token_rate_limit", fc.RouteTokenRate}, {"event_rate_limit", fc.EventRateLimit}} {
 		if l.v != nil && !(*l.v >= 0) {
 			return nil, fmt.Errorf("%s: must be >= 0 (got %v)", l.name, *l.v)
 		}

@@ -1,11 +1,16 @@
 package auth
 
 import (
+	"os"
+	"path/filepath"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 )
 
 const hashA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" // sha256("test")
@@ -105,4 +110,52 @@ func TestBucket(t *testing.T) {
 	if wait, ok := newBucket(0, 0, t0).take(1e9, t0, 0); wait != 0 || !ok {
 		t.Errorf("a bucket of rate 0 limited: %v, %v", wait, ok)
 	}
+	// A tiny rate: the wait for a second token would overflow a Duration (it passed, before).
+	tiny := newBucket(1e-12, 1, t0)
+	tiny.take(1, t0, 0)
+	if wait, ok := tiny.take(1, t0, time.Second); ok || wait != maxBucketWait-time.Second {
+		t.Errorf("a bucket of rate 1e-12/s, empty: take(1) = %v, %v; want refused, retry in %v", wait, ok, maxBucketWait-time.Second)
+	}
+}
+
+// TestRouteTokenRate: a credential's booked prompt tokens are limited by route_token_rate_limit,
+// after a burst of at least the longest prompt, with RESOURCE_EXHAUSTED and RetryInfo past it.
+func TestRouteTokenRate(t *testing.T) {
+	now := time.Unix(1000, 0)
+	path := filepath.Join(t.TempDir(), "credentials.yaml")
+	if err := os.WriteFile(path, []byte("credentials:\n  - name: fe\n    roles: [frontend]\n    token_sha256: "+strings.Repeat("ab", 32)+"\n    route_token_rate_limit: 1000\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(Options{CredentialsFile: path, RouteTokenBurst: 4000, Now: func() time.Time { return now }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var c *Caller
+	for _, cand := range a.table.Load().byToken {
+		c = cand
+	}
+	if err := c.TakeRouteTokens(4000); err != nil {
+		t.Fatalf("a prompt of the burst's 4,000 tokens = %v, want it taken", err)
+	}
+	err = c.TakeRouteTokens(500)
+	if status.Code(err) != codes.ResourceExhausted || retryDelayOf(err) != 500*time.Millisecond {
+		t.Fatalf("500 more tokens at once = %v (retry %v), want RESOURCE_EXHAUSTED, retry in 500ms", err, retryDelayOf(err))
+	}
+	now = now.Add(500 * time.Millisecond)
+	if err := c.TakeRouteTokens(500); err != nil {
+		t.Errorf("500 tokens half a second later = %v, want them taken", err)
+	}
+	if err := (*Caller)(nil).TakeRouteTokens(1 << 20); err != nil {
+		t.Errorf("without an Authenticator = %v, want no limit", err)
+	}
+}
+
+// retryDelayOf returns the RetryInfo delay of err's status (0 without one).
+func retryDelayOf(err error) time.Duration {
+	for _, d := range status.Convert(err).Details() {
+		if ri, ok := d.(*errdetails.RetryInfo); ok {
+			return ri.GetRetryDelay().AsDuration()
+		}
+	}
+	return 0
 }

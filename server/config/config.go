@@ -46,6 +46,9 @@ const (
 	// DefaultMaxRanksPerWorker bounds one worker id's data-parallel ranks in a model: wider than
 	// any data-parallel deployment in use, far below max_workers_per_model.
 	DefaultMaxRanksPerWorker = 256
+	// DefaultMaxBookedBlocks bounds what a replica's bookings hold: 16M block keys, about 128 MiB of
+	// keys plus their tables, e.g. 4,096 requests of 64k tokens (block size 16) on two hops each.
+	DefaultMaxBookedBlocks = 1 << 24
 	// DefaultMaxIndexBlocks is about 10 GB of index at the per-block cost docs/BENCHMARKS.md measures.
 	DefaultMaxIndexBlocks = 100_000_000
 )
@@ -86,6 +89,8 @@ type Options struct {
 	AuthOpenReflection    bool          // reflection answers callers without credentials
 	FileReloadInterval    time.Duration // how often TLS and credentials files are checked for changes
 	RouteRateLimit        float64       // Route calls per second per credential (0 = none)
+	RouteTokenRateLimit   float64       // prompt tokens of booked Routes per second per credential (0 = none)
+	MaxBookedBlocks       int           // block keys the bookings of a replica hold, together
 	EventRateLimit        float64       // event blocks per second per credential (0 = none)
 	MaxPublishStreams     int           // concurrent Publish streams per credential
 	MaxWorkersPerModel    int           // worker ranks per model
@@ -159,6 +164,7 @@ func New() *Options {
 		MaxPublishStreams:     DefaultMaxPublishStreams,
 		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
 		MaxRanksPerWorker:     DefaultMaxRanksPerWorker,
+		MaxBookedBlocks:       DefaultMaxBookedBlocks,
 		MaxIndexBlocks:        DefaultMaxIndexBlocks,
 		KeepaliveMinTime:      10 * time.Second,
 		MaxConnectionAge:      30 * time.Minute,

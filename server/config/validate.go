@@ -130,6 +130,8 @@ func (o *Options) validateSecurity() error {
 		return fmt.Errorf("%s: must be at least 10ms (got %v)", o.describe("file_reload_interval"), o.FileReloadInterval)
 	case o.RouteRateLimit < 0:
 		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("route_rate_limit"), o.RouteRateLimit)
+	case o.RouteTokenRateLimit < 0:
+		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("route_token_rate_limit"), o.RouteTokenRateLimit)
 	case o.EventRateLimit < 0:
 		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("event_rate_limit"), o.EventRateLimit)
 	case o.RedisPassword != "" && o.RedisPasswordFile != "":

@@ -30,6 +30,37 @@ type Dispatcher struct {
 	queue  *queue
 	// Now is the clock of bookings and session lookups; tests replace it.
 	Now func() time.Time
+	// Cap bounds what this replica's bookings hold; nil: no bound. Set it before use.
+	Cap *BookingCap
+}
+
+// BookingCap bounds the blocks a replica's bookings hold (kvstate.Load.HeldBlocks), every model's
+// together: a booking pins its prompt's block keys on every replica and in the shared log until
+// it is freed or expires (a 1M-token prompt about 1 MB for booking_expiry, 300 s), and a caller's
+// Route rate counts calls, not tokens. A Route whose booking would pass Max is refused
+// (ErrBookingsFull) before it is booked. Each replica checks its own view, which replicated
+// bookings join, so racing replicas may pass it by one booking each.
+type BookingCap struct {
+	Max  int        // most blocks held; 0: no bound
+	Held func() int // the blocks held now
+}
+
+// ErrBookingsFull refuses a Route whose booking would pass BookingCap.Max.
+var ErrBookingsFull = errors.New("the bookings of this router hold max_booked_blocks block keys already")
+
+// room checks that a booking of hops fits under the cap.
+func (c *BookingCap) room(hops []kvstate.HopBooking) error {
+	if c == nil || c.Max <= 0 {
+		return nil
+	}
+	n := 0
+	for _, h := range hops {
+		n += len(h.Blocks)
+	}
+	if held := c.Held(); held+n > c.Max {
+		return fmt.Errorf("%w (%d held, this request would add %d, max_booked_blocks %d): free finished requests, or retry later", ErrBookingsFull, held, n, c.Max)
+	}
+	return nil
 }
 
 // New returns a dispatcher routing with kernel over state and booking through log. The kernel's
@@ -107,6 +138,9 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 	dec, err := d.kernel.Decide(preq)
 	if err != nil || preq.QueryOnly {
 		return dec, err
+	}
+	if err := d.Cap.room(dec.Load); err != nil {
+		return nil, err
 	}
 	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, At: d.Now().UnixNano(), Hops: dec.Load}
 	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {

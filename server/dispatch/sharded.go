@@ -23,6 +23,9 @@ type Sharded struct {
 	config policy.Config
 	// Now is the clock of every shard's dispatcher (Dispatcher.Now); tests replace it before use.
 	Now func() time.Time
+	// Cap bounds what the bookings of every shard hold together (BookingCap); nil: no bound. Set
+	// it before use.
+	Cap *BookingCap
 
 	mu          sync.Mutex
 	dispatchers map[*kvstate.Shard]*Dispatcher
@@ -45,7 +48,7 @@ func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
 	d := s.dispatchers[sh]
 	if d == nil {
 		d = New(sh.State, sh.Log, policy.NewKernel(sh.State, s.config))
-		d.Now = s.Now
+		d.Now, d.Cap = s.Now, s.Cap
 		s.dispatchers[sh] = d
 	}
 	return d
@@ -76,6 +79,15 @@ func (s *Sharded) Route(ctx context.Context, req *Request) (*policy.Decision, er
 		}
 	}
 	return s.dispatcher(sh).Route(ctx, req)
+}
+
+// HeldBlocks returns the block keys the bookings of every shard hold (BookingCap.Held).
+func (s *Sharded) HeldBlocks() int {
+	n := 0
+	for _, sh := range s.source.Shards() {
+		n += sh.State.Load().HeldBlocks()
+	}
+	return n
 }
 
 // lockID locks request id against another Route of the same id on this replica, and returns the
