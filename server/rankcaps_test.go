@@ -56,3 +56,34 @@ func TestWorkerRankCaps(t *testing.T) {
 		}
 	}
 }
+
+// TestModelCap: hellos create at most max_models models; a worker of a model the router knows
+// registers past it. Before, a worker credential without models made 30,000, each a permanent
+// shard (sharded by model) and series on /metrics.
+func TestModelCap(t *testing.T) {
+	e := newTestEnv(t, func(o *Options) { o.MaxModels = 2 })
+	register := func(id uint64, model string) error {
+		p := e.publish()
+		h := hello(id, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, 4)
+		h.GetHello().Model = model
+		p.send(h)
+		_, err := p.stream.Recv()
+		return err
+	}
+	for _, step := range []struct {
+		id    uint64
+		model string
+		want  codes.Code
+	}{
+		{1, "a", codes.OK}, {2, "b", codes.OK},
+		{3, "c", codes.ResourceExhausted}, // a third model
+		{4, "a", codes.OK},                // a known model takes new workers
+	} {
+		if err := register(step.id, step.model); status.Code(err) != step.want {
+			t.Fatalf("worker %d of model %q: %v, want %v", step.id, step.model, err, step.want)
+		}
+	}
+	if got := len(e.state.Models()); got != 2 {
+		t.Errorf("%d models, want 2", got)
+	}
+}

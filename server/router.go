@@ -17,11 +17,13 @@ import (
 // maxRequestIDBytes bounds request ids: they are kept in memory for the life of a booking.
 const maxRequestIDBytes = 512
 
-// maxModelBytes and maxSessionIDBytes bound names a call may make the router keep (a session lives
-// for session_affinity_ttl and is replicated through the log) or repeat in a message.
+// maxModelBytes, maxSessionIDBytes and maxEndpointBytes bound names a call may make the router keep
+// (a session lives for session_affinity_ttl and is replicated through the log; a worker's endpoint
+// is in every Route answer naming it) or repeat in a message.
 const (
 	maxModelBytes     = 256
 	maxSessionIDBytes = 512
+	maxEndpointBytes  = 1024
 )
 
 // routerService implements RouterService: validate, call the dispatcher, map the result.

@@ -61,6 +61,7 @@ type Options struct {
 	MaxDumpBytesInFlight int
 	MaxWorkersPerModel   int // worker ranks one model may register (0: no cap)
 	MaxRanksPerWorker    int // ranks one worker id may register in a model (0: no cap)
+	MaxModels            int // models hellos may create (0: no cap)
 	// Connections each port holds at once (0: config.DefaultMaxConnections and
 	// config.DefaultHealthMaxConnections), and the largest header list a call may send (0:
 	// config.DefaultMaxHeaderListBytes).
@@ -260,7 +261,7 @@ func New(o Options) *Server {
 	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, maxRanksPerWorker: o.MaxRanksPerWorker, tracer: tracer,
+		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, maxRanksPerWorker: o.MaxRanksPerWorker, maxModels: o.MaxModels, tracer: tracer,
 		dumps: dumps})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)

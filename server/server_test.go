@@ -361,6 +361,11 @@ func TestPublishHelloValidation(t *testing.T) {
 			h.GetHello().Model = strings.Repeat("m", 257)
 			return h
 		}(), code: codes.InvalidArgument, msg: "hello.model: must be at most 256 bytes (got 257)"},
+		{name: "long endpoint", first: func() *kvrouterv1.PublishRequest {
+			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
+			h.GetHello().Endpoint = strings.Repeat("e", 1025)
+			return h
+		}(), code: codes.InvalidArgument, msg: "hello.endpoint: must be at most 1024 bytes (got 1025)"},
 		{name: "block size differs from the model's", first: hello(2, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 8),
 			before: func(e *testEnv) { e.connect(1) },
 			code:   codes.FailedPrecondition, msg: `block size differs from the model's: model "m" uses block_size 4, the worker registered 8`},

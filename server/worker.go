@@ -39,6 +39,8 @@ type workerService struct {
 	// maxWorkersPerModel bounds the ranks one model registers, maxRanksPerWorker those of one
 	// worker id in a model (0: no bound).
 	maxWorkersPerModel, maxRanksPerWorker int
+	// maxModels bounds the models a hello may create (0: no bound).
+	maxModels int
 	// dumps bounds what the streams' dumps in parts hold, together.
 	dumps *dumpBudget
 	// tracer makes the spans of applied messages (server/tracing.go); nil: tracing is off.
@@ -176,18 +178,29 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 	// ended (nil before the registration) closes when the stream no longer holds its worker rank.
 	var ended <-chan struct{}
 	var ps *publishStream
+	// replaced (nil before the registration) closes when the credentials file is reloaded: the
+	// stream's caller is checked again then (still: the worker it registered).
+	var replaced <-chan struct{}
+	var still func() error
 	next := func(tick <-chan time.Time) (*kvrouterv1.PublishRequest, error) {
-		select {
-		case r := <-msgs:
-			return r.msg, r.err
-		case <-tick:
-			return nil, nil
-		case <-ended:
-			return nil, ps.lost()
-		case <-ctx.Done():
-			return nil, status.FromContextError(ctx.Err()).Err()
-		case <-s.stopping:
-			return nil, status.Error(codes.Unavailable, "router is shutting down; reconnect to another replica")
+		for {
+			select {
+			case r := <-msgs:
+				return r.msg, r.err
+			case <-tick:
+				return nil, nil
+			case <-ended:
+				return nil, ps.lost()
+			case <-replaced:
+				if err := still(); err != nil {
+					return nil, err
+				}
+				replaced = caller.Replaced()
+			case <-ctx.Done():
+				return nil, status.FromContextError(ctx.Err()).Err()
+			case <-s.stopping:
+				return nil, status.Error(codes.Unavailable, "router is shutting down; reconnect to another replica")
+			}
 		}
 	}
 
@@ -207,6 +220,14 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		return err
 	}
 	if err := caller.MayPublishFor(info.Key.ID, info.Model); err != nil {
+		return err
+	}
+	replaced = caller.Replaced()
+	still = func() error { return caller.MayStillPublishFor(info.Key.ID, info.Model) }
+	if err := still(); err != nil { // a reload since the call was admitted
+		return err
+	}
+	if err := s.modelRoom(info.Model); err != nil {
 		return err
 	}
 	sh, err := s.shards.Open(ctx, info.Model)
@@ -321,6 +342,29 @@ func (s *workerService) admit(state *kvstate.State, info kvstate.WorkerInfo) err
 			return limitExceeded("RANKS_PER_WORKER", "hello.dp_rank", "max_ranks_per_worker", s.maxRanksPerWorker, ranks,
 				"worker %d has %d ranks registered in model %q, the most max_ranks_per_worker allows (%d)", info.Key.ID, ranks, info.Model, s.maxRanksPerWorker)
 		}
+	}
+	return nil
+}
+
+// modelRoom refuses a hello naming a model this replica does not know when it knows max_models
+// already. A model lives on (a log sharded by model keeps a shard of it on every replica), and every
+// model adds series to /metrics: before, a worker credential without models made 30,000 of them,
+// and a scrape took 4 s and 93 MB. Replicas count on their own view, so a model new on several at
+// once may pass the cap by one each.
+func (s *workerService) modelRoom(model string) error {
+	if s.maxModels <= 0 {
+		return nil
+	}
+	n := 0
+	for _, sh := range s.shards.Shards() {
+		if sh.Model == model || sh.State.Model(model) != nil {
+			return nil
+		}
+		n += len(sh.State.Models())
+	}
+	if n >= s.maxModels {
+		return limitExceeded("MODELS", "hello.model", "max_models", s.maxModels, n,
+			"model %q would be this router's %d-th model, past max_models (%d)", model, n+1, s.maxModels)
 	}
 	return nil
 }
@@ -617,6 +661,10 @@ func workerInfo(h *kvrouterv1.WorkerHello) (kvstate.WorkerInfo, error) {
 		return kvstate.WorkerInfo{}, invalidArgumentf("hello.role", "must be PREFILL, DECODE or AGGREGATED (got %v)", h.GetRole())
 	case h.GetBlockSize() == 0:
 		return kvstate.WorkerInfo{}, invalidArgument("hello.block_size", "must be > 0")
+	case len(h.GetEndpoint()) > maxEndpointBytes:
+		// Every Route answer and ListWorkers carries it: a 4 MB endpoint broke ListWorkers for
+		// clients with the default 4 MiB receive limit.
+		return kvstate.WorkerInfo{}, invalidArgumentf("hello.endpoint", "must be at most %d bytes (got %d)", maxEndpointBytes, len(h.GetEndpoint()))
 	}
 	return kvstate.WorkerInfo{
 		Key:   kvstate.WorkerKey{ID: h.GetWorkerId(), Rank: h.GetDpRank()},

@@ -1,16 +1,21 @@
 package main
 
 import (
+	"context"
+	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/encoding/gzip"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
 // hugeRoute is a Route of 15 million token ids of value 1: 15 MB on the wire, just under the
@@ -81,5 +86,64 @@ func TestNoWorkBeforeAuthentication(t *testing.T) {
 		if st.Code() != codes.ResourceExhausted || reason != "ROUTE_MESSAGE_TOO_LARGE" {
 			t.Errorf("call %d of 15 MB from a frontend = %v (reason %q), want RESOURCE_EXHAUSTED ROUTE_MESSAGE_TOO_LARGE", i, err, reason)
 		}
+	}
+}
+
+// TestRevokedCredentialEndsItsStream: a worker credential removed from the credentials file ends
+// its open Publish stream at the reload, with UNAUTHENTICATED, and one whose scope no longer
+// covers its worker with PERMISSION_DENIED; a stream of a credential the reload keeps goes on.
+// Before, a revoked credential's stream was acked until its connection's maximum age (30 min).
+func TestRevokedCredentialEndsItsStream(t *testing.T) {
+	r := startSecureRouter(t)
+	r.tokens["worker-9"], r.tokens["worker-11"] = newToken(t), newToken(t)
+	creds := testCredentials + "  - name: worker-9\n    roles: [worker]\n    token_sha256: {token:worker-9}\n    worker_ids: [9]\n" +
+		"  - name: worker-11\n    roles: [worker]\n    token_sha256: {token:worker-11}\n    worker_ids: [11]\n"
+	r.writeCredentials(creds)
+	open := func(name string, id uint64) grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse] {
+		ctx, cancel := context.WithCancel(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+r.tokens[name]))
+		t.Cleanup(cancel)
+		var stream grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
+		kvtest.Eventually(t, defaultTestTimeout, name+" registered", func() bool { // the reload of creds may be on its way
+			var err error
+			stream, err = register(ctx, r.dial(nil), id, "llama")
+			return err == nil
+		})
+		return stream
+	}
+	kept, revoked, narrowed := open("worker-11", 11), open("worker-7", 7), open("worker-9", 9)
+	// worker-7 goes; worker-9 now publishes for worker 10 only.
+	next := strings.Replace(creds, "  - name: worker-7\n    roles: [worker]\n    token_sha256: {token:worker-7}\n    worker_ids: [7]\n    models: [llama]\n", "", 1)
+	next = strings.Replace(next, "worker_ids: [9]", "worker_ids: [10]", 1)
+	r.writeCredentials(next)
+	for _, s := range []struct {
+		name   string
+		stream grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse]
+		want   codes.Code
+	}{{"worker-7 (removed)", revoked, codes.Unauthenticated}, {"worker-9 (scope narrowed)", narrowed, codes.PermissionDenied}} {
+		done := make(chan error, 1)
+		go func() {
+			for {
+				if _, err := s.stream.Recv(); err != nil {
+					done <- err
+					return
+				}
+			}
+		}()
+		select {
+		case err := <-done:
+			if status.Code(err) != s.want {
+				t.Errorf("%s: its stream ended with %v, want %v", s.name, err, s.want)
+			}
+		case <-time.After(defaultTestTimeout):
+			t.Errorf("%s: its stream still open %v after the reload", s.name, defaultTestTimeout)
+		}
+	}
+	if err := kept.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{{
+		EventId: 0, StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: &kvrouterv1.BlocksStored{
+			Blocks: []*kvrouterv1.StoredBlock{{BlockHash: 1, TokenIds: []uint32{1, 2, 3, 4}}}}}}}}}}); err != nil {
+		t.Fatalf("worker-11, kept: Send = %v", err)
+	}
+	if resp, err := kept.Recv(); err != nil || resp.GetAck() == nil {
+		t.Errorf("worker-11, kept by the reload: %v, %v; want its event acked", resp, err)
 	}
 }

@@ -140,7 +140,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
 		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
 		MaxDumpBytesInFlight: cfg.MaxDumpBytesInFlight,
-		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, MaxRanksPerWorker: cfg.MaxRanksPerWorker, Creds: sec.creds, Auth: sec.auth,
+		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, MaxRanksPerWorker: cfg.MaxRanksPerWorker, MaxModels: cfg.MaxModels, Creds: sec.creds, Auth: sec.auth,
 		MaxConnections: cfg.MaxConnections, HealthMaxConnections: cfg.HealthMaxConnections, MaxHeaderListBytes: cfg.MaxHeaderListBytes,
 		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
 		TracerProvider: tracerProvider,

@@ -46,6 +46,9 @@ const (
 	// DefaultMaxRanksPerWorker bounds one worker id's data-parallel ranks in a model: wider than
 	// any data-parallel deployment in use, far below max_workers_per_model.
 	DefaultMaxRanksPerWorker = 256
+	// DefaultMaxModels bounds the models workers register: each lives on (a shard on every
+	// replica, sharded by model) and adds series to /metrics.
+	DefaultMaxModels = 1000
 	// DefaultMaxBookedBlocks bounds what a replica's bookings hold: 16M block keys, about 128 MiB of
 	// keys plus their tables, e.g. 4,096 requests of 64k tokens (block size 16) on two hops each.
 	DefaultMaxBookedBlocks = 1 << 24
@@ -95,6 +98,7 @@ type Options struct {
 	MaxPublishStreams     int           // concurrent Publish streams per credential
 	MaxWorkersPerModel    int           // worker ranks per model
 	MaxRanksPerWorker     int           // ranks of one worker id per model
+	MaxModels             int           // models workers may register
 	MaxIndexBlocks        int           // distinct blocks over all indexes (0 = no cap)
 	KeepaliveMinTime      time.Duration // clients pinging more often are disconnected
 	MaxConnectionAge      time.Duration // connections are asked to go away after this long (0 = never)
@@ -164,6 +168,7 @@ func New() *Options {
 		MaxPublishStreams:     DefaultMaxPublishStreams,
 		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
 		MaxRanksPerWorker:     DefaultMaxRanksPerWorker,
+		MaxModels:             DefaultMaxModels,
 		MaxBookedBlocks:       DefaultMaxBookedBlocks,
 		MaxIndexBlocks:        DefaultMaxIndexBlocks,
 		KeepaliveMinTime:      10 * time.Second,
