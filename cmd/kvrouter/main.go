@@ -157,29 +157,51 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 			return fmt.Errorf("--health-listen %s: %w", cfg.HealthListen, err)
 		}
 	}
-	var metricsSrv *http.Server
-	if cfg.MetricsListen != "" {
-		mlis, err := net.Listen("tcp", cfg.MetricsListen)
+	// The HTTP servers: /metrics, and Go's profiler on a listener of its own (--pprof).
+	var httpSrvs []*http.Server
+	serveHTTP := func(what, flag, addr string, mux *http.ServeMux) error {
+		l, err := net.Listen("tcp", addr)
 		if err != nil {
+			return fmt.Errorf("%s %s: %w", flag, addr, err)
+		}
+		hs := &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		httpSrvs = append(httpSrvs, hs)
+		background.Go(func() error {
+			if err := hs.Serve(l); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				logger.Error(what+" server failed", "err", err)
+			}
+			return nil
+		})
+		logger.Info("serving "+what, "addr", l.Addr().String())
+		return nil
+	}
+	closeHTTP := func() {
+		for _, hs := range httpSrvs {
+			_ = hs.Close()
+		}
+	}
+	if cfg.MetricsListen != "" {
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
+		if err := serveHTTP("metrics", "--metrics-listen", cfg.MetricsListen, mux); err != nil {
 			lis.Close()
 			if hlis != nil {
 				hlis.Close()
 			}
-			return fmt.Errorf("--metrics-listen %s: %w", cfg.MetricsListen, err)
+			return err
 		}
+	}
+	if cfg.Pprof {
 		mux := http.NewServeMux()
-		mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
-		if cfg.Pprof {
-			servePprof(mux)
-		}
-		metricsSrv = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
-		background.Go(func() error {
-			if err := metricsSrv.Serve(mlis); err != nil && !errors.Is(err, http.ErrServerClosed) {
-				logger.Error("metrics server failed", "err", err)
+		servePprof(mux)
+		if err := serveHTTP("pprof", "--pprof-listen", cfg.PprofListen, mux); err != nil {
+			lis.Close()
+			if hlis != nil {
+				hlis.Close()
 			}
-			return nil
-		})
-		logger.Info("serving metrics", "addr", mlis.Addr().String())
+			closeHTTP()
+			return err
+		}
 	}
 
 	if hlis != nil {
@@ -214,17 +236,15 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	select {
 	case err := <-serveErr:
 		srv.Stop()
-		if metricsSrv != nil {
-			_ = metricsSrv.Close()
-		}
+		closeHTTP()
 		return fmt.Errorf("gRPC server stopped: %w", err)
 	case <-ctx.Done():
 	}
 	shutdownCtx, cancel := context.WithTimeout(context.Background(), cfg.ShutdownDrain+cfg.ShutdownTimeout)
 	defer cancel()
 	srv.Shutdown(shutdownCtx, cfg.ShutdownDrain)
-	if metricsSrv != nil {
-		_ = metricsSrv.Shutdown(shutdownCtx)
+	for _, hs := range httpSrvs {
+		_ = hs.Shutdown(shutdownCtx)
 	}
 	logger.Info("stopped")
 	return <-serveErr

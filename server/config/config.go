@@ -63,7 +63,8 @@ type Options struct {
 	Listen               string        // gRPC address
 	MetricsListen        string        // HTTP address of /metrics ("" = off)
 	HealthListen         string        // plaintext gRPC address serving only health ("" = off)
-	Pprof                bool          // serve /debug/pprof/ on the metrics listener
+	Pprof                bool          // serve /debug/pprof/ on PprofListen
+	PprofListen          string        // loopback HTTP address of /debug/pprof/
 	LogLevel             string        // debug, info, warn, error
 	MaxPromptTokens      int           // longest accepted prompt
 	MaxRecvMsgBytes      int           // largest accepted gRPC message
@@ -145,6 +146,7 @@ func New() *Options {
 	o := &Options{
 		Listen:                "127.0.0.1:50051",
 		MetricsListen:         "127.0.0.1:9090",
+		PprofListen:           "127.0.0.1:6060",
 		LogLevel:              "info",
 		MaxPromptTokens:       1 << 20,
 		MaxRecvMsgBytes:       16 << 20,

@@ -128,6 +128,8 @@ func (o *Options) validateSecurity() error {
 		return fmt.Errorf("%s: must be require or optional (got %q)", o.describe("tls_client_auth"), o.TLSClientAuth)
 	case o.FileReloadInterval < 10*time.Millisecond:
 		return fmt.Errorf("%s: must be at least 10ms (got %v)", o.describe("file_reload_interval"), o.FileReloadInterval)
+	case o.Pprof && !IsLoopback(o.PprofListen):
+		return fmt.Errorf("%s %q: the profiler answers without authentication, so it must be a loopback address (reach it with kubectl port-forward or ssh)", o.describe("pprof_listen"), o.PprofListen)
 	case o.RouteRateLimit < 0:
 		return fmt.Errorf("%s: must be >= 0 (got %v)", o.describe("route_rate_limit"), o.RouteRateLimit)
 	case o.RouteTokenRateLimit < 0:
