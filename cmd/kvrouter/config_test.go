@@ -5,6 +5,8 @@ import (
 	"context"
 	"strings"
 	"testing"
+
+	"github.com/kvrouter/kvrouter/server/config"
 )
 
 // TestBadConfigExits2: a bad value stops the command with status 2 and a line naming the setting as
@@ -86,5 +88,34 @@ func TestBadBridgeConfigExits2(t *testing.T) {
 				t.Errorf("stderr = %q, want it to contain %q", got, tt.want)
 			}
 		})
+	}
+}
+
+// TestCleartextSecretsWarned: the router warns at start when bearer tokens reach a plaintext port
+// other hosts can reach, or the Redis password goes to a Redis on another host without TLS; not
+// when the hop stays on the machine or is encrypted.
+func TestCleartextSecretsWarned(t *testing.T) {
+	for _, tt := range []struct {
+		name  string
+		set   func(o *config.Options)
+		redis []string
+		want  int
+	}{
+		{"tokens over plaintext to other hosts", func(o *config.Options) {
+			o.CredentialsFile, o.Listen, o.Plaintext = "creds.yaml", "0.0.0.0:50051", true
+		}, nil, 1},
+		{"tokens on loopback", func(o *config.Options) { o.CredentialsFile = "creds.yaml" }, nil, 0},
+		{"tokens over TLS", func(o *config.Options) {
+			o.CredentialsFile, o.Listen, o.TLSCertFile = "creds.yaml", "0.0.0.0:50051", "s.crt"
+		}, nil, 0},
+		{"Redis password to another host", func(o *config.Options) { o.RedisPasswordFile = "pw" }, []string{"10.0.0.5:6379"}, 1},
+		{"Redis password over TLS", func(o *config.Options) { o.RedisPasswordFile, o.RedisTLS = "pw", true }, []string{"10.0.0.5:6379"}, 0},
+		{"Redis password on loopback", func(o *config.Options) { o.RedisPassword = "x" }, []string{"127.0.0.1:6379"}, 0},
+	} {
+		o := config.New()
+		tt.set(o)
+		if got := cleartextSecrets(o, tt.redis); len(got) != tt.want {
+			t.Errorf("%s: %q, want %d warnings", tt.name, got, tt.want)
+		}
 	}
 }

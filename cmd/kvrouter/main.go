@@ -232,6 +232,9 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	if cfg.CredentialsFile == "" && !config.IsLoopback(cfg.Listen) {
 		logger.Warn("no credentials_file: every caller that reaches the port may publish events, route and read the fleet; see docs/security.md")
 	}
+	for _, w := range cleartextSecrets(cfg, addrsOfRedis(cfg)) {
+		logger.Warn(w)
+	}
 
 	select {
 	case err := <-serveErr:
@@ -260,6 +263,37 @@ type logBackend struct {
 	mode     string
 	run      []func(context.Context) error
 	close    func()
+}
+
+// addrsOfRedis returns the Redis addresses the configuration names (none in embedded mode).
+func addrsOfRedis(cfg *config.Options) []string {
+	switch {
+	case cfg.RedisAddr != "":
+		return []string{cfg.RedisAddr}
+	case cfg.RedisClusterAddrs != "":
+		return strings.Split(cfg.RedisClusterAddrs, ",")
+	}
+	return nil
+}
+
+// cleartextSecrets returns a warning for each secret the configuration sends over the network
+// unencrypted: bearer tokens to a port without TLS that other hosts reach, and the Redis password
+// to a Redis without TLS on another host. Either may be deliberate (a mesh's sidecar encrypts),
+// so the router says so and serves.
+func cleartextSecrets(cfg *config.Options, redisAddrs []string) []string {
+	var out []string
+	if cfg.CredentialsFile != "" && cfg.TLSCertFile == "" && !config.IsLoopback(cfg.Listen) {
+		out = append(out, "bearer tokens reach this router unencrypted: the gRPC port serves plaintext (--plaintext) to other hosts; serve TLS, or make sure a mesh encrypts the hop (docs/security.md)")
+	}
+	if (cfg.RedisPassword != "" || cfg.RedisPasswordFile != "") && !cfg.RedisTLS {
+		for _, addr := range redisAddrs {
+			if !config.IsLoopback(strings.TrimSpace(addr)) {
+				out = append(out, "the Redis password travels unencrypted to "+strings.TrimSpace(addr)+": set --redis-tls, or make sure a mesh encrypts the hop (docs/operations.md)")
+				break
+			}
+		}
+	}
+	return out
 }
 
 // openLog returns the state's log: in-process by default, or a Redis stream shared with the other

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"slices"
+	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/credentials"
@@ -82,6 +83,9 @@ func newPortSecurity(cfg *config.Options, registry *prometheus.Registry, logger 
 			}
 			reloads.WithLabelValues("ok").Inc()
 			logger.Info("TLS files reloaded", "not_after", src.NotAfter(), "mutual_tls", src.MutualTLS())
+			if left := time.Until(src.NotAfter()); left < 7*24*time.Hour {
+				logger.Warn("the serving certificate expires within 7 days: rotate it", "not_after", src.NotAfter(), "left", left.Round(time.Minute))
+			}
 		})
 		return nil
 	})

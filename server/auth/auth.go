@@ -420,9 +420,17 @@ func (t *callers) authenticate(ctx context.Context) (*Caller, *authError) {
 			for _, u := range leaf.URIs {
 				ids = append(ids, u.String())
 			}
-			ids = append(ids, leaf.DNSNames...)
 			for _, id := range ids {
 				if c := t.byIdentity[id]; c != nil {
+					return c, nil
+				}
+			}
+			// A DNS SAN matches a DNS identity only: one spelled like a URI identity
+			// ("spiffe://fleet/fe", which a CA checking DNS names would not sign, but a lax one
+			// might) must not pass for it.
+			for _, name := range leaf.DNSNames {
+				ids = append(ids, name)
+				if c := t.byIdentity[name]; c != nil && !strings.Contains(name, "://") {
 					return c, nil
 				}
 			}

@@ -3,14 +3,19 @@ package auth
 import (
 	"context"
 	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
 	"encoding/hex"
+	"net/url"
 	"os"
 	"path/filepath"
 	"testing"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	grpctap "google.golang.org/grpc/tap"
 )
@@ -104,5 +109,41 @@ func TestTapHandleAdmitsOnHeaders(t *testing.T) {
 	}
 	if _, err := tap(frontend, &grpctap.Info{FullMethodName: route}); status.Code(err) != codes.ResourceExhausted {
 		t.Errorf("a second Route within the second = %v, want RESOURCE_EXHAUSTED", err)
+	}
+}
+
+// TestSANKinds: a client certificate's URI SANs match URI identities and its DNS SANs match DNS
+// identities; a DNS SAN spelled like a URI identity does not pass for it (a lax CA might sign one).
+func TestSANKinds(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "credentials.yaml")
+	if err := os.WriteFile(path, []byte("credentials:\n  - name: fe\n    roles: [frontend]\n    identity: spiffe://fleet/fe\n"+
+		"  - name: dns\n    roles: [frontend]\n    identity: fe.fleet.internal\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(Options{CredentialsFile: path, Services: map[string]Role{"kvrouter.v1.RouterService": RoleFrontend}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	spiffe, _ := url.Parse("spiffe://fleet/fe")
+	withCert := func(cert *x509.Certificate) context.Context {
+		info := credentials.TLSInfo{State: tls.ConnectionState{VerifiedChains: [][]*x509.Certificate{{cert}}}}
+		return peer.NewContext(context.Background(), &peer.Peer{AuthInfo: info})
+	}
+	for _, tt := range []struct {
+		name string
+		cert *x509.Certificate
+		want string // the credential, "" when refused
+	}{
+		{"URI SAN, URI identity", &x509.Certificate{URIs: []*url.URL{spiffe}}, "fe"},
+		{"DNS SAN, DNS identity", &x509.Certificate{DNSNames: []string{"fe.fleet.internal"}}, "dns"},
+		{"DNS SAN spelled as the URI identity", &x509.Certificate{DNSNames: []string{"spiffe://fleet/fe"}}, ""},
+	} {
+		c, err := a.check(withCert(tt.cert), "/kvrouter.v1.RouterService/Route")
+		switch {
+		case tt.want == "" && status.Code(err) != codes.Unauthenticated:
+			t.Errorf("%s: %v, %v; want UNAUTHENTICATED", tt.name, c, err)
+		case tt.want != "" && (err != nil || c.Name != tt.want):
+			t.Errorf("%s: %v, %v; want credential %q", tt.name, c, err, tt.want)
+		}
 	}
 }

@@ -94,6 +94,12 @@ func (s *Source) Reload() error {
 	if cert.Leaf == nil {
 		return errors.New("--tls-cert-file: the certificate does not parse")
 	}
+	// An expired certificate (or one not valid yet) would fail every handshake: it is refused like
+	// a broken file, and the last good version keeps serving (before, it was swapped in).
+	if now := time.Now(); now.After(cert.Leaf.NotAfter) || now.Before(cert.Leaf.NotBefore) {
+		return fmt.Errorf("--tls-cert-file %s: the certificate is valid from %s to %s, not now (%s)", s.files.Cert,
+			cert.Leaf.NotBefore.UTC().Format(time.RFC3339), cert.Leaf.NotAfter.UTC().Format(time.RFC3339), now.UTC().Format(time.RFC3339))
+	}
 	s.cur.Store(&loaded{config: c, notAfter: cert.Leaf.NotAfter})
 	return nil
 }
