@@ -1,22 +1,30 @@
 package server
 
 import (
+	"bytes"
 	"context"
+	"crypto/sha256"
+	"encoding/hex"
 	"errors"
 	"io"
 	"net"
+	"os"
+	"path/filepath"
 	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/server/auth"
 )
 
 // serveHealthLoopback serves e's health port on a loopback listener until the test ends, and
@@ -140,5 +148,87 @@ func TestConnectionAndHeaderLimits(t *testing.T) {
 	}
 	if got := e.counter("kvrouter_connections_refused_total", "port", "grpc"); got != 1 {
 		t.Errorf("kvrouter_connections_refused_total{port=grpc} = %v, want 1", got)
+	}
+}
+
+// TestRefusedCallsCutTheConnection: a connection whose calls are refused more than
+// max_refused_calls_per_conn times within a second is closed (kvrouter_connections_cut_total): a
+// client opening calls without credentials and resetting each at once (HTTP/2 rapid reset) costs
+// the router a stream's admission per call, on the connection's reader goroutine, for as long as
+// the connection lives. A connection whose calls are admitted is not touched.
+func TestRefusedCallsCutTheConnection(t *testing.T) {
+	token := "a-frontend-token"
+	sum := sha256.Sum256([]byte(token))
+	path := filepath.Join(t.TempDir(), "credentials.yaml")
+	if err := os.WriteFile(path, []byte("credentials:\n  - name: fe\n    roles: [frontend, admin]\n    token_sha256: "+hex.EncodeToString(sum[:])+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := auth.New(auth.Options{CredentialsFile: path, Services: Services, RouteMethod: RouteMethod, PublishMethod: PublishMethod})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newTestEnv(t, func(o *Options) { o.Auth, o.MaxRefusedCallsPerConn = a, 5 })
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go e.srv.Serve(lis)
+	addr := lis.Addr().String()
+
+	// A legitimate client on its own connection, before and after.
+	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	admin := kvrouterv1.NewAdminServiceClient(conn)
+	authed := metadata.AppendToOutgoingContext(e.ctx, "authorization", "Bearer "+token)
+	if _, err := admin.GetState(authed, &kvrouterv1.GetStateRequest{}); err != nil {
+		t.Fatal(err)
+	}
+
+	raw, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer raw.Close()
+	if _, err := raw.Write([]byte(http2.ClientPreface)); err != nil {
+		t.Fatal(err)
+	}
+	fr := http2.NewFramer(raw, raw)
+	if err := fr.WriteSettings(); err != nil {
+		t.Fatal(err)
+	}
+	var hb bytes.Buffer
+	enc := hpack.NewEncoder(&hb)
+	for _, f := range [][2]string{{":method", "POST"}, {":scheme", "http"}, {":path", RouteMethod}, {":authority", addr},
+		{"content-type", "application/grpc"}, {"te", "trailers"}} {
+		_ = enc.WriteField(hpack.HeaderField{Name: f[0], Value: f[1]})
+	}
+	closed := make(chan error, 1)
+	go func() {
+		for {
+			if _, err := fr.ReadFrame(); err != nil {
+				closed <- err
+				return
+			}
+		}
+	}()
+	for id := uint32(1); id <= 2*20; id += 2 { // 20 calls without credentials, each reset at once
+		if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: hb.Bytes(), EndHeaders: true}) != nil ||
+			fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
+			break // closed already
+		}
+	}
+	select {
+	case <-closed:
+	case <-time.After(defaultTestTimeout):
+		t.Fatalf("the connection resetting 20 refused calls is still open %v later, want it closed past max_refused_calls_per_conn 5", defaultTestTimeout)
+	}
+	if got := e.counter("kvrouter_connections_cut_total", "", ""); got != 1 {
+		t.Errorf("kvrouter_connections_cut_total = %v, want 1", got)
+	}
+	if _, err := admin.GetState(authed, &kvrouterv1.GetStateRequest{}); err != nil {
+		t.Errorf("the legitimate client after the cut: %v", err)
 	}
 }

@@ -67,6 +67,9 @@ type Options struct {
 	// config.DefaultMaxHeaderListBytes).
 	MaxConnections, HealthMaxConnections int
 	MaxHeaderListBytes                   int
+	// MaxRefusedCallsPerConn: a connection with more calls refused within a second is closed (0:
+	// config.DefaultMaxRefusedCallsPerConn).
+	MaxRefusedCallsPerConn int
 
 	// Creds is the port's transport security (servertls); nil serves plaintext.
 	Creds credentials.TransportCredentials
@@ -117,6 +120,7 @@ type Server struct {
 	maxConns, healthMaxConns int
 	connsOpen                *prometheus.GaugeVec
 	connsRefused             *prometheus.CounterVec
+	conns                    *connRegistry // the gRPC port's, for cutRefused
 	stopping                 chan struct{}
 	stopOnce                 sync.Once
 	bg                       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
@@ -206,7 +210,15 @@ func New(o Options) *Server {
 		Name: "kvrouter_connections_refused_total",
 		Help: "Connections closed as soon as accepted because the port held max_connections (health_max_connections) already, by port.",
 	}, []string{"port"})
-	o.Registry.MustRegister(connsOpen, connsRefused)
+	connsCut := prometheus.NewCounter(prometheus.CounterOpts{
+		Name: "kvrouter_connections_cut_total",
+		Help: "gRPC connections closed because more than max_refused_calls_per_conn of their calls were refused within a second (a flood of calls without credentials, or HTTP/2 rapid reset).",
+	})
+	o.Registry.MustRegister(connsOpen, connsRefused, connsCut)
+	if o.MaxRefusedCallsPerConn <= 0 {
+		o.MaxRefusedCallsPerConn = config.DefaultMaxRefusedCallsPerConn
+	}
+	conns := &connRegistry{}
 	serverParams := keepalive.ServerParameters{Time: 30 * time.Second, Timeout: 10 * time.Second}
 	if o.MaxConnectionAge > 0 {
 		serverParams.MaxConnectionAge = o.MaxConnectionAge
@@ -232,7 +244,7 @@ func New(o Options) *Server {
 	}
 	if o.Auth != nil {
 		// Callers are admitted on their headers, before any message is read (auth.TapHandle).
-		opts = append(opts, grpc.InTapHandle(o.Auth.TapHandle()))
+		opts = append(opts, grpc.InTapHandle(cutRefused(o.Auth.TapHandle(), conns, int64(o.MaxRefusedCallsPerConn), connsCut)))
 	}
 	var tracer trace.Tracer
 	if o.TracerProvider != nil {
@@ -243,7 +255,7 @@ func New(o Options) *Server {
 		grpc:     grpc.NewServer(opts...),
 		health:   health.NewServer(),
 		maxConns: o.MaxConnections, healthMaxConns: o.HealthMaxConnections,
-		connsOpen: connsOpen, connsRefused: connsRefused,
+		connsOpen: connsOpen, connsRefused: connsRefused, conns: conns,
 		stopping: make(chan struct{}),
 		logger:   o.Logger,
 	}
@@ -339,7 +351,7 @@ func (s *Server) watchSharedLog(ready <-chan struct{}, shards kvstate.ShardSourc
 
 // Serve accepts connections on lis until Shutdown.
 func (s *Server) Serve(lis net.Listener) error {
-	lis = limitConnections(lis, s.maxConns, s.connsOpen.WithLabelValues("grpc"), s.connsRefused.WithLabelValues("grpc"))
+	lis = limitConnections(lis, s.maxConns, s.connsOpen.WithLabelValues("grpc"), s.connsRefused.WithLabelValues("grpc"), s.conns)
 	err := s.grpc.Serve(lis)
 	if err == grpc.ErrServerStopped {
 		return nil
@@ -350,7 +362,7 @@ func (s *Server) Serve(lis net.Listener) error {
 // ServeHealth serves only the health service, in plaintext, on lis until Shutdown: the answers of
 // the main port's health service, for probes that cannot use its TLS or credentials.
 func (s *Server) ServeHealth(lis net.Listener) error {
-	lis = limitConnections(lis, s.healthMaxConns, s.connsOpen.WithLabelValues("health"), s.connsRefused.WithLabelValues("health"))
+	lis = limitConnections(lis, s.healthMaxConns, s.connsOpen.WithLabelValues("health"), s.connsRefused.WithLabelValues("health"), &connRegistry{})
 	err := s.healthOnly.Serve(lis)
 	if err == grpc.ErrServerStopped {
 		return nil

@@ -142,7 +142,8 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		MaxDumpBytesInFlight: cfg.MaxDumpBytesInFlight,
 		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, MaxRanksPerWorker: cfg.MaxRanksPerWorker, MaxModels: cfg.MaxModels, Creds: sec.creds, Auth: sec.auth,
 		MaxConnections: cfg.MaxConnections, HealthMaxConnections: cfg.HealthMaxConnections, MaxHeaderListBytes: cfg.MaxHeaderListBytes,
-		KeepaliveMinTime: cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
+		MaxRefusedCallsPerConn: cfg.MaxRefusedCallsPerConn,
+		KeepaliveMinTime:       cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
 		TracerProvider: tracerProvider,
 	})
 

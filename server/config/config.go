@@ -37,6 +37,9 @@ const (
 	// DefaultMaxHeaderListBytes bounds a call's metadata: a token, a traceparent and a few
 	// application headers take well under 1 KiB.
 	DefaultMaxHeaderListBytes = 16 << 10
+	// DefaultMaxRefusedCallsPerConn: a client refused this often within a second is not backing
+	// off (RetryInfo) but flooding, or resetting its streams as it opens them.
+	DefaultMaxRefusedCallsPerConn = 100
 )
 
 // Default caps against runaway or hostile callers (docs/security.md, "Limits").
@@ -60,26 +63,27 @@ const (
 // it also records where each value came from.
 type Options struct {
 	// Serving.
-	Listen               string        // gRPC address
-	MetricsListen        string        // HTTP address of /metrics ("" = off)
-	HealthListen         string        // plaintext gRPC address serving only health ("" = off)
-	Pprof                bool          // serve /debug/pprof/ on PprofListen
-	PprofListen          string        // loopback HTTP address of /debug/pprof/
-	LogLevel             string        // debug, info, warn, error
-	MaxPromptTokens      int           // longest accepted prompt
-	MaxRecvMsgBytes      int           // largest accepted gRPC message
-	MaxConcurrentStreams int           // per connection
-	MaxConnections       int           // connections the gRPC port holds at once
-	HealthMaxConnections int           // connections the health port holds at once
-	MaxHeaderListBytes   int           // largest header list of a call (both ports)
-	MaxPublishMsgBytes   int           // largest Publish message
-	MaxBatchBlocks       int           // events, and blocks, in one Publish message
-	MaxDumpBlocks        int           // blocks of one dump, over its parts
-	MaxDumpBytesInFlight int           // bytes the streams' dumps in parts hold between parts, together
-	WorkerGracePeriod    time.Duration // how long a disconnected worker keeps its blocks
-	BookingExpiry        time.Duration // how long an unfreed booking lives
-	ShutdownDrain        time.Duration // NOT_SERVING before stopping
-	ShutdownTimeout      time.Duration // graceful stop deadline
+	Listen                 string        // gRPC address
+	MetricsListen          string        // HTTP address of /metrics ("" = off)
+	HealthListen           string        // plaintext gRPC address serving only health ("" = off)
+	Pprof                  bool          // serve /debug/pprof/ on PprofListen
+	PprofListen            string        // loopback HTTP address of /debug/pprof/
+	LogLevel               string        // debug, info, warn, error
+	MaxPromptTokens        int           // longest accepted prompt
+	MaxRecvMsgBytes        int           // largest accepted gRPC message
+	MaxConcurrentStreams   int           // per connection
+	MaxConnections         int           // connections the gRPC port holds at once
+	HealthMaxConnections   int           // connections the health port holds at once
+	MaxHeaderListBytes     int           // largest header list of a call (both ports)
+	MaxRefusedCallsPerConn int           // refused calls a second before a connection is closed
+	MaxPublishMsgBytes     int           // largest Publish message
+	MaxBatchBlocks         int           // events, and blocks, in one Publish message
+	MaxDumpBlocks          int           // blocks of one dump, over its parts
+	MaxDumpBytesInFlight   int           // bytes the streams' dumps in parts hold between parts, together
+	WorkerGracePeriod      time.Duration // how long a disconnected worker keeps its blocks
+	BookingExpiry          time.Duration // how long an unfreed booking lives
+	ShutdownDrain          time.Duration // NOT_SERVING before stopping
+	ShutdownTimeout        time.Duration // graceful stop deadline
 
 	// Security (docs/security.md): TLS, credentials and per-credential limits.
 	Plaintext             bool          // serve without TLS on a non-loopback address
@@ -144,46 +148,47 @@ type Options struct {
 // New returns the built-in defaults, each from SourceDefault.
 func New() *Options {
 	o := &Options{
-		Listen:                "127.0.0.1:50051",
-		MetricsListen:         "127.0.0.1:9090",
-		PprofListen:           "127.0.0.1:6060",
-		LogLevel:              "info",
-		MaxPromptTokens:       1 << 20,
-		MaxRecvMsgBytes:       16 << 20,
-		MaxConcurrentStreams:  1000,
-		MaxConnections:        DefaultMaxConnections,
-		HealthMaxConnections:  DefaultHealthMaxConnections,
-		MaxHeaderListBytes:    DefaultMaxHeaderListBytes,
-		MaxPublishMsgBytes:    DefaultMaxPublishMsgBytes,
-		MaxBatchBlocks:        DefaultMaxBatchBlocks,
-		MaxDumpBlocks:         DefaultMaxDumpBlocks,
-		MaxDumpBytesInFlight:  DefaultMaxDumpBytesInFlight,
-		WorkerGracePeriod:     30 * time.Second,
-		BookingExpiry:         300 * time.Second,
-		ShutdownDrain:         2 * time.Second,
-		ShutdownTimeout:       15 * time.Second,
-		TLSClientAuth:         "require",
-		TLSMinVersion:         tls.VersionTLS12,
-		AuthOpenHealth:        true,
-		AuthOpenReflection:    true,
-		FileReloadInterval:    5 * time.Second,
-		MaxPublishStreams:     DefaultMaxPublishStreams,
-		MaxWorkersPerModel:    DefaultMaxWorkersPerModel,
-		MaxRanksPerWorker:     DefaultMaxRanksPerWorker,
-		MaxModels:             DefaultMaxModels,
-		MaxBookedBlocks:       DefaultMaxBookedBlocks,
-		MaxIndexBlocks:        DefaultMaxIndexBlocks,
-		KeepaliveMinTime:      10 * time.Second,
-		MaxConnectionAge:      30 * time.Minute,
-		MaxConnectionAgeGrace: 30 * time.Second,
-		RedisPrefix:           "kvr:{default}",
-		RedisMaxBuffered:      100_000,
-		SnapshotEvery:         kvstate.DefaultSnapshotEvery,
-		SnapshotInterval:      5 * time.Minute,
-		SnapshotChunkBytes:    1 << 20,
-		RedisReseedWindow:     10 * time.Second,
-		Router:                policy.DefaultConfig(),
-		layers:                layered.New(settings),
+		Listen:                 "127.0.0.1:50051",
+		MetricsListen:          "127.0.0.1:9090",
+		PprofListen:            "127.0.0.1:6060",
+		LogLevel:               "info",
+		MaxPromptTokens:        1 << 20,
+		MaxRecvMsgBytes:        16 << 20,
+		MaxConcurrentStreams:   1000,
+		MaxConnections:         DefaultMaxConnections,
+		HealthMaxConnections:   DefaultHealthMaxConnections,
+		MaxHeaderListBytes:     DefaultMaxHeaderListBytes,
+		MaxRefusedCallsPerConn: DefaultMaxRefusedCallsPerConn,
+		MaxPublishMsgBytes:     DefaultMaxPublishMsgBytes,
+		MaxBatchBlocks:         DefaultMaxBatchBlocks,
+		MaxDumpBlocks:          DefaultMaxDumpBlocks,
+		MaxDumpBytesInFlight:   DefaultMaxDumpBytesInFlight,
+		WorkerGracePeriod:      30 * time.Second,
+		BookingExpiry:          300 * time.Second,
+		ShutdownDrain:          2 * time.Second,
+		ShutdownTimeout:        15 * time.Second,
+		TLSClientAuth:          "require",
+		TLSMinVersion:          tls.VersionTLS12,
+		AuthOpenHealth:         true,
+		AuthOpenReflection:     true,
+		FileReloadInterval:     5 * time.Second,
+		MaxPublishStreams:      DefaultMaxPublishStreams,
+		MaxWorkersPerModel:     DefaultMaxWorkersPerModel,
+		MaxRanksPerWorker:      DefaultMaxRanksPerWorker,
+		MaxModels:              DefaultMaxModels,
+		MaxBookedBlocks:        DefaultMaxBookedBlocks,
+		MaxIndexBlocks:         DefaultMaxIndexBlocks,
+		KeepaliveMinTime:       10 * time.Second,
+		MaxConnectionAge:       30 * time.Minute,
+		MaxConnectionAgeGrace:  30 * time.Second,
+		RedisPrefix:            "kvr:{default}",
+		RedisMaxBuffered:       100_000,
+		SnapshotEvery:          kvstate.DefaultSnapshotEvery,
+		SnapshotInterval:       5 * time.Minute,
+		SnapshotChunkBytes:     1 << 20,
+		RedisReseedWindow:      10 * time.Second,
+		Router:                 policy.DefaultConfig(),
+		layers:                 layered.New(settings),
 	}
 	return o
 }
