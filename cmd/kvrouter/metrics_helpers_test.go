@@ -73,13 +73,11 @@ func bridgeMetrics(t *testing.T, bin, router string) map[string]*family {
 		"--metrics-listen", metricsAddr, "--shutdown-drain", "2s")
 	logs := &lockedBuffer{}
 	cmd.Stderr = logs
-	exited := runUntilCleanup(t, cmd, logs, nil)
+	exit := runUntilCleanup(t, cmd, logs, nil)
 	var scraped map[string]*family
 	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
-		select {
-		case err := <-exited:
+		if err, ok := exit.exited(); ok {
 			t.Fatalf("kvrouter bridge exited early: %v\n%s", err, logs)
-		default:
 		}
 		var err error
 		scraped, err = scrapeMetrics("http://" + metricsAddr + "/metrics")

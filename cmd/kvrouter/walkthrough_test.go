@@ -152,34 +152,60 @@ func (p *serverProcess) kill() {
 func (p *serverProcess) pause()  { _ = p.cmd.Process.Signal(syscall.SIGSTOP) }
 func (p *serverProcess) resume() { _ = p.cmd.Process.Signal(syscall.SIGCONT) }
 
+// processExit is a process's end: done closes once it has exited, with err its exit. Every reader
+// sees it (a channel receiving the exit once would leave the second reader waiting for ever).
+type processExit struct {
+	done chan struct{}
+	err  error
+}
+
+// exited returns the exit error and true once the process has exited.
+func (e *processExit) exited() (error, bool) {
+	select {
+	case <-e.done:
+		return e.err, true
+	default:
+		return nil, false
+	}
+}
+
 // runUntilCleanup starts cmd, a `kvrouter serve` whose output goes to logs, and stops it at the
 // test's cleanup with SIGTERM, after which it must exit 0 within defaultTestTimeout (unless killed
-// says the test killed it already). The channel receives its exit.
-func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *bool) <-chan error {
+// says the test killed it already; one that exited on its own with an error fails the test).
+func runUntilCleanup(t *testing.T, cmd *exec.Cmd, logs fmt.Stringer, killed *bool) *processExit {
 	t.Helper()
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("starting kvrouter = %v", err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	e := &processExit{done: make(chan struct{})}
+	go func() {
+		e.err = cmd.Wait()
+		close(e.done)
+	}()
 	t.Cleanup(func() {
 		defer keepLogsOfFailure(t, cmd, logs)
 		if killed != nil && *killed {
-			<-exited
+			<-e.done
+			return
+		}
+		if err, ok := e.exited(); ok {
+			if err != nil {
+				t.Errorf("kvrouter exited on its own with %v, before the test ended\n%s", err, logs)
+			}
 			return
 		}
 		_ = cmd.Process.Signal(syscall.SIGTERM)
 		select {
-		case err := <-exited:
-			if err != nil {
-				t.Errorf("kvrouter exited with %v after SIGTERM, want 0\n%s", err, logs)
+		case <-e.done:
+			if e.err != nil {
+				t.Errorf("kvrouter exited with %v after SIGTERM, want 0\n%s", e.err, logs)
 			}
 		case <-time.After(defaultTestTimeout):
 			_ = cmd.Process.Kill()
 			t.Errorf("kvrouter did not stop within %v of SIGTERM", defaultTestTimeout)
 		}
 	})
-	return exited
+	return e
 }
 
 // keepLogsOfFailure writes a failed test's kvrouter logs to the folder $KVROUTER_TEST_LOGS names,
@@ -202,39 +228,61 @@ func startProcess(t *testing.T, bin string, extra ...string) *serverProcess {
 }
 
 // startProcessWith is startProcess for a server whose health checks need dial (TLS, a token).
+//
+// The ports it picks (freePort) are free when picked, and may be taken by another process before
+// kvrouter binds them: the packages' tests run in parallel, on a machine shared with others. A
+// process that exits early saying a port is in use is started again on other ports (three tries),
+// rather than failing the test for a race outside it.
 func startProcessWith(t *testing.T, bin string, dial []grpc.DialOption, extra ...string) *serverProcess {
 	t.Helper()
-	addr, metrics := freePort(t), freePort(t)
-	args := append([]string{"serve", "--listen", addr, "--metrics-listen", metrics, "--shutdown-drain", "0s"}, extra...)
-	for i, a := range extra {
-		if a == "--metrics-listen" && i+1 < len(extra) {
-			metrics = extra[i+1] // the last one given wins
+	for attempt := 1; ; attempt++ {
+		addr, metrics := freePort(t), freePort(t)
+		args := append([]string{"serve", "--listen", addr, "--metrics-listen", metrics, "--shutdown-drain", "0s"}, extra...)
+		for i, a := range extra {
+			if a == "--metrics-listen" && i+1 < len(extra) {
+				metrics = extra[i+1] // the last one given wins
+			}
 		}
+		cmd := exec.Command(bin, args...)
+		logs := &lockedBuffer{}
+		cmd.Stderr = logs
+		p := &serverProcess{addr: addr, metrics: metrics, logs: logs, cmd: cmd}
+		exit := runUntilCleanup(t, cmd, logs, &p.killed)
+		conn, err := grpc.NewClient("passthrough:///"+addr, dial...)
+		if err != nil {
+			t.Fatalf("grpc.NewClient() = %v", err)
+		}
+		err = waitServingErr(healthpb.NewHealthClient(conn), exit, logs, "")
+		conn.Close()
+		if err == nil {
+			return p
+		}
+		if _, gone := exit.exited(); gone && attempt < 3 && strings.Contains(logs.String(), "address already in use") {
+			t.Logf("kvrouter found a port taken (attempt %d); starting it on others", attempt)
+			p.killed = true // its end is expected: the cleanup only waits for it
+			continue
+		}
+		t.Fatal(err)
 	}
-	cmd := exec.Command(bin, args...)
-	logs := &lockedBuffer{}
-	cmd.Stderr = logs
-	p := &serverProcess{addr: addr, metrics: metrics, logs: logs, cmd: cmd}
-	exited := runUntilCleanup(t, cmd, logs, &p.killed)
-	conn, err := grpc.NewClient("passthrough:///"+addr, dial...)
-	if err != nil {
-		t.Fatalf("grpc.NewClient() = %v", err)
-	}
-	defer conn.Close()
-	waitServing(t, healthpb.NewHealthClient(conn), exited, logs, "")
-	return p
 }
 
 // waitServing polls health until every one of services ("" is the whole server) is SERVING; the
 // test fails if the process exits first (exited) or defaultTestTimeout passes, with its logs.
-func waitServing(t *testing.T, health healthpb.HealthClient, exited <-chan error, logs fmt.Stringer, services ...string) {
+func waitServing(t *testing.T, health healthpb.HealthClient, exit *processExit, logs fmt.Stringer, services ...string) {
 	t.Helper()
+	if err := waitServingErr(health, exit, logs, services...); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// waitServingErr is waitServing, returning what failed.
+func waitServingErr(health healthpb.HealthClient, exit *processExit, logs fmt.Stringer, services ...string) error {
 	var last string
+	var early error
 	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
-		select {
-		case err := <-exited:
-			t.Fatalf("kvrouter exited early: %v\n%s", err, logs)
-		default:
+		if err, ok := exit.exited(); ok {
+			early = fmt.Errorf("kvrouter exited early: %v\n%s", err, logs)
+			return true
 		}
 		for _, svc := range services {
 			ctx, cancel := context.WithTimeout(context.Background(), time.Second)
@@ -247,8 +295,9 @@ func waitServing(t *testing.T, health healthpb.HealthClient, exited <-chan error
 		}
 		return true
 	}) {
-		t.Fatalf("kvrouter not SERVING after %v: %s\n%s", defaultTestTimeout, last, logs)
+		return fmt.Errorf("kvrouter not SERVING after %v: %s\n%s", defaultTestTimeout, last, logs)
 	}
+	return early
 }
 
 // walkthroughBlocks returns the sh code blocks between the README's walkthrough markers.
