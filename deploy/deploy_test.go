@@ -982,6 +982,9 @@ func checkRouter(t *testing.T, u unit) map[string]any {
 	if cfg.CredentialsFile == "" {
 		t.Errorf("%s: no credentials_file: every caller reaching the port could call everything", m)
 	}
+	if cfg.Pprof {
+		t.Errorf("%s: pprof is on: the profiler answers without authentication and costs CPU; turn it on by hand, behind kubectl port-forward, when profiling", m)
+	}
 	for setting, f := range map[string]string{"tls_cert_file": cfg.TLSCertFile, "tls_key_file": cfg.TLSKeyFile,
 		"tls_client_ca_file": cfg.TLSClientCAFile, "credentials_file": cfg.CredentialsFile, "redis_password_file": cfg.RedisPasswordFile} {
 		if f == "" {

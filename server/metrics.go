@@ -206,6 +206,9 @@ var (
 		[]string{"model"}, nil)
 	bookingsDesc = prometheus.NewDesc("kvrouter_bookings", "Routed requests whose load is booked (not yet freed or expired).",
 		nil, nil)
+	bookedBlocksDesc = prometheus.NewDesc("kvrouter_booked_blocks",
+		"Block keys the bookings hold, every hop's (8 bytes each, pinned until freed or expired); at max_booked_blocks a Route is refused (BOOKINGS_FULL).",
+		nil, nil)
 	logPositionDesc = prometheus.NewDesc("kvrouter_log_position", "Changes applied to the local state from the log.",
 		nil, nil)
 	silentDecodeDesc = prometheus.NewDesc("kvrouter_decode_workers_without_kv_events",
@@ -231,6 +234,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- workersDesc
 	ch <- indexBlocksDesc
 	ch <- bookingsDesc
+	ch <- bookedBlocksDesc
 	ch <- logPositionDesc
 	ch <- silentDecodeDesc
 	ch <- queueDepthDesc
@@ -242,14 +246,16 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
-	var bookings, position, refused uint64
+	var bookings, held, position, refused uint64
 	for _, sh := range c.shards.Shards() {
 		c.collectShard(ch, sh.State)
 		bookings += uint64(sh.State.Load().Bookings())
+		held += uint64(sh.State.Load().HeldBlocks())
 		position += sh.Log.Position()
 		refused += sh.State.IndexBlocksRefused()
 	}
 	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(bookings))
+	ch <- prometheus.MustNewConstMetric(bookedBlocksDesc, prometheus.GaugeValue, float64(held))
 	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(position))
 	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
 	ch <- prometheus.MustNewConstMetric(indexRefusedDesc, prometheus.CounterValue, float64(refused))

@@ -321,6 +321,9 @@ func TestBookingLifecycle(t *testing.T) {
 	if !resp.GetBooked() || resp.GetMode() != kvrouterv1.RouteMode_ROUTE_MODE_AGGREGATED {
 		t.Errorf("Route() booked %v mode %v, want booked AGGREGATED", resp.GetBooked(), resp.GetMode())
 	}
+	if got, want := e.gauge("kvrouter_booked_blocks", "", ""), float64(len(req.GetTokenIds())/4); got != want {
+		t.Errorf("kvrouter_booked_blocks = %v with the one booking, want its %v blocks", got, want)
+	}
 	_, err = e.router.Route(e.ctx, req)
 	wantStatus(t, err, codes.AlreadyExists, "request id is already booked")
 	if _, err := e.router.MarkPrefillComplete(e.ctx, &kvrouterv1.MarkPrefillCompleteRequest{RequestId: "r1"}); err != nil {
@@ -331,6 +334,9 @@ func TestBookingLifecycle(t *testing.T) {
 	}
 	if _, err := e.router.Free(e.ctx, &kvrouterv1.FreeRequest{RequestId: "r1"}); err != nil {
 		t.Errorf("Free() = %v", err)
+	}
+	if got := e.gauge("kvrouter_booked_blocks", "", ""); got != 0 {
+		t.Errorf("kvrouter_booked_blocks = %v once freed, want 0", got)
 	}
 	_, err = e.router.Free(e.ctx, &kvrouterv1.FreeRequest{RequestId: "r1"})
 	wantStatus(t, err, codes.NotFound, `request_id "r1": request is not booked (never booked, already freed, or expired)`)
