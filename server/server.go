@@ -67,8 +67,8 @@ type Options struct {
 	// config.DefaultMaxHeaderListBytes).
 	MaxConnections, HealthMaxConnections int
 	MaxHeaderListBytes                   int
-	// MaxRefusedCallsPerConn: a connection with more calls refused within a second is closed (0:
-	// config.DefaultMaxRefusedCallsPerConn).
+	// MaxRefusedCallsPerConn: a connection with more calls refused for their credentials within a
+	// second is closed (0: config.DefaultMaxRefusedCallsPerConn).
 	MaxRefusedCallsPerConn int
 
 	// Creds is the port's transport security (servertls); nil serves plaintext.
@@ -212,7 +212,7 @@ func New(o Options) *Server {
 	}, []string{"port"})
 	connsCut := prometheus.NewCounter(prometheus.CounterOpts{
 		Name: "kvrouter_connections_cut_total",
-		Help: "gRPC connections closed because more than max_refused_calls_per_conn of their calls were refused within a second (a flood of calls without credentials, or HTTP/2 rapid reset).",
+		Help: "gRPC connections closed because more than max_refused_calls_per_conn of their calls were refused for their credentials within a second (a flood of calls without credentials, or HTTP/2 rapid reset).",
 	})
 	o.Registry.MustRegister(connsOpen, connsRefused, connsCut)
 	if o.MaxRefusedCallsPerConn <= 0 {

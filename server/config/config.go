@@ -37,9 +37,9 @@ const (
 	// DefaultMaxHeaderListBytes bounds a call's metadata: a token, a traceparent and a few
 	// application headers take well under 1 KiB.
 	DefaultMaxHeaderListBytes = 16 << 10
-	// DefaultMaxRefusedCallsPerConn: a client refused this often within a second is not backing
-	// off (RetryInfo) but flooding, or resetting its streams as it opens them.
-	DefaultMaxRefusedCallsPerConn = 100
+	// DefaultMaxRefusedCallsPerConn: a client refused for its credentials this often within a
+	// second is not misconfigured but flooding, or resetting its streams as it opens them.
+	DefaultMaxRefusedCallsPerConn = 20
 )
 
 // Default caps against runaway or hostile callers (docs/security.md, "Limits").
