@@ -31,6 +31,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/server"
 )
 
 // The abuse suite (issue 27): a real `kvrouter serve`, set up as docs/security.md says (TLS, a
@@ -71,6 +72,7 @@ var abuseAttacks = []struct {
 	{"10,000 ranks of one worker", []string{codes.ResourceExhausted.String()}},
 }
 
+// TestAbuseSuite runs each attack of abuseAttacks against one router, as the file's comment says.
 func TestAbuseSuite(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the abuse suite runs attacks for about a minute")
@@ -351,7 +353,7 @@ func gzipRouteBody() []byte {
 // gzipRoutes sends gzip-compressed 15 MB Routes (about 19 KB each on the wire) without
 // credentials, on one connection after another, as fast as the router answers them.
 func (a *attacker) gzipRoutes(body []byte) {
-	headers := grpcHeaders(a.addr, RouteMethodPath, "grpc-encoding", "gzip")
+	headers := grpcHeaders(a.addr, server.RouteMethod, "grpc-encoding", "gzip")
 	for !a.stopped() {
 		fr, closed, conn, err := a.h2(a.addr, false)
 		if err != nil {
@@ -388,13 +390,10 @@ func writeData(fr *http2.Framer, id uint32, body []byte) error {
 	return nil
 }
 
-// RouteMethodPath is RouterService.Route's HTTP/2 path.
-const RouteMethodPath = "/kvrouter.v1.RouterService/Route"
-
 // rapidReset opens Route calls without credentials and resets each at once, reconnecting when the
 // router closes the connection.
 func (a *attacker) rapidReset() {
-	headers := grpcHeaders(a.addr, RouteMethodPath)
+	headers := grpcHeaders(a.addr, server.RouteMethod)
 	for !a.stopped() {
 		fr, closed, conn, err := a.h2(a.addr, false)
 		if err != nil {
