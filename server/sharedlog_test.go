@@ -70,7 +70,13 @@ func TestThirdLogBackend(t *testing.T) {
 	}
 	waitHealth := func(service string, want healthpb.HealthCheckResponse_ServingStatus) {
 		t.Helper()
-		eventually(t, fmt.Sprintf("Health.Check(%q) to report %v", service, want), func() bool { return healthOf(service) == want })
+		// The shared-state entry appears at the watcher's first tick after the log is ready: until
+		// then Check answers NOT_FOUND (unknown service), which is "not yet" here (failed once in CI
+		// under load, where that tick came after the router's SERVING).
+		eventually(t, fmt.Sprintf("Health.Check(%q) to report %v", service, want), func() bool {
+			resp, err := h.Check(e.ctx, &healthpb.HealthCheckRequest{Service: service})
+			return err == nil && resp.GetStatus() == want
+		})
 	}
 	router := kvrouterv1.RouterService_ServiceDesc.ServiceName
 
