@@ -14,8 +14,9 @@ import (
 // Version 2 adds the registration epoch to WorkerUp (after Reset) and to KVEvents, KVDump and
 // LoadReported (after the worker's key); version 1 entries decode with epoch 0 (unconditional).
 // Version 3 adds WorkerUp's incarnation (after the epoch) and Booked's model (after the session's
-// expiry); older entries decode with incarnation 0 and model "".
-const EntryVersion = 3
+// expiry); older entries decode with incarnation 0 and model "". Version 4 adds Booked's owner
+// (after the model); older bookings decode with owner "", which no per-credential bound counts.
+const EntryVersion = 4
 
 // ErrCorruptEntry: a log entry could not be decoded.
 var ErrCorruptEntry = errors.New("corrupt log entry")
@@ -122,6 +123,7 @@ func encodeChange(b []byte, c Change) []byte {
 		b = putString(b, bk.Session)
 		b = binary.AppendVarint(b, bk.SessionExpires)
 		b = putString(b, bk.Model)
+		b = putString(b, bk.Owner)
 	case PrefillDone:
 		b = append(b, kindPrefillDone)
 		b = putString(b, c.RequestID)
@@ -479,6 +481,7 @@ func (r *reader) change() Change {
 		}
 		b.Session, b.SessionExpires = r.string(), r.varint()
 		b.Model = r.stringSince(3)
+		b.Owner = r.stringSince(4)
 		return Booked{Booking: b}
 	case kindPrefillDone:
 		return PrefillDone{RequestID: r.string(), At: r.varint()}

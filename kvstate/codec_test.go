@@ -25,7 +25,7 @@ func everyChange() []Change {
 		}},
 		KVDump{Worker: WorkerKey{ID: 9}, Epoch: 1 << 33, ThroughEventID: 77, Events: []Event{{Tier: TierDevice, Kind: EventStored, Blocks: []Block{{Hash: 5, Local: 6}}}}},
 		LoadReported{Worker: WorkerKey{ID: 9}, Epoch: 3, KVUsedBlocks: 100, WaitingRequests: 2},
-		Booked{Booking: Booking{RequestID: "req-1", At: 1_700_000_000_000_000_000, Model: "llama-70b", Session: "chat-9", SessionExpires: -5, Hops: []HopBooking{
+		Booked{Booking: Booking{RequestID: "req-1", At: 1_700_000_000_000_000_000, Model: "llama-70b", Owner: "frontend-a", Session: "chat-9", SessionExpires: -5, Hops: []HopBooking{
 			{Worker: WorkerKey{ID: 2}, PrefillTokens: 900},
 			{Worker: WorkerKey{ID: 9}, Blocks: []uint64{11, 12, 13}},
 		}}},
@@ -118,7 +118,7 @@ func TestDecodeVersion1(t *testing.T) {
 			want = append(want, c)
 			continue
 		case Booked:
-			c.Booking.Model = ""
+			c.Booking.Model, c.Booking.Owner = "", ""
 			want = append(want, c)
 			continue
 		case KVEvents:
@@ -164,7 +164,7 @@ func TestDecodeVersion2(t *testing.T) {
 			want = append(want, c)
 			continue
 		case Booked:
-			c.Booking.Model = ""
+			c.Booking.Model, c.Booking.Owner = "", ""
 			want = append(want, c)
 			continue
 		}
@@ -172,6 +172,34 @@ func TestDecodeVersion2(t *testing.T) {
 	}
 	if diff := cmp.Diff(want, got); diff != "" {
 		t.Errorf("version 2 entry (-want +got):\n%s", diff)
+	}
+}
+
+// v3Entry is everyChange (as it was before bookings named their owner) encoded by the release that
+// wrote version 3.
+const v3Entry = "030b0180808080802003096c6c616d612d3730620240c0c40780400d31302e302e302e313a3830303001010100959abbdac2f0d6eb18010900016d011000000000000003000209012a0309000304000001000201000000000000000200000000000000ffffffffffffffff00000000000000800101010107000000000000000103000000000000000400000000000000020202020100000000000000030000000000000003030304090080808080204d0100000100010500000000000000060000000000000005090003640206057265712d318080d0e2c6bfce972f0202000084070900030b000000000000000c000000000000000d000000000000000006636861742d3909096c6c616d612d37306207057265712d310a08057265712d310d09a4130a01"
+
+// TestDecodeVersion3: entries written by the release before owners still decode, with bookings
+// owned by no one (no per-credential bound counts them).
+func TestDecodeVersion3(t *testing.T) {
+	data, err := hex.DecodeString(v3Entry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := DecodeEntry(data)
+	if err != nil {
+		t.Fatalf("DecodeEntry(version 3) = %v", err)
+	}
+	var want []Change
+	for _, c := range everyChange() {
+		if b, ok := c.(Booked); ok {
+			b.Booking.Owner = ""
+			c = b
+		}
+		want = append(want, c)
+	}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("version 3 entry (-want +got):\n%s", diff)
 	}
 }
 

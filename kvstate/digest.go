@@ -77,8 +77,8 @@ func (ix *Index) digest(keyOf func(uint32) WorkerKey) uint64 {
 	return sum
 }
 
-// digest covers every booking: its time, hops (worker, blocks in order, prefill tokens and whether
-// they were released).
+// digest covers every booking: its time, its owner (when it has one), hops (worker, blocks in
+// order, prefill tokens and whether they were released).
 func (l *Load) digest(keyOf func(uint32) WorkerKey) uint64 {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
@@ -91,6 +91,9 @@ func (l *Load) digest(keyOf func(uint32) WorkerKey) uint64 {
 	for _, id := range ids {
 		b := l.bookings[id]
 		fields := []uint64{xxh3.HashString(id), uint64(b.at)}
+		if b.owner != "" {
+			fields = append(fields, xxh3.HashString(b.owner))
+		}
 		for _, h := range b.hops {
 			k := keyOf(h.slot)
 			fields = append(fields, k.ID, uint64(k.Rank), h.prefillTokens, boolU64(h.prefillDone), uint64(len(h.blocks)))

@@ -39,6 +39,9 @@ type Booking struct {
 	// SessionExpires.
 	Session        string
 	SessionExpires int64
+	// Owner is the credential that booked the request ("" without credentials): what one caller's
+	// bookings hold together is bounded (HeldBlocksOf), so no caller can take every booking's room.
+	Owner string
 }
 
 type slotCount struct {
@@ -67,8 +70,9 @@ type bookedHop struct {
 }
 
 type booked struct {
-	at   int64
-	hops []bookedHop
+	at    int64
+	owner string
+	hops  []bookedHop
 }
 
 // Load is the router's own bookkeeping of what it routed (Dynamo's active sequences, §3.5): per worker
@@ -82,8 +86,10 @@ type Load struct {
 	slots    map[uint32]*SlotLoad
 	bookings map[string]*booked
 	// held counts the block keys the bookings hold, every hop's, shared ones each time: what
-	// bookings pin in memory (HeldBlocks).
-	held int
+	// bookings pin in memory (HeldBlocks); heldBy splits it by booking owner (HeldBlocksOf), for
+	// the owners that hold any.
+	held   int
+	heldBy map[string]int
 }
 
 // NewLoad returns empty bookkeeping.
@@ -92,6 +98,7 @@ func NewLoad() *Load {
 		blocks:   newFlatMap[holders](),
 		slots:    make(map[uint32]*SlotLoad),
 		bookings: make(map[string]*booked),
+		heldBy:   make(map[string]int),
 	}
 }
 
@@ -105,16 +112,16 @@ func (l *Load) slotLoadLocked(slot uint32) *SlotLoad {
 	return s
 }
 
-// book records a booking whose hops are already resolved to slots. It takes ownership of the hops'
-// block slices: callers must not reuse them.
-func (l *Load) book(id string, at int64, hops []bookedHop) error {
+// book records owner's booking whose hops are already resolved to slots. It takes ownership of the
+// hops' block slices: callers must not reuse them.
+func (l *Load) book(id string, at int64, owner string, hops []bookedHop) error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	if _, ok := l.bookings[id]; ok {
 		return ErrAlreadyBooked
 	}
 	for _, h := range hops {
-		l.held += len(h.blocks)
+		l.hold(owner, len(h.blocks))
 		s := l.slotLoadLocked(h.slot)
 		s.ActiveRequests++
 		s.ActivePrefillTokens += h.prefillTokens
@@ -126,8 +133,22 @@ func (l *Load) book(id string, at int64, hops []bookedHop) error {
 			}
 		}
 	}
-	l.bookings[id] = &booked{at: at, hops: hops}
+	l.bookings[id] = &booked{at: at, owner: owner, hops: hops}
 	return nil
+}
+
+// hold counts n more block keys (fewer when negative) held by owner's bookings. The caller holds
+// l.mu.
+func (l *Load) hold(owner string, n int) {
+	l.held += n
+	if owner == "" {
+		return
+	}
+	if m := l.heldBy[owner] + n; m != 0 {
+		l.heldBy[owner] = m
+	} else {
+		delete(l.heldBy, owner)
+	}
 }
 
 // warmLocked touches the keys' slots back to back so that their cache misses overlap (see
@@ -193,8 +214,8 @@ func (l *Load) dropBlockLocked(key uint64, slot uint32, s *SlotLoad) {
 	}
 }
 
-func (l *Load) releaseHopLocked(h *bookedHop) {
-	l.held -= len(h.blocks)
+func (l *Load) releaseHopLocked(owner string, h *bookedHop) {
+	l.hold(owner, -len(h.blocks))
 	s := l.slotLoadLocked(h.slot)
 	s.ActiveRequests--
 	if !h.prefillDone {
@@ -237,7 +258,7 @@ func (l *Load) free(id string) error {
 		return ErrUnknownRequest
 	}
 	for i := range b.hops {
-		l.releaseHopLocked(&b.hops[i])
+		l.releaseHopLocked(b.owner, &b.hops[i])
 	}
 	delete(l.bookings, id)
 	return nil
@@ -251,7 +272,7 @@ func (l *Load) expire(before int64) int {
 	for id, b := range l.bookings {
 		if b.at < before {
 			for i := range b.hops {
-				l.releaseHopLocked(&b.hops[i])
+				l.releaseHopLocked(b.owner, &b.hops[i])
 			}
 			delete(l.bookings, id)
 			n++
@@ -282,7 +303,7 @@ func (l *Load) dropSlot(slot uint32) {
 		kept := b.hops[:0]
 		for i := range b.hops {
 			if b.hops[i].slot == slot {
-				l.releaseHopLocked(&b.hops[i])
+				l.releaseHopLocked(b.owner, &b.hops[i])
 				continue
 			}
 			kept = append(kept, b.hops[i])
@@ -301,6 +322,13 @@ func (l *Load) HeldBlocks() int {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	return l.held
+}
+
+// HeldBlocksOf returns the block keys owner's bookings hold, counted as HeldBlocks counts them.
+func (l *Load) HeldBlocksOf(owner string) int {
+	l.mu.RLock()
+	defer l.mu.RUnlock()
+	return l.heldBy[owner]
 }
 
 // Slot returns the worker's current load.

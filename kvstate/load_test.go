@@ -410,3 +410,71 @@ func TestActiveDepths(t *testing.T) {
 		})
 	}
 }
+
+// owned is bookReq's booking made by owner.
+func owned(owner, id string, at int64, hops ...HopBooking) Booked {
+	b := bookReq(id, at, hops...)
+	b.Booking.Owner = owner
+	return b
+}
+
+// held is what the bookings of a state hold, in all and by owner.
+type held struct {
+	All  int
+	ByA  int
+	ByB  int
+	None int // HeldBlocksOf("") counts nothing: bookings without an owner are bound in all only
+}
+
+func heldOf(s *State) held {
+	l := s.Load()
+	return held{All: l.HeldBlocks(), ByA: l.HeldBlocksOf("a"), ByB: l.HeldBlocksOf("b"), None: l.HeldBlocksOf("")}
+}
+
+// TestHeldBlocksByOwner: what bookings hold is counted in all and by the credential that booked
+// them, through every way a booking ends (free, expiry, its worker's removal), and a snapshot
+// restored over a state with other bookings counts the snapshot's (it kept the old count before).
+func TestHeldBlocksByOwner(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0), up(w1),
+		apply(owned("a", "a1", 10, hop(w0r0, 0, 1, 2, 3), hop(w1, 0, 1, 2, 3))),
+		apply(owned("a", "a2", 20, hop(w1, 0, 4))),
+		apply(owned("b", "b1", 30, hop(w0r0, 0, 5, 6))),
+		apply(bookReq("n1", 40, hop(w0r0, 0, 7))),
+	})
+	steps := []struct {
+		name   string
+		change Change
+		want   held
+	}{
+		{"booked", nil, held{All: 10, ByA: 7, ByB: 2}},
+		{"a's second freed", Freed{RequestID: "a2"}, held{All: 9, ByA: 6, ByB: 2}},
+		{"w1 removed", WorkerRemoved{Key: w1}, held{All: 6, ByA: 3, ByB: 2}},
+		{"expired before 35", BookingsExpired{Before: 35}, held{All: 1}},
+	}
+	for _, st := range steps {
+		if st.change != nil {
+			if _, err := s.Apply(st.change); err != nil {
+				t.Fatalf("%s: %v", st.name, err)
+			}
+		}
+		if diff := cmp.Diff(st.want, heldOf(s)); diff != "" {
+			t.Errorf("%s: held (-want +got):\n%s", st.name, diff)
+		}
+	}
+
+	src := NewState()
+	run(t, src, []step{up(w0r0), apply(owned("b", "b2", 50, hop(w0r0, 0, 8, 9, 10)))})
+	if _, err := s.Restore(src.EncodeSnapshot(nil, SnapshotHeader{Position: "1-0"})); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(held{All: 3, ByB: 3}, heldOf(s)); diff != "" {
+		t.Errorf("after restoring a snapshot: held (-want +got):\n%s", diff)
+	}
+	if _, err := s.Apply(Freed{RequestID: "b2"}); err != nil {
+		t.Fatal(err)
+	}
+	if diff := cmp.Diff(held{}, heldOf(s)); diff != "" {
+		t.Errorf("after freeing the snapshot's booking: held (-want +got):\n%s", diff)
+	}
+}

@@ -10,8 +10,9 @@ import (
 // newer one and keeps reading older ones. Version 2 adds, after the position, the log generation and
 // the number of the last entry applied. Version 3 names each session's model (before its id), drops
 // the early ends of bookings (version 2's tombstones, read and ignored), and adds the largest
-// registration epoch applied (after the expiry cutoff).
-const SnapshotVersion = 3
+// registration epoch applied (after the expiry cutoff). Version 4 adds each booking's owner (after
+// its time).
+const SnapshotVersion = 4
 
 // DefaultSnapshotEvery is how many applied changes a shared log lets pass between two snapshots
 // unless configured otherwise (kvrouter serve's snapshot_every). A cold start replays about this
@@ -106,6 +107,7 @@ func (s *State) Freeze(h SnapshotHeader) *FrozenState {
 	for id, bk := range l.bookings {
 		b = putString(b, id)
 		b = binary.AppendVarint(b, bk.at)
+		b = putString(b, bk.owner)
 		b = binary.AppendUvarint(b, uint64(len(bk.hops)))
 		for _, h := range bk.hops {
 			b = binary.AppendUvarint(b, index[h.slot])
@@ -189,6 +191,7 @@ func (s *State) Restore(data []byte) (SnapshotHeader, error) {
 	// The load is swapped field by field: routers hold the *Load.
 	s.load.mu.Lock()
 	s.load.blocks, s.load.more, s.load.slots, s.load.bookings = fresh.load.blocks, fresh.load.more, fresh.load.slots, fresh.load.bookings
+	s.load.held, s.load.heldBy = fresh.load.held, fresh.load.heldBy
 	s.load.mu.Unlock()
 	s.mu.Unlock()
 	s.sessMu.Lock()
@@ -350,7 +353,7 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 	}
 	nb := r.count(3)
 	for range nb {
-		id, at := r.string(), r.varint()
+		id, at, owner := r.string(), r.varint(), r.stringSince(4)
 		nh := r.count(3)
 		hops := make([]bookedHop, 0, nh)
 		for range nh {
@@ -368,7 +371,7 @@ func decodeSnapshot(data []byte) (*State, SnapshotHeader, error) {
 		for i, h := range hops {
 			prefill[i] = h.prefillTokens
 		}
-		if err := s.load.book(id, at, hops); err != nil {
+		if err := s.load.book(id, at, owner, hops); err != nil {
 			r.fail("booking %q: %v", id, err)
 			break
 		}

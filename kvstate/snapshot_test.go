@@ -124,6 +124,27 @@ func TestSnapshotVersion2(t *testing.T) {
 	}
 }
 
+// v3Snapshot is richState's snapshot (header position "5-0", generation "g/seeded", entry 9) as the
+// release before booking owners wrote it (version 3).
+const v3Snapshot = "0303352d3008672f73656564656409030100016d0310e80780400977312d303a393030300001010101002a030101016d0310e80780400977312d313a3930303000010101010000000200016d0310e80780400977322d303a39303030000102000101000001016d1004ea2c73b73ccb2d1401018ccb6332c805d4b801000a0000000000000002000418ae455c1e73d13f01000201010a000000000000e00a0000000000000000000000030b000000000000e08ccb6332c805d4b80a000000000000e00a000000000000000c000000000000e018ae455c1e73d13f010d000000000000e0ea2c73b73ccb2d14000002027231140201006400000307000000000000000800000000000000090000000000000000000272322801000207000000000000000a00000000000000320101016d046368617401008080808080400a02"
+
+// TestSnapshotVersion3: a snapshot of the release before booking owners restores to the state this
+// release builds from the same changes (richState's bookings have no owner).
+func TestSnapshotVersion3(t *testing.T) {
+	v3, err := hex.DecodeString(v3Snapshot)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst := NewState()
+	h, err := dst.Restore(v3)
+	if want := (SnapshotHeader{Position: "5-0", Generation: "g/seeded", Entry: 9}); err != nil || h != want {
+		t.Fatalf("Restore(version 3) = %+v, %v; want %+v", h, err, want)
+	}
+	if dst.Digest() != richState(t).Digest() {
+		t.Error("a version 3 snapshot restored to a different state than this release builds")
+	}
+}
+
 // TestSnapshotVersion1: a snapshot written before generations (version 1: no generation after the
 // position) restores, with an empty generation.
 func TestSnapshotVersion1(t *testing.T) {

@@ -642,7 +642,7 @@ func (s *State) book(b Booking, lenient bool) error {
 		hops = append(hops, bookedHop{slot: w.Slot, blocks: h.Blocks, prefillTokens: h.PrefillTokens})
 	}
 	if len(hops) > 0 || !lenient {
-		if err := s.load.book(b.RequestID, b.At, hops); err != nil {
+		if err := s.load.book(b.RequestID, b.At, b.Owner, hops); err != nil {
 			return err
 		}
 	}

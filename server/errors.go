@@ -34,6 +34,7 @@ var domainErrors = []struct {
 	{policy.ErrPinnedWorkerOverloaded, codes.ResourceExhausted, "PINNED_WORKER_OVERLOADED"},
 	{dispatch.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
 	{dispatch.ErrBookingsFull, codes.ResourceExhausted, "BOOKINGS_FULL"},
+	{dispatch.ErrCredentialBookingsFull, codes.ResourceExhausted, "CREDENTIAL_BOOKINGS_FULL"},
 	{policy.ErrAllWorkersOverloaded, codes.ResourceExhausted, "ALL_WORKERS_OVERLOADED"},
 	{policy.ErrDisaggRequired, codes.FailedPrecondition, "DISAGG_REQUIRED"},
 	{kvstate.ErrAlreadyBooked, codes.AlreadyExists, "ALREADY_BOOKED"},

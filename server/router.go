@@ -42,9 +42,11 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 		return nil, err
 	}
 	if !req.GetQueryOnly() {
-		if err := auth.FromContext(ctx).TakeRouteTokens(len(req.GetTokenIds())); err != nil {
+		caller := auth.FromContext(ctx)
+		if err := caller.TakeRouteTokens(len(req.GetTokenIds())); err != nil {
 			return nil, err
 		}
+		preq.Owner, preq.OwnerMaxBlocks = caller.Bookings()
 	}
 	start := time.Now()
 	dec, err := s.dispatcher.Route(ctx, preq)

@@ -116,11 +116,11 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	var dispatcher dispatch.Router
 	if b.shards != nil {
 		sharded := dispatch.NewSharded(b.shards, cfg.Router)
-		sharded.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: sharded.HeldBlocks}
+		sharded.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: sharded.HeldBlocks, HeldBy: sharded.HeldBlocksOf}
 		dispatcher = sharded
 	} else {
 		one := dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router))
-		one.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: state.Load().HeldBlocks}
+		one.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: state.Load().HeldBlocks, HeldBy: state.Load().HeldBlocksOf}
 		dispatcher = one
 	}
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper

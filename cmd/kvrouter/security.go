@@ -37,7 +37,7 @@ func newPortSecurity(cfg *config.Options, registry *prometheus.Registry, logger 
 		RouteMethod:     server.RouteMethod, PublishMethod: server.PublishMethod,
 		RouteRateLimit: cfg.RouteRateLimit, EventRateLimit: cfg.EventRateLimit,
 		RouteTokenRate: cfg.RouteTokenRateLimit, RouteTokenBurst: cfg.MaxPromptTokens,
-		MaxPublishStreams: cfg.MaxPublishStreams, EventBurst: cfg.MaxBatchBlocks,
+		MaxPublishStreams: cfg.MaxPublishStreams, EventBurst: cfg.MaxBatchBlocks, MaxBookedBlocks: cfg.MaxBookedBlocksPerCredential,
 		Registry: registry, Logger: logger,
 	})
 	if err != nil {

@@ -54,6 +54,9 @@ type Options struct {
 	// Publish streams.
 	RouteRateLimit, RouteTokenRate, EventRateLimit float64
 	MaxPublishStreams                              int
+	// MaxBookedBlocks is the default of the block keys one credential's bookings may hold
+	// together (0: no bound); Caller.Bookings hands it to the dispatcher, which counts them.
+	MaxBookedBlocks int
 	// RouteTokenBurst is the token bucket's least size: the longest prompt (max_prompt_tokens), so
 	// that any Route passes once the bucket is full.
 	RouteTokenBurst int
@@ -113,6 +116,7 @@ type Caller struct {
 	*Credential
 	use        *usage
 	maxStreams int
+	maxBooked  int
 	a          *Authenticator
 }
 
@@ -211,6 +215,10 @@ func (a *Authenticator) caller(c *Credential) *Caller {
 	if c.MaxPublishStreams != nil {
 		streams = *c.MaxPublishStreams
 	}
+	booked := a.opts.MaxBookedBlocks
+	if c.MaxBookedBlocks != nil {
+		booked = *c.MaxBookedBlocks
+	}
 	now := a.opts.Now()
 	// A second's worth of calls may come at once; an event bucket holds at least one whole message.
 	routeBurst, eventBurst := routeRate, max(eventRate, float64(a.opts.EventBurst))
@@ -226,7 +234,7 @@ func (a *Authenticator) caller(c *Credential) *Caller {
 		u.routeTokens.set(tokenRate, tokenBurst, now)
 		u.events.set(eventRate, eventBurst, now)
 	}
-	return &Caller{Credential: c, use: u, maxStreams: streams, a: a}
+	return &Caller{Credential: c, use: u, maxStreams: streams, maxBooked: booked, a: a}
 }
 
 type callerKey struct{}
@@ -496,6 +504,17 @@ func (c *Caller) MayPublishFor(worker uint64, model string) error {
 		return status.Error(codes.PermissionDenied, err.Error())
 	}
 	return nil
+}
+
+// Bookings names the owner of the caller's bookings and the most block keys they may hold
+// together (0: no bound), for the dispatcher to check before it books (dispatch.BookingCap). A nil
+// Caller and Anonymous (no credentials file: every caller is one) own nothing, so only the bound
+// on all bookings applies to them.
+func (c *Caller) Bookings() (owner string, maxBlocks int) {
+	if c == nil || c.Name == Anonymous && (c.a == nil || c.a.opts.CredentialsFile == "") {
+		return "", 0
+	}
+	return c.Name, c.maxBooked
 }
 
 // TakeRouteTokens counts the n prompt tokens of a Route to be booked against the caller's token

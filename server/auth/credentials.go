@@ -57,6 +57,7 @@ type fileCredential struct {
 	RouteTokenRate    *float64 `yaml:"route_token_rate_limit"`
 	EventRateLimit    *float64 `yaml:"event_rate_limit"`
 	MaxPublishStreams *int     `yaml:"max_publish_streams"`
+	MaxBookedBlocks   *int     `yaml:"max_booked_blocks"`
 }
 
 // credentialsFile is the credentials file, as written.
@@ -82,6 +83,7 @@ type Credential struct {
 	RouteTokenRate    *float64
 	EventRateLimit    *float64
 	MaxPublishStreams *int
+	MaxBookedBlocks   *int
 }
 
 // table is one version of the credentials file, indexed for lookups.
@@ -141,7 +143,8 @@ func (fc fileCredential) credential() (*Credential, error) {
 		return nil, fmt.Errorf("name: must be 1 to 64 letters, digits, '.', '_' or '-', starting with a letter or digit (got %q)", fc.Name)
 	}
 	c := &Credential{Name: fc.Name, Identity: fc.Identity, AnyWorker: fc.AnyWorker, Models: fc.Models,
-		RouteRateLimit: fc.RouteRateLimit, RouteTokenRate: fc.RouteTokenRate, EventRateLimit: fc.EventRateLimit, MaxPublishStreams: fc.MaxPublishStreams}
+		RouteRateLimit: fc.RouteRateLimit, RouteTokenRate: fc.RouteTokenRate, EventRateLimit: fc.EventRateLimit, MaxPublishStreams: fc.MaxPublishStreams,
+		MaxBookedBlocks: fc.MaxBookedBlocks}
 	if len(fc.Roles) == 0 {
 		return nil, errors.New("roles: must list at least one of worker, frontend, admin")
 	}
@@ -192,6 +195,9 @@ func (fc fileCredential) credential() (*Credential, error) {
 	}
 	if fc.MaxPublishStreams != nil && *fc.MaxPublishStreams < 1 {
 		return nil, fmt.Errorf("max_publish_streams: must be >= 1 (got %d)", *fc.MaxPublishStreams)
+	}
+	if fc.MaxBookedBlocks != nil && *fc.MaxBookedBlocks < 0 {
+		return nil, fmt.Errorf("max_booked_blocks: must be >= 0 (got %d; 0: no bound)", *fc.MaxBookedBlocks)
 	}
 	return c, nil
 }

@@ -34,6 +34,7 @@ func TestParseCredentials(t *testing.T) {
 		{"worker id 0", "credentials:\n  - name: a\n    roles: [worker]\n    worker_ids: [0]\n    token_sha256: " + hashA + "\n", "0 is not a worker id"},
 		{"negative rate", "credentials:\n  - name: a\n    roles: [frontend]\n    route_rate_limit: -1\n    token_sha256: " + hashA + "\n", "route_rate_limit: must be >= 0"},
 		{"zero streams", "credentials:\n  - name: a\n    roles: [worker]\n    any_worker: true\n    max_publish_streams: 0\n    token_sha256: " + hashA + "\n", "max_publish_streams: must be >= 1"},
+		{"negative booked blocks", "credentials:\n  - name: a\n    roles: [frontend]\n    max_booked_blocks: -1\n    token_sha256: " + hashA + "\n", "max_booked_blocks: must be >= 0"},
 		{"name twice", "credentials:\n  - name: a\n    roles: [admin]\n    identity: x\n  - name: a\n    roles: [admin]\n    identity: y\n", `credentials[1] ("a"): name: "a" is used twice`},
 		{"token twice", "credentials:\n  - name: a\n    roles: [admin]\n    token_sha256: " + hashA + "\n  - name: b\n    roles: [admin]\n    token_sha256: " + strings.ToUpper(hashA) + "\n", `the same token is also "a"'s`},
 		{"identity twice", "credentials:\n  - name: a\n    roles: [admin]\n    identity: spiffe://x\n  - name: b\n    roles: [frontend]\n    identity: spiffe://x\n", `identity: "spiffe://x" is also "a"'s`},
@@ -147,6 +148,45 @@ func TestRouteTokenRate(t *testing.T) {
 	}
 	if err := (*Caller)(nil).TakeRouteTokens(1 << 20); err != nil {
 		t.Errorf("without an Authenticator = %v, want no limit", err)
+	}
+}
+
+// TestCallerBookings: a credential's bookings are owned by its name and bounded by its own
+// max_booked_blocks or else the default; without a credentials file no caller owns bookings (every
+// caller is Anonymous, and one bound for all would only shrink max_booked_blocks).
+func TestCallerBookings(t *testing.T) {
+	path := filepath.Join(t.TempDir(), "credentials.yaml")
+	file := "credentials:\n" +
+		"  - name: big\n    roles: [frontend]\n    token_sha256: " + strings.Repeat("ab", 32) + "\n    max_booked_blocks: 5000\n" +
+		"  - name: plain\n    roles: [frontend]\n    token_sha256: " + strings.Repeat("cd", 32) + "\n" +
+		"  - name: unbounded\n    roles: [frontend]\n    token_sha256: " + strings.Repeat("ef", 32) + "\n    max_booked_blocks: 0\n"
+	if err := os.WriteFile(path, []byte(file), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	a, err := New(Options{CredentialsFile: path, MaxBookedBlocks: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	type bound struct {
+		Owner string
+		Max   int
+	}
+	got := map[string]bound{}
+	for _, c := range a.table.Load().byToken {
+		owner, most := c.Bookings()
+		got[c.Name] = bound{owner, most}
+	}
+	open, err := New(Options{MaxBookedBlocks: 1000})
+	if err != nil {
+		t.Fatal(err)
+	}
+	owner, most := open.table.Load().anonymous.Bookings()
+	got["without a file"] = bound{owner, most}
+	owner, most = (*Caller)(nil).Bookings()
+	got["nil"] = bound{owner, most}
+	want := map[string]bound{"big": {"big", 5000}, "plain": {"plain", 1000}, "unbounded": {"unbounded", 0}, "without a file": {}, "nil": {}}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("Bookings() by credential (-want +got):\n%s", diff)
 	}
 }
 

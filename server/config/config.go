@@ -55,6 +55,9 @@ const (
 	// DefaultMaxBookedBlocks bounds what a replica's bookings hold: 16M block keys, about 128 MiB of
 	// keys plus their tables, e.g. 4,096 requests of 64k tokens (block size 16) on two hops each.
 	DefaultMaxBookedBlocks = 1 << 24
+	// DefaultMaxBookedBlocksPerCredential is half of DefaultMaxBookedBlocks: one credential, buggy
+	// or hostile, can hold at most half of what all bookings may, and every other caller keeps room.
+	DefaultMaxBookedBlocksPerCredential = DefaultMaxBookedBlocks / 2
 	// DefaultMaxIndexBlocks is about 10 GB of index at the per-block cost docs/BENCHMARKS.md measures.
 	DefaultMaxIndexBlocks = 100_000_000
 )
@@ -86,28 +89,29 @@ type Options struct {
 	ShutdownTimeout        time.Duration // graceful stop deadline
 
 	// Security (docs/security.md): TLS, credentials and per-credential limits.
-	Plaintext             bool          // serve without TLS on a non-loopback address
-	TLSCertFile           string        // server certificate chain (PEM); with TLSKeyFile turns TLS on
-	TLSKeyFile            string        // server private key (PEM)
-	TLSClientCAFile       string        // CAs of client certificates: set, clients must present one (mTLS)
-	TLSClientAuth         string        // with TLSClientCAFile: require or optional
-	TLSMinVersion         uint16        // tls.VersionTLS12 or tls.VersionTLS13
-	CredentialsFile       string        // who may call what ("" = everyone everything)
-	AuthOpenHealth        bool          // health answers callers without credentials
-	AuthOpenReflection    bool          // reflection answers callers without credentials
-	FileReloadInterval    time.Duration // how often TLS and credentials files are checked for changes
-	RouteRateLimit        float64       // Route calls per second per credential (0 = none)
-	RouteTokenRateLimit   float64       // prompt tokens of booked Routes per second per credential (0 = none)
-	MaxBookedBlocks       int           // block keys the bookings of a replica hold, together
-	EventRateLimit        float64       // event blocks per second per credential (0 = none)
-	MaxPublishStreams     int           // concurrent Publish streams per credential
-	MaxWorkersPerModel    int           // worker ranks per model
-	MaxRanksPerWorker     int           // ranks of one worker id per model
-	MaxModels             int           // models workers may register
-	MaxIndexBlocks        int           // distinct blocks over all indexes (0 = no cap)
-	KeepaliveMinTime      time.Duration // clients pinging more often are disconnected
-	MaxConnectionAge      time.Duration // connections are asked to go away after this long (0 = never)
-	MaxConnectionAgeGrace time.Duration // calls' time to finish after that
+	Plaintext                    bool          // serve without TLS on a non-loopback address
+	TLSCertFile                  string        // server certificate chain (PEM); with TLSKeyFile turns TLS on
+	TLSKeyFile                   string        // server private key (PEM)
+	TLSClientCAFile              string        // CAs of client certificates: set, clients must present one (mTLS)
+	TLSClientAuth                string        // with TLSClientCAFile: require or optional
+	TLSMinVersion                uint16        // tls.VersionTLS12 or tls.VersionTLS13
+	CredentialsFile              string        // who may call what ("" = everyone everything)
+	AuthOpenHealth               bool          // health answers callers without credentials
+	AuthOpenReflection           bool          // reflection answers callers without credentials
+	FileReloadInterval           time.Duration // how often TLS and credentials files are checked for changes
+	RouteRateLimit               float64       // Route calls per second per credential (0 = none)
+	RouteTokenRateLimit          float64       // prompt tokens of booked Routes per second per credential (0 = none)
+	MaxBookedBlocks              int           // block keys the bookings of a replica hold, together
+	MaxBookedBlocksPerCredential int           // block keys one credential's bookings hold (0 = no bound)
+	EventRateLimit               float64       // event blocks per second per credential (0 = none)
+	MaxPublishStreams            int           // concurrent Publish streams per credential
+	MaxWorkersPerModel           int           // worker ranks per model
+	MaxRanksPerWorker            int           // ranks of one worker id per model
+	MaxModels                    int           // models workers may register
+	MaxIndexBlocks               int           // distinct blocks over all indexes (0 = no cap)
+	KeepaliveMinTime             time.Duration // clients pinging more often are disconnected
+	MaxConnectionAge             time.Duration // connections are asked to go away after this long (0 = never)
+	MaxConnectionAgeGrace        time.Duration // calls' time to finish after that
 
 	// Shared state (Redis mode); both addresses empty means the embedded, in-process log.
 	RedisAddr          string        // one Redis server
@@ -148,47 +152,48 @@ type Options struct {
 // New returns the built-in defaults, each from SourceDefault.
 func New() *Options {
 	o := &Options{
-		Listen:                 "127.0.0.1:50051",
-		MetricsListen:          "127.0.0.1:9090",
-		PprofListen:            "127.0.0.1:6060",
-		LogLevel:               "info",
-		MaxPromptTokens:        1 << 20,
-		MaxRecvMsgBytes:        16 << 20,
-		MaxConcurrentStreams:   1000,
-		MaxConnections:         DefaultMaxConnections,
-		HealthMaxConnections:   DefaultHealthMaxConnections,
-		MaxHeaderListBytes:     DefaultMaxHeaderListBytes,
-		MaxRefusedCallsPerConn: DefaultMaxRefusedCallsPerConn,
-		MaxPublishMsgBytes:     DefaultMaxPublishMsgBytes,
-		MaxBatchBlocks:         DefaultMaxBatchBlocks,
-		MaxDumpBlocks:          DefaultMaxDumpBlocks,
-		MaxDumpBytesInFlight:   DefaultMaxDumpBytesInFlight,
-		WorkerGracePeriod:      30 * time.Second,
-		BookingExpiry:          300 * time.Second,
-		ShutdownDrain:          2 * time.Second,
-		ShutdownTimeout:        15 * time.Second,
-		TLSClientAuth:          "require",
-		TLSMinVersion:          tls.VersionTLS12,
-		AuthOpenHealth:         true,
-		AuthOpenReflection:     true,
-		FileReloadInterval:     5 * time.Second,
-		MaxPublishStreams:      DefaultMaxPublishStreams,
-		MaxWorkersPerModel:     DefaultMaxWorkersPerModel,
-		MaxRanksPerWorker:      DefaultMaxRanksPerWorker,
-		MaxModels:              DefaultMaxModels,
-		MaxBookedBlocks:        DefaultMaxBookedBlocks,
-		MaxIndexBlocks:         DefaultMaxIndexBlocks,
-		KeepaliveMinTime:       10 * time.Second,
-		MaxConnectionAge:       30 * time.Minute,
-		MaxConnectionAgeGrace:  30 * time.Second,
-		RedisPrefix:            "kvr:{default}",
-		RedisMaxBuffered:       100_000,
-		SnapshotEvery:          kvstate.DefaultSnapshotEvery,
-		SnapshotInterval:       5 * time.Minute,
-		SnapshotChunkBytes:     1 << 20,
-		RedisReseedWindow:      10 * time.Second,
-		Router:                 policy.DefaultConfig(),
-		layers:                 layered.New(settings),
+		Listen:                       "127.0.0.1:50051",
+		MetricsListen:                "127.0.0.1:9090",
+		PprofListen:                  "127.0.0.1:6060",
+		LogLevel:                     "info",
+		MaxPromptTokens:              1 << 20,
+		MaxRecvMsgBytes:              16 << 20,
+		MaxConcurrentStreams:         1000,
+		MaxConnections:               DefaultMaxConnections,
+		HealthMaxConnections:         DefaultHealthMaxConnections,
+		MaxHeaderListBytes:           DefaultMaxHeaderListBytes,
+		MaxRefusedCallsPerConn:       DefaultMaxRefusedCallsPerConn,
+		MaxPublishMsgBytes:           DefaultMaxPublishMsgBytes,
+		MaxBatchBlocks:               DefaultMaxBatchBlocks,
+		MaxDumpBlocks:                DefaultMaxDumpBlocks,
+		MaxDumpBytesInFlight:         DefaultMaxDumpBytesInFlight,
+		WorkerGracePeriod:            30 * time.Second,
+		BookingExpiry:                300 * time.Second,
+		ShutdownDrain:                2 * time.Second,
+		ShutdownTimeout:              15 * time.Second,
+		TLSClientAuth:                "require",
+		TLSMinVersion:                tls.VersionTLS12,
+		AuthOpenHealth:               true,
+		AuthOpenReflection:           true,
+		FileReloadInterval:           5 * time.Second,
+		MaxPublishStreams:            DefaultMaxPublishStreams,
+		MaxWorkersPerModel:           DefaultMaxWorkersPerModel,
+		MaxRanksPerWorker:            DefaultMaxRanksPerWorker,
+		MaxModels:                    DefaultMaxModels,
+		MaxBookedBlocks:              DefaultMaxBookedBlocks,
+		MaxBookedBlocksPerCredential: DefaultMaxBookedBlocksPerCredential,
+		MaxIndexBlocks:               DefaultMaxIndexBlocks,
+		KeepaliveMinTime:             10 * time.Second,
+		MaxConnectionAge:             30 * time.Minute,
+		MaxConnectionAgeGrace:        30 * time.Second,
+		RedisPrefix:                  "kvr:{default}",
+		RedisMaxBuffered:             100_000,
+		SnapshotEvery:                kvstate.DefaultSnapshotEvery,
+		SnapshotInterval:             5 * time.Minute,
+		SnapshotChunkBytes:           1 << 20,
+		RedisReseedWindow:            10 * time.Second,
+		Router:                       policy.DefaultConfig(),
+		layers:                       layered.New(settings),
 	}
 	return o
 }

@@ -57,3 +57,47 @@ func TestBookingCap(t *testing.T) {
 		t.Errorf("HeldBlocks() = %d with no booking left, want 0", got)
 	}
 }
+
+// TestCredentialBookingCap: a Route whose booking would make its owner's bookings hold more than
+// Request.OwnerMaxBlocks is refused (ErrCredentialBookingsFull), while other owners, and requests
+// owned by no one, book up to BookingCap.Max; freeing makes room again.
+func TestCredentialBookingCap(t *testing.T) {
+	f := newFleet(t)
+	f.add(1, kvstate.RoleAggregated, 1<<20)
+	d := f.dispatcher(policy.DefaultConfig())
+	load := f.state.Load()
+	d.Cap = &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf} // four bookings fit
+	tokens := prompt(16 * testBlockSize) // 16 blocks a booking
+	route := func(owner, id string) error {
+		req := request(id, tokens)
+		req.Owner, req.OwnerMaxBlocks = owner, 40 // two bookings each
+		_, err := d.Route(context.Background(), req)
+		return err
+	}
+	for _, step := range []struct {
+		owner, id string
+		want      error
+	}{
+		{"a", "a1", nil}, {"a", "a2", nil},
+		{"a", "a3", ErrCredentialBookingsFull},
+		{"b", "b1", nil}, // another credential keeps its room
+		{"", "n1", nil},  // owned by no one: only Max bounds it
+		{"b", "b2", ErrBookingsFull},
+	} {
+		if err := route(step.owner, step.id); !errors.Is(err, step.want) || (step.want == nil) != (err == nil) {
+			t.Fatalf("Route(%s by %q) = %v, want %v", step.id, step.owner, err, step.want)
+		}
+		if booked := load.Booked(step.id); booked != (step.want == nil) {
+			t.Fatalf("%s booked: %v, want %v", step.id, booked, step.want == nil)
+		}
+	}
+	if got := [3]int{load.HeldBlocksOf("a"), load.HeldBlocksOf("b"), load.HeldBlocks()}; got != [3]int{32, 16, 64} {
+		t.Errorf("held by a, by b, in all = %v, want [32 16 64]", got)
+	}
+	if err := d.Free(context.Background(), "a1"); err != nil {
+		t.Fatal(err)
+	}
+	if err := route("a", "a3"); err != nil {
+		t.Errorf("Route(a3) after a's Free = %v, want booked", err)
+	}
+}

@@ -15,11 +15,15 @@ import (
 	"github.com/kvrouter/kvrouter/policy"
 )
 
-// Request is a routing request: the kernel's request and the session it belongs to.
+// Request is a routing request: the kernel's request, the session it belongs to and who books it.
 type Request struct {
 	policy.Request
 	// SessionID binds the conversation to its decode worker for session_affinity_ttl; empty for none.
 	SessionID string
+	// Owner is the credential that books the request ("" without credentials), and OwnerMaxBlocks
+	// the most block keys its bookings may hold together (0: no bound; BookingCap).
+	Owner          string
+	OwnerMaxBlocks int
 }
 
 // Dispatcher decides, books and queues routing requests. It is safe for concurrent use.
@@ -40,25 +44,41 @@ type Dispatcher struct {
 // Route rate counts calls, not tokens. A Route whose booking would pass Max is refused
 // (ErrBookingsFull) before it is booked. Each replica checks its own view, which replicated
 // bookings join, so racing replicas may pass it by one booking each.
+//
+// What one credential's bookings hold is bounded too (Request.OwnerMaxBlocks, counted by HeldBy),
+// so that one caller, buggy or hostile, cannot take all of Max and leave the others none.
 type BookingCap struct {
-	Max  int        // most blocks held; 0: no bound
-	Held func() int // the blocks held now
+	Max    int                    // most blocks held; 0: no bound
+	Held   func() int             // the blocks held now
+	HeldBy func(owner string) int // the blocks owner's bookings hold now
 }
 
 // ErrBookingsFull refuses a Route whose booking would pass BookingCap.Max.
 var ErrBookingsFull = errors.New("the bookings of this router hold max_booked_blocks block keys already")
 
-// room checks that a booking of hops fits under the cap.
-func (c *BookingCap) room(hops []kvstate.HopBooking) error {
-	if c == nil || c.Max <= 0 {
+// ErrCredentialBookingsFull refuses a Route whose booking would take its credential's bookings past
+// Request.OwnerMaxBlocks.
+var ErrCredentialBookingsFull = errors.New("this credential's bookings hold max_booked_blocks_per_credential block keys already")
+
+// room checks that a booking of hops by req's owner fits under the caps.
+func (c *BookingCap) room(req *Request, hops []kvstate.HopBooking) error {
+	if c == nil {
 		return nil
 	}
 	n := 0
 	for _, h := range hops {
 		n += len(h.Blocks)
 	}
-	if held := c.Held(); held+n > c.Max {
-		return fmt.Errorf("%w (%d held, this request would add %d, max_booked_blocks %d): free finished requests, or retry later", ErrBookingsFull, held, n, c.Max)
+	if most := req.OwnerMaxBlocks; most > 0 && req.Owner != "" && c.HeldBy != nil {
+		if held := c.HeldBy(req.Owner); held+n > most {
+			return fmt.Errorf("%w (credential %q: %d held, this request would add %d, max_booked_blocks_per_credential %d): free finished requests, or retry later",
+				ErrCredentialBookingsFull, req.Owner, held, n, most)
+		}
+	}
+	if c.Max > 0 {
+		if held := c.Held(); held+n > c.Max {
+			return fmt.Errorf("%w (%d held, this request would add %d, max_booked_blocks %d): free finished requests, or retry later", ErrBookingsFull, held, n, c.Max)
+		}
 	}
 	return nil
 }
@@ -139,10 +159,10 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 	if err != nil || preq.QueryOnly {
 		return dec, err
 	}
-	if err := d.Cap.room(dec.Load); err != nil {
+	if err := d.Cap.room(req, dec.Load); err != nil {
 		return nil, err
 	}
-	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, At: d.Now().UnixNano(), Hops: dec.Load}
+	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, Owner: req.Owner, At: d.Now().UnixNano(), Hops: dec.Load}
 	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
 		b.Session, b.SessionExpires = req.SessionID, b.At+ttl.Nanoseconds()
 	}

@@ -90,6 +90,15 @@ func (s *Sharded) HeldBlocks() int {
 	return n
 }
 
+// HeldBlocksOf returns the block keys owner's bookings hold in every shard (BookingCap.HeldBy).
+func (s *Sharded) HeldBlocksOf(owner string) int {
+	n := 0
+	for _, sh := range s.source.Shards() {
+		n += sh.State.Load().HeldBlocksOf(owner)
+	}
+	return n
+}
+
 // lockID locks request id against another Route of the same id on this replica, and returns the
 // unlock. Ids hash to a fixed set of locks: an unrelated id sharing one waits for a booking at most.
 func (s *Sharded) lockID(id string) (unlock func()) {
