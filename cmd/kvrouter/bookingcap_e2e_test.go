@@ -112,4 +112,3 @@ func bookingRefusal(err error) string {
 	}
 	return out
 }
-

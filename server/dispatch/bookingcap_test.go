@@ -67,7 +67,7 @@ func TestCredentialBookingCap(t *testing.T) {
 	d := f.dispatcher(policy.DefaultConfig())
 	load := f.state.Load()
 	d.Cap = &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf} // four bookings fit
-	tokens := prompt(16 * testBlockSize) // 16 blocks a booking
+	tokens := prompt(16 * testBlockSize)                                           // 16 blocks a booking
 	route := func(owner, id string) error {
 		req := request(id, tokens)
 		req.Owner, req.OwnerMaxBlocks = owner, 40 // two bookings each
