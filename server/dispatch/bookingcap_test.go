@@ -66,11 +66,12 @@ func TestCredentialBookingCap(t *testing.T) {
 	f.add(1, kvstate.RoleAggregated, 1<<20)
 	d := f.dispatcher(policy.DefaultConfig())
 	load := f.state.Load()
-	d.Cap = &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf} // four bookings fit
-	tokens := prompt(16 * testBlockSize)                                           // 16 blocks a booking
+	// 16 blocks a booking: four fit in all, two for each owner.
+	d.Cap = &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf}
+	tokens := prompt(16 * testBlockSize)
 	route := func(owner, id string) error {
 		req := request(id, tokens)
-		req.Owner, req.OwnerMaxBlocks = owner, 40 // two bookings each
+		req.Owner, req.OwnerMaxBlocks = owner, 40
 		_, err := d.Route(context.Background(), req)
 		return err
 	}
