@@ -52,6 +52,9 @@ const (
 
 	// indexBytesPerBlock is the index's cost per distinct block (docs/BENCHMARKS.md: 122-128 B).
 	indexBytesPerBlock = 128
+	// bookedBytesPerBlock is what a booked block key holds live: 8 B in its booking and about
+	// 37 B in the load's table (45 B measured, docs/security.md).
+	bookedBytesPerBlock = 48
 
 	// podName stands for a router pod's metadata.name where the downward API provides it.
 	podName = "kvrouter-5d9c7b8f4-x7k2p"
@@ -1015,9 +1018,9 @@ func checkRouter(t *testing.T, u unit) map[string]any {
 	}
 	if limit, err := quantity(str(c, "resources", "limits", "memory")); err != nil {
 		t.Errorf("%s: memory limit: %v", m, err)
-	} else if cfg.MaxIndexBlocks == 0 || int64(cfg.MaxIndexBlocks)*indexBytesPerBlock > limit/2 {
-		t.Errorf("%s: max_index_blocks %d (about %d B each) may take more than half the memory limit %s, and a replica loading a snapshot holds two copies of its state",
-			m, cfg.MaxIndexBlocks, indexBytesPerBlock, str(c, "resources", "limits", "memory"))
+	} else if cfg.MaxIndexBlocks == 0 || int64(cfg.MaxIndexBlocks)*indexBytesPerBlock+int64(cfg.MaxBookedBlocks)*bookedBytesPerBlock > limit/2 {
+		t.Errorf("%s: max_index_blocks %d (about %d B each) and max_booked_blocks %d (about %d B each) may take more than half the memory limit %s, and a replica loading a snapshot holds two copies of its state",
+			m, cfg.MaxIndexBlocks, indexBytesPerBlock, cfg.MaxBookedBlocks, bookedBytesPerBlock, str(c, "resources", "limits", "memory"))
 	}
 
 	// The Services and the disruption budget.

@@ -18,6 +18,8 @@ import (
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -28,6 +30,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
@@ -47,8 +50,12 @@ import (
 // stopped it.
 
 const (
-	abuseP99Ratio  = 3
-	abuseRSSBound  = 64 << 20
+	abuseP99Ratio = 3
+	// abuseRSSBound is 64 MiB for all the attacks, plus what the bookings the suite's
+	// max_booked_blocks_per_credential admits may take at the process's peak: about 128 B a booked
+	// block key (45 B live, in its booking and the load's table, twice that with the garbage
+	// collector's headroom, and the 1M-token requests being decoded).
+	abuseRSSBound = 64<<20 + abuseMaxBookedPerCredential*128
 	abuseWindow    = time.Second
 	abuseAttackEnv = "KVROUTER_ABUSE_ATTACK"
 	// abuseReady is the line the attacker prints once it is about to attack.
@@ -70,7 +77,35 @@ var abuseAttacks = []struct {
 	{"rapid reset without credentials", []string{codes.Unauthenticated.String(), "conn_closed"}},
 	{"streams on the health port", []string{"refused_stream"}},
 	{"10,000 ranks of one worker", []string{codes.ResourceExhausted.String()}},
+	{"1M-token bookings of one frontend credential", []string{codes.ResourceExhausted.String()}},
+	{"models from a worker credential without models", []string{codes.ResourceExhausted.String()}},
+	{"hellos with a 1 MB endpoint", []string{codes.InvalidArgument.String()}},
+	{"64 KiB headers without credentials", []string{"rst_FRAME_SIZE_ERROR", "conn_closed"}},
+	{"idle connections past the cap", []string{"conn_closed"}},
+	{"TLS handshakes without credentials", []string{"handshake"}},
 }
+
+// abuseCredentials are the attackers' credentials beside testCredentials: a frontend of its own (so
+// that its bookings count against it, not the well-behaved frontend) and a worker credential scoped
+// to worker ids but not to models.
+const abuseCredentials = `  - name: frontend-b
+    roles: [frontend]
+    token_sha256: {token:frontend-b}
+  - name: worker-9
+    roles: [worker]
+    token_sha256: {token:worker-9}
+    worker_ids: [9]
+`
+
+// abuseMaxConnections is the suite's max_connections: low enough that the idle connections reach
+// it within abuseRSSBound (at the default 4,096, held connections take up to about 256 MiB, which
+// the cap bounds as docs/security.md says).
+const abuseMaxConnections = 256
+
+// abuseMaxBookedPerCredential is the suite's max_booked_blocks_per_credential: two 1M-token
+// bookings of block size 4 (262,144 block keys each), so that what they hold fits within
+// abuseRSSBound (the default admits 32).
+const abuseMaxBookedPerCredential = 1 << 19
 
 // TestAbuseSuite runs each attack of abuseAttacks against one router, as the file's comment says.
 func TestAbuseSuite(t *testing.T) {
@@ -78,7 +113,12 @@ func TestAbuseSuite(t *testing.T) {
 		t.Skip("the abuse suite runs attacks for about a minute")
 	}
 	healthAddr := freePort(t)
-	r := startSecureRouter(t, "--health-listen", healthAddr)
+	r := startSecureRouter(t, "--health-listen", healthAddr, "--max-connections", strconv.Itoa(abuseMaxConnections),
+		"--max-booked-blocks-per-credential", strconv.Itoa(abuseMaxBookedPerCredential))
+	for _, name := range []string{"frontend-b", "worker-9"} {
+		r.tokens[name] = newToken(t)
+	}
+	r.writeCredentials(testCredentials + abuseCredentials)
 	r.serveLlama()
 	pid := r.proc.cmd.Process.Pid
 	before := peakRSS(t, pid)
@@ -104,7 +144,18 @@ func TestAbuseSuite(t *testing.T) {
 		return lat[len(lat)*99/100], len(lat)
 	}
 	env := []string{"KVROUTER_ABUSE_ADDR=" + r.proc.addr, "KVROUTER_ABUSE_HEALTH=" + healthAddr, "KVROUTER_ABUSE_CA=" + r.caFile,
-		"KVROUTER_ABUSE_WORKER_TOKEN=" + r.tokens["worker-7"]}
+		"KVROUTER_ABUSE_WORKER_TOKEN=" + r.tokens["worker-7"], "KVROUTER_ABUSE_FRONTEND_TOKEN=" + r.tokens["frontend-b"],
+		"KVROUTER_ABUSE_ANY_MODEL_TOKEN=" + r.tokens["worker-9"]}
+	// The credentials file is reloaded every 50 ms: the attackers' credentials are in force once
+	// frontend-b is.
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		ctx, cancel := r.as("frontend-b")
+		defer cancel()
+		_, err := router.Route(ctx, &kvrouterv1.RouteRequest{Model: "llama", TokenIds: tokens[:4], QueryOnly: true})
+		return err == nil
+	}) {
+		t.Fatal("the attackers' credentials never took effect")
+	}
 	for _, a := range abuseAttacks {
 		t.Run(a.name, func(t *testing.T) {
 			best, answers, lastOut := 0.0, map[string]int{}, ""
@@ -114,24 +165,10 @@ func TestAbuseSuite(t *testing.T) {
 					break // two rounds, one within the bound: enough
 				}
 				base, n0 := p99(abuseWindow)
-				attacker := exec.Command(os.Args[0], "-test.run=^TestAbuseAttacker$", "-test.v=false")
-				attacker.Env = append(append(os.Environ(), env...), abuseAttackEnv+"="+a.name)
-				out := &lockedBuffer{}
-				attacker.Stdout, attacker.Stderr = out, out
-				if err := attacker.Start(); err != nil {
-					t.Fatal(err)
-				}
-				if !kvtest.Poll(defaultTestTimeout, 10*time.Millisecond, func() bool { return strings.Contains(out.String(), abuseReady) }) {
-					_ = attacker.Process.Kill()
-					_ = attacker.Wait()
-					t.Fatalf("the attacker was not ready within %v:\n%s", defaultTestTimeout, out)
-				}
+				attacker, out := startAttacker(t, env, a.name)
 				time.Sleep(200 * time.Millisecond) // the attack under way
 				under, n1 := p99(abuseWindow)
-				_ = attacker.Process.Signal(os.Interrupt)
-				kill := time.AfterFunc(defaultTestTimeout, func() { _ = attacker.Process.Kill() })
-				_ = attacker.Wait()
-				kill.Stop()
+				stopAttacker(attacker)
 				lastOut = out.String()
 				var rep abuseReport
 				if i := strings.LastIndex(out.String(), `{"codes"`); i >= 0 {
@@ -146,7 +183,7 @@ func TestAbuseSuite(t *testing.T) {
 				}
 				notes = append(notes, fmt.Sprintf("round %d: p99 %v (%d calls) before, %v (%d calls) under attack", round+1, base, n0, under, n1))
 			}
-			t.Logf("%s; attacker answered %v", notes, answers)
+			t.Logf("%s; attacker answered %v; the router's peak memory %.1f MiB over the start", notes, answers, float64(peakRSS(t, pid)-before)/(1<<20))
 			if best > abuseP99Ratio {
 				t.Errorf("the frontend's Route p99 grew %.1fx under the attack (the best of three rounds), more than %dx: %s", best, abuseP99Ratio, notes)
 			}
@@ -160,6 +197,86 @@ func TestAbuseSuite(t *testing.T) {
 	} else {
 		t.Logf("the router's peak memory grew %.1f MiB over the attacks (bound %d MiB)", float64(grew)/(1<<20), abuseRSSBound>>20)
 	}
+
+	// Shutdown under attack: with compressed Routes flooding in, health streams held open and the
+	// frontend routing, SIGTERM must stop the router within shutdown_drain and shutdown_timeout
+	// (the harness sets the drain to 0; the timeout is the default 15 s), which end whatever streams
+	// are still open. Before, shutdown was reported to overrun its timeout under load.
+	t.Run("shutdown under attack", func(t *testing.T) {
+		for _, name := range []string{"gzip Routes without credentials", "streams on the health port"} {
+			attacker, _ := startAttacker(t, env, name)
+			defer stopAttacker(attacker)
+		}
+		stopRouting := make(chan struct{})
+		routing := make(chan struct{})
+		go func() {
+			defer close(routing)
+			for {
+				select {
+				case <-stopRouting:
+					return
+				default:
+				}
+				ctx, cancel := r.as("frontend")
+				_, _ = router.Route(ctx, &kvrouterv1.RouteRequest{Model: "llama", TokenIds: tokens, QueryOnly: true})
+				cancel()
+			}
+		}()
+		defer func() { close(stopRouting); <-routing }()
+		time.Sleep(500 * time.Millisecond) // the attacks under way
+		const drain, timeout = 0, 15 * time.Second
+		start := time.Now()
+		if err := r.proc.cmd.Process.Signal(syscall.SIGTERM); err != nil {
+			t.Fatal(err)
+		}
+		if !kvtest.Poll(drain+timeout+defaultTestTimeout, 10*time.Millisecond, func() bool { return processGone(pid) }) {
+			t.Fatalf("the router did not exit within %v of SIGTERM", drain+timeout+defaultTestTimeout)
+		}
+		took := time.Since(start)
+		t.Logf("the router exited %v after SIGTERM under attack (shutdown_drain %v, shutdown_timeout %v)", took.Round(time.Millisecond), drain, timeout)
+		if took > drain+timeout+time.Second {
+			t.Errorf("the router exited %v after SIGTERM, more than shutdown_drain and shutdown_timeout (%v) allow", took, drain+timeout)
+		}
+	})
+}
+
+// startAttacker runs this test binary as TestAbuseAttacker with the attack name and waits until
+// it says it attacks; its output is returned.
+func startAttacker(t *testing.T, env []string, name string) (*exec.Cmd, *lockedBuffer) {
+	t.Helper()
+	attacker := exec.Command(os.Args[0], "-test.run=^TestAbuseAttacker$", "-test.v=false")
+	attacker.Env = append(append(os.Environ(), env...), abuseAttackEnv+"="+name)
+	out := &lockedBuffer{}
+	attacker.Stdout, attacker.Stderr = out, out
+	if err := attacker.Start(); err != nil {
+		t.Fatal(err)
+	}
+	if !kvtest.Poll(defaultTestTimeout, 10*time.Millisecond, func() bool { return strings.Contains(out.String(), abuseReady) }) {
+		_ = attacker.Process.Kill()
+		_ = attacker.Wait()
+		t.Fatalf("the attacker was not ready within %v:\n%s", defaultTestTimeout, out)
+	}
+	return attacker, out
+}
+
+// stopAttacker interrupts the attacker, which then prints its report, and waits for it to exit.
+func stopAttacker(attacker *exec.Cmd) {
+	_ = attacker.Process.Signal(os.Interrupt)
+	kill := time.AfterFunc(defaultTestTimeout, func() { _ = attacker.Process.Kill() })
+	_ = attacker.Wait()
+	kill.Stop()
+}
+
+// processGone reports whether process pid has exited (it may wait, a zombie, for its parent to
+// reap it).
+func processGone(pid int) bool {
+	stat, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// The state follows the command's closing parenthesis.
+	i := bytes.LastIndexByte(stat, ')')
+	return i < 0 || i+2 >= len(stat) || stat[i+2] == 'Z' || stat[i+2] == 'X'
 }
 
 // TestAbuseAttacker is not a test of its own: TestAbuseSuite runs this binary again with
@@ -199,6 +316,24 @@ func TestAbuseAttacker(t *testing.T) {
 	case "10,000 ranks of one worker":
 		fmt.Println(abuseReady)
 		a.parallel(1, func() { a.ranks(os.Getenv("KVROUTER_ABUSE_WORKER_TOKEN")) })
+	case "1M-token bookings of one frontend credential":
+		req := bigBooking()
+		fmt.Println(abuseReady)
+		a.parallel(2, func() { a.bookings(os.Getenv("KVROUTER_ABUSE_FRONTEND_TOKEN"), req) })
+	case "models from a worker credential without models":
+		fmt.Println(abuseReady)
+		a.parallel(4, func() { a.models(os.Getenv("KVROUTER_ABUSE_ANY_MODEL_TOKEN")) })
+	case "hellos with a 1 MB endpoint":
+		fmt.Println(abuseReady)
+		a.parallel(2, func() { a.endpoints(os.Getenv("KVROUTER_ABUSE_WORKER_TOKEN")) })
+	case "64 KiB headers without credentials":
+		fmt.Println(abuseReady)
+		a.parallel(2, a.hugeHeaders)
+	case "TLS handshakes without credentials":
+		fmt.Println(abuseReady)
+		a.parallel(4, a.handshakes)
+	case "idle connections past the cap":
+		a.idleConnections(abuseMaxConnections+100, func() { fmt.Println(abuseReady) })
 	default:
 		t.Fatalf("no attack %q", kind)
 	}
@@ -230,6 +365,13 @@ type attacker struct {
 	roots        *x509.CertPool
 	stop         <-chan struct{}
 	counts       *abuseCounts
+	seq          atomic.Uint64
+}
+
+// next numbers what an attack creates (request ids, models), apart from every other attacker
+// process's numbers: each round's attacker is a new process.
+func (a *attacker) next() uint64 {
+	return uint64(os.Getpid())<<32 | a.seq.Add(1)
 }
 
 func (a *attacker) stopped() bool {
@@ -298,6 +440,8 @@ func (a *attacker) h2(addr string, plain bool) (fr *http2.Framer, closed chan st
 			case *http2.RSTStreamFrame:
 				if f.ErrCode == http2.ErrCodeRefusedStream {
 					a.counts.add("refused_stream")
+				} else {
+					a.counts.add("rst_" + f.ErrCode.String())
 				}
 			}
 			// Nothing is written from here (a settings ack, a ping's answer): a Framer takes one
@@ -453,7 +597,7 @@ func (a *attacker) ranks(token string) {
 	conn := a.grpcConn()
 	defer conn.Close()
 	workers := kvrouterv1.NewWorkerServiceClient(conn)
-	for rank := uint32(0); rank < 10_000 && !a.stopped(); rank++ {
+	for rank := uint32(1); rank <= 10_000 && !a.stopped(); rank++ { // rank 0 is the frontend's worker, left alone
 		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), 5*time.Second)
 		s, err := workers.Publish(ctx)
 		if err == nil {
@@ -476,4 +620,158 @@ func (a *attacker) grpcConn() *grpc.ClientConn {
 		panic(err)
 	}
 	return conn
+}
+
+// bigBooking is a booked Route of 1,048,576 token ids (max_prompt_tokens), about 3 MB on the wire,
+// whose request id the attack sets per call.
+func bigBooking() *kvrouterv1.RouteRequest {
+	tokens := make([]uint32, 1<<20)
+	for i := range tokens {
+		tokens[i] = uint32(i%50_000 + 1)
+	}
+	return &kvrouterv1.RouteRequest{Model: "llama", TokenIds: tokens}
+}
+
+// bookings books req again and again under new request ids with a frontend credential of its own,
+// freeing nothing: before, each pinned about 2 MB of block keys for booking_expiry, with no bound
+// but the call rate.
+func (a *attacker) bookings(token string, req *kvrouterv1.RouteRequest) {
+	conn := a.grpcConn()
+	defer conn.Close()
+	router := kvrouterv1.NewRouterServiceClient(conn)
+	r := proto.Clone(req).(*kvrouterv1.RouteRequest)
+	for !a.stopped() {
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), 5*time.Second)
+		r.RequestId = fmt.Sprintf("big-%d", a.next())
+		_, err := router.Route(ctx, r)
+		a.counts.add(status.Code(err).String())
+		cancel() // RetryInfo not honoured: a hostile caller does not
+	}
+}
+
+// models registers worker 9 in model after model, one rank each (a rank belongs to one model), with
+// a credential scoped to worker ids but not to models: before, 30,000 models made /metrics 93 MB,
+// and sharded by model each is a shard on every replica for good.
+func (a *attacker) models(token string) {
+	conn := a.grpcConn()
+	defer conn.Close()
+	workers := kvrouterv1.NewWorkerServiceClient(conn)
+	for !a.stopped() {
+		i := a.next()
+		h := helloFor(9, fmt.Sprintf("abuse-%d", i))
+		h.GetHello().DpRank = uint32(i * 0x9e3779b97f4a7c15 >> 32) // a rank belongs to one model: one of its own for each
+		a.counts.add(status.Code(a.hello(workers, token, h)).String())
+	}
+}
+
+// endpoints sends hellos of worker 7 whose endpoint is 1 MB: before, it was kept, and sent in every
+// Route response and ListWorkers.
+func (a *attacker) endpoints(token string) {
+	conn := a.grpcConn()
+	defer conn.Close()
+	workers := kvrouterv1.NewWorkerServiceClient(conn)
+	h := helloFor(7, "llama")
+	h.GetHello().DpRank = 1
+	h.GetHello().Endpoint = strings.Repeat("w", 1<<20)
+	for !a.stopped() {
+		a.counts.add(status.Code(a.hello(workers, token, h)).String())
+	}
+}
+
+// hello sends h on a Publish stream of its own and returns how the router answered it.
+func (a *attacker) hello(workers kvrouterv1.WorkerServiceClient, token string, h *kvrouterv1.PublishRequest) error {
+	ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), 5*time.Second)
+	defer cancel()
+	s, err := workers.Publish(ctx)
+	if err == nil {
+		if err = s.Send(h); err == nil {
+			_, err = s.Recv()
+		}
+	}
+	return err
+}
+
+// hugeHeaders opens Route calls whose headers carry a 64 KiB authorization value, four times
+// max_header_list_bytes: before, 5 MB headers were read and held before authentication.
+func (a *attacker) hugeHeaders() {
+	block := grpcHeaders(a.addr, server.RouteMethod, "authorization", "Bearer "+strings.Repeat("x", 64<<10))
+	for !a.stopped() {
+		fr, closed, conn, err := a.h2(a.addr, false)
+		if err != nil {
+			time.Sleep(10 * time.Millisecond)
+			continue
+		}
+	streams:
+		for id := uint32(1); !a.stopped(); id += 2 {
+			if writeHeaderBlock(fr, id, block) != nil {
+				break
+			}
+			select {
+			case <-closed:
+				break streams
+			default:
+			}
+		}
+		conn.Close()
+	}
+}
+
+// writeHeaderBlock sends a header block in a HEADERS frame and as many CONTINUATION frames as its
+// size needs (16 KB each).
+func writeHeaderBlock(fr *http2.Framer, id uint32, block []byte) error {
+	n := min(len(block), 16<<10)
+	if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: block[:n], EndHeaders: n == len(block)}); err != nil {
+		return err
+	}
+	for block = block[n:]; len(block) > 0; block = block[n:] {
+		n = min(len(block), 16<<10)
+		if err := fr.WriteContinuation(id, n == len(block), block[:n]); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// idleConnections opens n TLS connections (each with the HTTP/2 preface and settings), 16 at a
+// time, says ready, and holds them idle until stopped: before, idle connections reached 18,924 of
+// 20,000 file descriptors. Those past max_connections are closed by the router at once.
+func (a *attacker) idleConnections(n int, ready func()) {
+	var (
+		mu    sync.Mutex
+		conns []net.Conn
+		left  atomic.Int64
+	)
+	left.Store(int64(n))
+	a.parallel(16, func() {
+		for left.Add(-1) >= 0 && !a.stopped() {
+			_, _, conn, err := a.h2(a.addr, false)
+			if err != nil {
+				a.counts.add("conn_closed") // accepted and closed during the handshake
+				continue
+			}
+			mu.Lock()
+			conns = append(conns, conn)
+			mu.Unlock()
+		}
+	})
+	ready()
+	<-a.stop
+	for _, c := range conns {
+		c.Close()
+	}
+}
+
+// handshakes opens TLS connections and closes each once its handshake is done, as fast as the
+// router completes them: each costs the router a handshake's signature.
+func (a *attacker) handshakes() {
+	for !a.stopped() {
+		conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", a.addr,
+			&tls.Config{RootCAs: a.roots, ServerName: "localhost", NextProtos: []string{"h2"}})
+		if err != nil {
+			a.counts.add("conn_closed")
+			continue
+		}
+		a.counts.add("handshake")
+		conn.Close()
+	}
 }

@@ -52,8 +52,9 @@ const (
 	// DefaultMaxModels bounds the models workers register: each lives on (a shard on every
 	// replica, sharded by model) and adds series to /metrics.
 	DefaultMaxModels = 1000
-	// DefaultMaxBookedBlocks bounds what a replica's bookings hold: 16M block keys, about 128 MiB of
-	// keys plus their tables, e.g. 4,096 requests of 64k tokens (block size 16) on two hops each.
+	// DefaultMaxBookedBlocks bounds what a replica's bookings hold: 16M block keys, e.g. 4,096
+	// requests of 64k tokens (block size 16) on two hops each. A key holds about 45 B live (its
+	// booking's 8 and the load's table), so about 750 MiB at the cap.
 	DefaultMaxBookedBlocks = 1 << 24
 	// DefaultMaxBookedBlocksPerCredential is half of DefaultMaxBookedBlocks: one credential, buggy
 	// or hostile, can hold at most half of what all bookings may, and every other caller keeps room.
