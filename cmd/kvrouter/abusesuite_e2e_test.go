@@ -55,7 +55,7 @@ const (
 	// max_booked_blocks_per_credential admits may take at the process's peak: about 128 B a booked
 	// block key (45 B live, in its booking and the load's table, twice that with the garbage
 	// collector's headroom, and the 1M-token requests being decoded).
-	abuseRSSBound = 64<<20 + abuseMaxBookedPerCredential*128
+	abuseRSSBound  = 64<<20 + abuseMaxBookedPerCredential*128
 	abuseWindow    = time.Second
 	abuseAttackEnv = "KVROUTER_ABUSE_ATTACK"
 	// abuseReady is the line the attacker prints once it is about to attack.
