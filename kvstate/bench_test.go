@@ -1,8 +1,9 @@
 package kvstate_test
 
 // Benchmarks of hashing, event ingestion and the prefix index, in the shape of the issue (64
-// workers, 16-token blocks, an index of about 1M blocks) and of the peers' index benchmark
-// (/work/shared/reference/peer-index-bench.md). docs/BENCHMARKS.md records the results and the
+// workers, 16-token blocks, an index of about 1M blocks) and of the peers' index benchmark (the
+// harness that measures llm-d's and AIBrix's indexes beside this one, kept outside the repository).
+// docs/BENCHMARKS.md records the results and the
 // commands; scripts/bench.sh runs them.
 //
 // A plain `go test` runs only TestBatchedProbesMatchModel (milliseconds): the Go benchmarks need

@@ -4,6 +4,9 @@
 // State is a deterministic state machine: every change arrives as a Change appended to a Log, and a
 // replica's state is a function of the log prefix it has applied. Reads (overlap and load) come from
 // local memory and never wait on the log.
+//
+// A "§N.M" in this package's comments names a section of docs/dynamo-behaviour.md, the Dynamo
+// behaviour the router matches.
 package kvstate
 
 import (

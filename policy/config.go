@@ -1,6 +1,9 @@
 // Package policy makes routing decisions over a read-only view of kvstate: the cost of each worker
 // (Dynamo's KV-router formula, §3.3), selection with temperature and tie-breaks (§3.4), the flow of
 // disaggregated and aggregated routing (§5), and validation of the configuration that drives them.
+//
+// A "§N.M" in this package's comments names a section of docs/dynamo-behaviour.md, the Dynamo
+// behaviour the router matches.
 package policy
 
 import (
