@@ -174,9 +174,10 @@ func New(o Options) *Server {
 		o.Logger.Error("recovered from panic in handler", "panic", p, "stack", string(debug.Stack()))
 		return status.Error(codes.Internal, "internal error")
 	})
-	unary := []grpc.UnaryServerInterceptor{grpcMetrics.UnaryServerInterceptor(), unaryCallLog(o.Logger)}
+	sampler := newCallLogSampler()
+	unary := []grpc.UnaryServerInterceptor{grpcMetrics.UnaryServerInterceptor(), unaryCallLog(o.Logger, sampler)}
 	callLog := logging.WithLevels(func(c codes.Code) logging.Level { return logging.Level(callLevel(c)) })
-	logger := interceptorLogger(o.Logger)
+	logger := interceptorLogger(o.Logger, sampler)
 	stream := []grpc.StreamServerInterceptor{
 		grpcMetrics.StreamServerInterceptor(),
 		logging.StreamServerInterceptor(logger, callLog, logging.WithLogOnEvents(logging.StartCall, logging.FinishCall)),
@@ -405,9 +406,3 @@ func (s *Server) Stop() {
 	s.bg.Wait()
 }
 
-// interceptorLogger adapts slog to the middleware's logger.
-func interceptorLogger(l *slog.Logger) logging.Logger {
-	return logging.LoggerFunc(func(ctx context.Context, lvl logging.Level, msg string, fields ...any) {
-		l.Log(ctx, slog.Level(lvl), msg, fields...)
-	})
-}

@@ -55,7 +55,9 @@ const (
 	// max_booked_blocks_per_credential admits may take at the process's peak: about 128 B a booked
 	// block key (45 B live, in its booking and the load's table, twice that with the garbage
 	// collector's headroom, and the 1M-token requests being decoded).
-	abuseRSSBound  = 64<<20 + abuseMaxBookedPerCredential*128
+	abuseRSSBound = 64<<20 + abuseMaxBookedPerCredential*128
+	// abuseLogBound bounds what the router logs over the whole suite, at the default level (info).
+	abuseLogBound  = 1 << 20
 	abuseWindow    = time.Second
 	abuseAttackEnv = "KVROUTER_ABUSE_ATTACK"
 	// abuseReady is the line the attacker prints once it is about to attack.
@@ -113,7 +115,7 @@ func TestAbuseSuite(t *testing.T) {
 		t.Skip("the abuse suite runs attacks for about a minute")
 	}
 	healthAddr := freePort(t)
-	r := startSecureRouter(t, "--health-listen", healthAddr, "--max-connections", strconv.Itoa(abuseMaxConnections),
+	r := startSecureRouter(t, "--log-level", "info", "--health-listen", healthAddr, "--max-connections", strconv.Itoa(abuseMaxConnections),
 		"--max-booked-blocks-per-credential", strconv.Itoa(abuseMaxBookedPerCredential))
 	for _, name := range []string{"frontend-b", "worker-9"} {
 		r.tokens[name] = newToken(t)
@@ -196,6 +198,14 @@ func TestAbuseSuite(t *testing.T) {
 		t.Errorf("the router's peak memory grew %d MiB over the attacks, more than %d MiB", grew>>20, abuseRSSBound>>20)
 	} else {
 		t.Logf("the router's peak memory grew %.1f MiB over the attacks (bound %d MiB)", float64(grew)/(1<<20), abuseRSSBound>>20)
+	}
+
+	// Refusals are logged at most once a second, with a count: before, every refused call was
+	// logged (20 MB in 5 s), so a flood of them flooded the log too.
+	if n := len(r.proc.logs.String()); n > abuseLogBound {
+		t.Errorf("the router logged %d KiB over the attacks, more than %d KiB", n>>10, abuseLogBound>>10)
+	} else {
+		t.Logf("the router logged %.1f KiB over the attacks (bound %d KiB)", float64(n)/1024, abuseLogBound>>10)
 	}
 
 	// Shutdown under attack: with compressed Routes flooding in, health streams held open and the
