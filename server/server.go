@@ -405,4 +405,3 @@ func (s *Server) Stop() {
 	s.healthOnly.Stop()
 	s.bg.Wait()
 }
-

@@ -18,6 +18,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/config/layered"
+	"github.com/kvrouter/kvrouter/server/filewatch"
 )
 
 // redisStartupCheck bounds the PING openRedis sends before the replica goes on.
@@ -176,31 +177,30 @@ func redisTLSConfig(cfg *config.Options, logger *slog.Logger) (*tls.Config, erro
 }
 
 // clientCertReloader hands out the client certificate for Redis, read again from its files when
-// either file's modification time changed since the last read (a renewed certificate is used from
-// the next connection on). A pair that does not load, as while one file is replaced and the other not
-// yet, keeps the previous certificate, and is tried again at the next connection.
+// either file changed since the last read (filewatch.Version: a renewed certificate is used from
+// the next connection on). A pair that does not load, as while one file is replaced and the other
+// not yet, keeps the previous certificate, and is tried again at the next connection.
 type clientCertReloader struct {
 	cfg    *config.Options
 	logger *slog.Logger
 
 	mu              sync.Mutex
 	cert            *tls.Certificate
-	certMod, keyMod time.Time
+	certVer, keyVer filewatch.Version
 	lastFailure     string // the last reload failure logged, so that it is logged once
 }
 
 // load reads the certificate and key if either changed since the last read.
 func (r *clientCertReloader) load() error {
 	certFile, keyFile := r.cfg.RedisTLSCertFile, r.cfg.RedisTLSKeyFile
-	certInfo, err := os.Stat(certFile)
-	if err != nil {
+	if _, err := os.Stat(certFile); err != nil {
 		return fmt.Errorf("%s %s: %w", settingName(r.cfg, "redis_tls_cert_file"), certFile, pathCause(err))
 	}
-	keyInfo, err := os.Stat(keyFile)
-	if err != nil {
+	if _, err := os.Stat(keyFile); err != nil {
 		return fmt.Errorf("%s %s: %w", settingName(r.cfg, "redis_tls_key_file"), keyFile, pathCause(err))
 	}
-	if r.cert != nil && certInfo.ModTime().Equal(r.certMod) && keyInfo.ModTime().Equal(r.keyMod) {
+	certVer, keyVer := filewatch.Stat(certFile), filewatch.Stat(keyFile)
+	if r.cert != nil && certVer == r.certVer && keyVer == r.keyVer {
 		return nil
 	}
 	cert, err := tls.LoadX509KeyPair(certFile, keyFile)
@@ -209,7 +209,7 @@ func (r *clientCertReloader) load() error {
 		return fmt.Errorf("%s %s and %s %s: %w", settingName(r.cfg, "redis_tls_cert_file"), certFile,
 			settingName(r.cfg, "redis_tls_key_file"), keyFile, pathCause(err))
 	}
-	r.cert, r.certMod, r.keyMod = &cert, certInfo.ModTime(), keyInfo.ModTime()
+	r.cert, r.certVer, r.keyVer = &cert, certVer, keyVer
 	return nil
 }
 

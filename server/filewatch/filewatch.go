@@ -1,5 +1,5 @@
 // Package filewatch notices that files were replaced, for settings a server reloads without a
-// restart (TLS certificates, the credentials file). It polls: a stat per file per interval costs
+// restart (TLS certificates, the credentials file, the Redis client certificate). It polls: a stat per file per interval costs
 // nothing, works on every filesystem, and sees a Kubernetes secret volume's update (a symlink
 // swapped to a new directory), which inotify on the old path would miss.
 package filewatch
@@ -10,20 +10,24 @@ import (
 	"time"
 )
 
-// stamp is what tells one version of a file from the next.
-type stamp struct {
+// Version is what tells one version of a file from the next: whether it exists, its size,
+// modification time and identity (a replaced file, by rename or a symlink swap, has a new one).
+// Versions compare with ==.
+type Version struct {
 	exists bool
 	size   int64
 	mtime  int64 // nanoseconds
-	inode  any   // os.FileInfo.Sys(): a replaced file (rename, symlink swap) has a new one
+	inode  any   // device and inode where the system has them
 }
 
-func stat(path string) stamp {
-	fi, err := os.Stat(path) // follows symlinks, as a secret volume's files are
+// Stat returns the version of the file at path now (the zero Version when it cannot be read). It
+// follows symlinks, as a Kubernetes secret volume's files are.
+func Stat(path string) Version {
+	fi, err := os.Stat(path)
 	if err != nil {
-		return stamp{}
+		return Version{}
 	}
-	return stamp{exists: true, size: fi.Size(), mtime: fi.ModTime().UnixNano(), inode: inodeOf(fi)}
+	return Version{exists: true, size: fi.Size(), mtime: fi.ModTime().UnixNano(), inode: inodeOf(fi)}
 }
 
 // Poll calls reload whenever one of paths changed since the last look, every interval, until ctx
@@ -31,9 +35,9 @@ func stat(path string) stamp {
 // fails is reported by reload itself; it is tried again at the files' next change, so a
 // half-finished rotation (a new certificate before its key) succeeds once the second file lands.
 func Poll(ctx context.Context, interval time.Duration, paths []string, reload func()) {
-	last := make([]stamp, len(paths))
+	last := make([]Version, len(paths))
 	for i, p := range paths {
-		last[i] = stat(p)
+		last[i] = Stat(p)
 	}
 	t := time.NewTicker(interval)
 	defer t.Stop()
@@ -45,7 +49,7 @@ func Poll(ctx context.Context, interval time.Duration, paths []string, reload fu
 		}
 		changed := false
 		for i, p := range paths {
-			if s := stat(p); s != last[i] {
+			if s := Stat(p); s != last[i] {
 				last[i], changed = s, true
 			}
 		}
