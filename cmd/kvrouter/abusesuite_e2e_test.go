@@ -548,6 +548,17 @@ func writeData(fr *http2.Framer, id uint32, body []byte) error {
 // router closes the connection.
 func (a *attacker) rapidReset() {
 	headers := grpcHeaders(a.addr, server.RouteMethod)
+	a.streamsUntilCut(func(fr *http2.Framer, id uint32) error {
+		if err := fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: headers, EndHeaders: true}); err != nil {
+			return err
+		}
+		return fr.WriteRSTStream(id, http2.ErrCodeCancel)
+	})
+}
+
+// streamsUntilCut opens streams on a connection to the gRPC port with open, one after another,
+// until the router closes it, then reconnects, until stopped.
+func (a *attacker) streamsUntilCut(open func(fr *http2.Framer, id uint32) error) {
 	for !a.stopped() {
 		fr, closed, conn, err := a.h2(a.addr, false)
 		if err != nil {
@@ -556,8 +567,7 @@ func (a *attacker) rapidReset() {
 		}
 	streams:
 		for id := uint32(1); !a.stopped(); id += 2 {
-			if fr.WriteHeaders(http2.HeadersFrameParam{StreamID: id, BlockFragment: headers, EndHeaders: true}) != nil ||
-				fr.WriteRSTStream(id, http2.ErrCodeCancel) != nil {
+			if open(fr, id) != nil {
 				break
 			}
 			select {
@@ -705,25 +715,7 @@ func (a *attacker) hello(workers kvrouterv1.WorkerServiceClient, token string, h
 // max_header_list_bytes: before, 5 MB headers were read and held before authentication.
 func (a *attacker) hugeHeaders() {
 	block := grpcHeaders(a.addr, server.RouteMethod, "authorization", "Bearer "+strings.Repeat("x", 64<<10))
-	for !a.stopped() {
-		fr, closed, conn, err := a.h2(a.addr, false)
-		if err != nil {
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-	streams:
-		for id := uint32(1); !a.stopped(); id += 2 {
-			if writeHeaderBlock(fr, id, block) != nil {
-				break
-			}
-			select {
-			case <-closed:
-				break streams
-			default:
-			}
-		}
-		conn.Close()
-	}
+	a.streamsUntilCut(func(fr *http2.Framer, id uint32) error { return writeHeaderBlock(fr, id, block) })
 }
 
 // writeHeaderBlock sends a header block in a HEADERS frame and as many CONTINUATION frames as its
