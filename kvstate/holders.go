@@ -40,20 +40,6 @@ type extraWords struct{ listPool[holderWord] }
 
 func (p *extraWords) words(h *holderSet) []holderWord { return p.get(h.extra) }
 
-// has reports whether the worker in slot holds the block in tier.
-func (p *extraWords) has(h *holderSet, slot uint32, tier Tier) bool {
-	meta, bit := wordOf(slot, tier)
-	if h.meta == meta {
-		return h.bits&bit != 0
-	}
-	for _, w := range p.words(h) {
-		if w.meta == meta {
-			return w.bits&bit != 0
-		}
-	}
-	return false
-}
-
 // add adds the worker in slot to the holders in tier; it reports false if it was there already.
 func (p *extraWords) add(h *holderSet, slot uint32, tier Tier) bool {
 	meta, bit := wordOf(slot, tier)

@@ -237,9 +237,6 @@ func New[T any](settings []Setting[T]) *Layers[T] {
 	return l
 }
 
-// Settings returns the settings, in the order --help shows them.
-func (l *Layers[T]) Settings() []Setting[T] { return l.settings }
-
 // Parse registers the flags on a new flag set named name, parses args and applies the layers to o.
 // A malformed command line is ErrUsage, after the flag set printed why to stderr.
 func (l *Layers[T]) Parse(o *T, name string, args []string, getenv func(string) string, stderr io.Writer) error {
