@@ -92,8 +92,9 @@ func newFlatMap[V any]() *flatMap[V] {
 // chosen, rebuilds once) and the table takes no more memory than it must. A restore's cost is
 // mostly the first write to each fresh page of its tables (newSlots), so every byte saved counts:
 // sized 60% full, as a rebuild leaves a segment, they took 25% more memory, and a 10M-block cold
-// start about a third more time (docs/BENCHMARKS.md, "Issue 15", with the shared load gate). 75%
-// is within the 60 - 80% that segments run at anyway, so lookups probe no further than usual.
+// start about a third more time, with the shared load gate (docs/benchmarks/history.md, "Cold start
+// from the snapshots of a sharded log"). 75% is within the 60 - 80% that segments run at anyway, so
+// lookups probe no further than usual.
 func newFlatMapSized[V any](n int) *flatMap[V] {
 	m := &flatMap[V]{seed: rand.Uint64()}
 	for m.depth < 24 && restoreRoomFor(n>>m.depth) > maxSegmentSlots*3/4 {

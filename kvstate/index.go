@@ -49,11 +49,11 @@ func (w *workerBlocks) lookup(tier Tier, hash uint64) (key uint64, ok bool) {
 
 // probeBatch is how many table probes the index's hot loops issue back to back before using them.
 //
-// Profile lesson (docs/BENCHMARKS.md, "Profiles"): at 1M blocks the tables are far larger than the
-// CPU caches, and most of the time of Overlaps and Store goes to the first touch of each probed
-// slot: one cache miss per block. The misses came one at a time while the work between two probes
-// (data-dependent branches over the holders) kept the CPU from starting the next one early. Probing
-// a few independent keys in a tight loop first lets their misses overlap.
+// Profile lesson (docs/benchmarks/history.md, "Profiles and changes"): at 1M blocks the tables are
+// far larger than the CPU caches, and most of the time of Overlaps and Store goes to the first
+// touch of each probed slot: one cache miss per block. The misses came one at a time while the work
+// between two probes (data-dependent branches over the holders) kept the CPU from starting the next
+// one early. Probing a few independent keys in a tight loop first lets their misses overlap.
 const probeBatch = 8
 
 // walkBatch is probeBatch for the overlap walk, whose probes are cheaper to issue (a touch of the

@@ -52,11 +52,11 @@ type slotCount struct {
 // holders are the workers whose booked requests use one block, with reference counts. Nearly every
 // block has a single holder, so the first is kept inline and booking a block allocates nothing.
 //
-// Profile lessons (docs/BENCHMARKS.md, "Profiles"): with a slice per block, booking a 32k-token
-// prompt made ~1,750 allocations, one 8-byte slice per new block key; inline, it makes ~330
-// (allocs/op -80%, B/op -30%). Booking and freeing are bound by cache misses on the table of
-// blocks, so they probe it in batches like the index does (see probeBatch); and the table is a
-// flatMap, like the index's: in a Go map, probing took a third of a 32k-token booking's time.
+// Profile lessons (docs/benchmarks/history.md, "Profiles and changes"): with a slice per block,
+// booking a 32k-token prompt made ~1,750 allocations, one 8-byte slice per new block key; inline,
+// it makes ~330 (allocs/op -80%, B/op -30%). Booking and freeing are bound by cache misses on the
+// table of blocks, so they probe it in batches like the index does (see probeBatch); and the table
+// is a flatMap, like the index's: in a Go map, probing took a third of a 32k-token booking's time.
 type holders struct {
 	first slotCount // valid while the block is in Load.blocks
 	more  uint32    // 0: no further holders (nearly always); else 1 + their index in Load.more

@@ -17,8 +17,8 @@ const SnapshotVersion = 4
 // DefaultSnapshotEvery is how many applied changes a shared log lets pass between two snapshots
 // unless configured otherwise (kvrouter serve's snapshot_every). A cold start replays about this
 // many block events after the snapshot it loads at most, while a snapshot of a 1M-block state costs
-// its writer about half a second of a core to encode and 40 MB written to Redis (docs/BENCHMARKS.md):
-// so snapshots are coarse.
+// its writer about half a second of a core to encode and 40 MB written to Redis
+// (docs/benchmarks/history.md, "Snapshots of 1.06M blocks"): so snapshots are coarse.
 const DefaultSnapshotEvery = 1_000_000
 
 // SnapshotHeader is what a snapshot says of itself: the log position it reflects (a stream id) and

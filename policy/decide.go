@@ -363,7 +363,7 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 // several hundred bytes of choose's stack frame on every call. Frames matter on this path: a
 // gRPC handler's goroutine starts with an 8 KB stack, and the Route path used to overflow it, so
 // every call paid for copying its stack to a larger one (9% of the server's CPU per call;
-// docs/BENCHMARKS.md, "Route over gRPC").
+// docs/benchmarks/history.md, "Route over gRPC: kvload and profiles").
 
 //go:noinline
 func noEligibleWorker(req *Request, hop string, pin *Pin) error {

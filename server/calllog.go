@@ -83,10 +83,10 @@ func (s *callLogSampler) allow(method, code string) (ok bool, suppressed int) {
 // interceptor, which the stream calls keep using, so both read alike; failed calls' lines are
 // sampled (callLogSampler).
 //
-// Profile lesson (docs/BENCHMARKS.md, "Route over gRPC"): the middleware builds every field of the
-// line, peer address and timestamps included, before the logger decides the line is below its
-// level; that was 8% of the server's CPU per Route call, where nearly every line is a debug line
-// nobody keeps. This interceptor asks the logger first.
+// Profile lesson (docs/benchmarks/history.md, "Route over gRPC: kvload and profiles"): the
+// middleware builds every field of the line, peer address and timestamps included, before the
+// logger decides the line is below its level; that was 8% of the server's CPU per Route call, where
+// nearly every line is a debug line nobody keeps. This interceptor asks the logger first.
 func unaryCallLog(l *slog.Logger, sampler *callLogSampler) grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		start := time.Now()

@@ -17,12 +17,13 @@ const routeTokenField = 3
 // unmarshalRoute decodes a RouteRequest exactly as proto.Unmarshal would, with a fast path for its
 // token ids.
 //
-// Profile lesson (docs/BENCHMARKS.md, "Route over gRPC"): decoding a 2,048-token request took a
-// fifth of the server's CPU per Route call. protobuf-go decodes a packed repeated field one varint at
-// a time through a generic loop and grows the slice as it goes, about a dozen reallocations for 2k
-// tokens. Here the token ids are counted first (one byte below 0x80 ends each varint), the slice is
-// allocated once, and varints of up to three bytes, every token id below 2^21, are decoded inline.
-// Every other field, known or not, is left to proto.Unmarshal, merged in wire order.
+// Profile lesson (docs/benchmarks/history.md, "Route over gRPC: kvload and profiles"): decoding a
+// 2,048-token request took a fifth of the server's CPU per Route call. protobuf-go decodes a packed
+// repeated field one varint at a time through a generic loop and grows the slice as it goes, about
+// a dozen reallocations for 2k tokens. Here the token ids are counted first (one byte below 0x80
+// ends each varint), the slice is allocated once, and varints of up to three bytes, every token id
+// below 2^21, are decoded inline. Every other field, known or not, is left to proto.Unmarshal,
+// merged in wire order.
 func unmarshalRoute(b []byte, m *kvrouterv1.RouteRequest) error {
 	var rest []byte // the fields other than token_ids, in wire order
 	for i := 0; i < len(b); {

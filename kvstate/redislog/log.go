@@ -23,7 +23,8 @@ type Options struct {
 	// LoadGate, when set, bounds the snapshot loads (read and restore) that run at once: the logs
 	// of one replica's shards share one, so that a cold start restores as many shards at once as
 	// there are cores, and each restore's snapshot buffer is garbage before the next ones read
-	// theirs (fresh memory is most of a restore's cost: docs/BENCHMARKS.md, "Issue 15").
+	// theirs (fresh memory is most of a restore's cost: docs/benchmarks/history.md, "Cold start from
+	// the snapshots of a sharded log").
 	LoadGate chan struct{}
 	// Replica identifies this process in the log (its own entries carry it).
 	Replica string
@@ -454,7 +455,8 @@ type commitRequest struct {
 // replica's cost per block was dominated by per-command costs (the round trip, the script, the
 // entry every replica reads back). The committer appends whatever accumulated while its previous
 // append was in flight as one joined entry (addEntries), so an idle log appends at once and a busy
-// one pays those costs once for many batches (docs/BENCHMARKS.md, "Issue 15").
+// one pays those costs once for many batches (docs/benchmarks/history.md, "Where the CPU per block
+// event went, and the committer").
 func (l *Log) commit(ctx context.Context, e outgoing) error {
 	req := commitRequest{entry: e, result: make(chan error, 1)}
 	l.commitMu.Lock()

@@ -88,7 +88,8 @@ func NewShards(rdb redis.UniversalClient, opts ShardsOptions) *Shards {
 		opts.Log.Logger = slog.Default()
 	}
 	if opts.Log.LoadGate == nil {
-		// As many shards restore at once as there are cores (measured: docs/BENCHMARKS.md).
+		// As many shards restore at once as there are cores (measured: docs/benchmarks/history.md,
+		// "Cold start from the snapshots of a sharded log").
 		opts.Log.LoadGate = make(chan struct{}, runtime.GOMAXPROCS(0))
 	}
 	return &Shards{rdb: rdb, opts: opts, shards: make(map[string]*shardRun), ready: make(chan struct{}), conflicts: make(map[string]string)}
