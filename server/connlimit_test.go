@@ -12,16 +12,17 @@ import (
 	"path/filepath"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"testing"
 	"time"
 
 	"golang.org/x/net/http2"
 	"golang.org/x/net/http2/hpack"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/server/auth"
@@ -86,22 +87,45 @@ func TestHealthPortLimits(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Second)
 	defer cancel()
-	var watching atomic.Int32
-	var wg sync.WaitGroup
+	// Each served Watch stays open, reading, until the context ends: the most open at once is what
+	// the cap bounds. (A stream that ended early, as when a loaded machine's connection is cut and
+	// the client reconnects, frees its slot; that is not a breach, and is logged.)
+	var (
+		mu         sync.Mutex
+		open, most int
+		endedEarly []string
+		wg         sync.WaitGroup
+	)
 	for range 3 * healthStreamsPerConn {
 		wg.Go(func() {
 			w, err := health.Watch(ctx, &healthpb.HealthCheckRequest{})
 			if err != nil {
 				return
 			}
-			if _, err := w.Recv(); err == nil {
-				watching.Add(1)
+			if _, err := w.Recv(); err != nil {
+				return
 			}
+			mu.Lock()
+			open++
+			most = max(most, open)
+			mu.Unlock()
+			for err == nil {
+				_, err = w.Recv()
+			}
+			mu.Lock()
+			open--
+			if c := status.Code(err); c != codes.Canceled && c != codes.DeadlineExceeded {
+				endedEarly = append(endedEarly, err.Error())
+			}
+			mu.Unlock()
 		})
 	}
 	wg.Wait()
-	if got := watching.Load(); got != healthStreamsPerConn {
-		t.Errorf("%d Watch streams were served at once on one health connection, want %d", got, healthStreamsPerConn)
+	if len(endedEarly) > 0 {
+		t.Logf("Watch streams that ended before the test's deadline, not by it: %q", endedEarly)
+	}
+	if most != healthStreamsPerConn {
+		t.Errorf("%d Watch streams were served at once on one health connection, want %d", most, healthStreamsPerConn)
 	}
 }
 
