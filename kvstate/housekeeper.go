@@ -20,8 +20,8 @@ type Housekeeper struct {
 	Grace time.Duration
 	// BookingExpiry is how long a booking lives if nobody frees it (Dynamo: 300 s).
 	BookingExpiry time.Duration
-	// Now returns the current time; tests replace it.
-	Now func() time.Time
+	// Clock tells the time of sweeps; nil: SystemClock.
+	Clock Clock
 	// Logger receives removals and expiries; nil means slog.Default().
 	Logger *slog.Logger
 }
@@ -35,7 +35,7 @@ func (h *Housekeeper) logger() *slog.Logger {
 
 // Sweep performs one round: it removes expired workers and bookings as of now, in every shard.
 func (h *Housekeeper) Sweep(ctx context.Context) {
-	now := h.Now()
+	now := ClockOr(h.Clock).Now()
 	shards := []*Shard{{State: h.State, Log: h.Log}}
 	if h.Shards != nil {
 		shards = h.Shards.Shards()

@@ -181,7 +181,7 @@ func TestHousekeeperSweep(t *testing.T) {
 			clock := &fakeClock{now: t0.Add(tc.sweepAt)}
 			h := &Housekeeper{
 				State: s, Log: log, Presence: presenceOf(s), Grace: grace, BookingExpiry: expiry,
-				Now: clock.Now, Logger: slog.New(slog.DiscardHandler),
+				Clock: ClockFunc(clock.Now), Logger: slog.New(slog.DiscardHandler),
 			}
 			ctx, cancel := context.WithCancel(context.Background())
 			defer cancel()
@@ -226,7 +226,7 @@ func TestHousekeeperRemovesOnce(t *testing.T) {
 	log := NewMemLog(s)
 	run(t, s, []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100), up(w0r0)}) // the last hello came from elsewhere
 	h := &Housekeeper{State: s, Log: log, Presence: presenceOf(s), Grace: time.Second, BookingExpiry: time.Hour,
-		Now: func() time.Time { return time.Unix(0, 100).Add(time.Minute) }, Logger: slog.New(slog.DiscardHandler)}
+		Clock: ClockFunc(func() time.Time { return time.Unix(0, 100).Add(time.Minute) }), Logger: slog.New(slog.DiscardHandler)}
 	before := log.Position()
 	for range 3 {
 		h.Sweep(context.Background())
@@ -267,8 +267,9 @@ func TestHousekeeperShards(t *testing.T) {
 	a, _ := shards.Lookup("a")
 	b, _ := shards.Lookup("b")
 	aBefore := a.Log.Position()
+	now := t0.Add(2 * time.Second)
 	h := &Housekeeper{Shards: shards, Presence: presence, Grace: time.Second, BookingExpiry: time.Minute,
-		Now: func() time.Time { return t0.Add(2 * time.Second) }, Logger: slog.New(slog.DiscardHandler)}
+		Clock: ClockFunc(func() time.Time { return now }), Logger: slog.New(slog.DiscardHandler)}
 	h.Sweep(ctx)
 	if b.State.Worker(WorkerKey{ID: 2}) != nil || a.State.Worker(WorkerKey{ID: 1}) == nil {
 		t.Errorf("after the grace period: worker 2 (model b, disconnected) should be gone and worker 1 (model a) kept")
@@ -279,7 +280,7 @@ func TestHousekeeperShards(t *testing.T) {
 	if len(presence.Disconnections()) != 0 {
 		t.Errorf("the removed worker's disconnection is still owed: %v", presence.Disconnections())
 	}
-	h.Now = func() time.Time { return t0.Add(2 * time.Minute) }
+	now = t0.Add(2 * time.Minute)
 	h.Sweep(ctx)
 	if n := a.State.Load().Bookings(); n != 0 {
 		t.Errorf("model a's shard holds %d bookings past the expiry, want 0", n)

@@ -143,7 +143,7 @@ func fixture(tb testing.TB, prefill int) *routeFixture {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &routeFixture{
-		state: state, log: log, router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		state: state, log: log, router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
 		gen: newPromptGen(20261202), queries: map[int][][]uint32{}, nextID: map[kvstate.WorkerKey]uint64{},
 	}
 	for i := range benchWorkers {
@@ -300,8 +300,8 @@ func BenchmarkRouteConditionalDisagg(b *testing.B) {
 	threshold := 1.0
 	on.ConditionalDisagg.PrefillBusyThreshold = &threshold
 	routers := map[string]*dispatch.Dispatcher{
-		"off": dispatch.New(f.state, f.log, policy.NewKernel(f.state, policy.DefaultConfig())),
-		"on":  dispatch.New(f.state, f.log, policy.NewKernel(f.state, on)),
+		"off": dispatch.New(f.state, f.log, policy.NewKernel(f.state, policy.DefaultConfig()), dispatch.Options{}),
+		"on":  dispatch.New(f.state, f.log, policy.NewKernel(f.state, on), dispatch.Options{}),
 	}
 	for _, tokens := range []int{2048, 32768} {
 		for _, book := range []bool{false, true} {

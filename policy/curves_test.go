@@ -121,7 +121,7 @@ func newCurveFleet(t *testing.T, p curvePoint) *curveFleet {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &curveFleet{curvePoint: p, state: state, log: log,
-		router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()))}
+		router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{})}
 	ctx := context.Background()
 	workers := make([]kvstate.WorkerKey, p.workers)
 	for i := range workers {

@@ -13,6 +13,8 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // callLevel is the level of a finished call's log line: debug for a successful one (a line per
@@ -36,7 +38,7 @@ const callLinesPerSecond = 10
 // metrics. Successful calls log at debug, which an operator turns on to see every call, and are
 // not sampled.
 type callLogSampler struct {
-	now    func() time.Time
+	clock  kvstate.Clock
 	mu     sync.Mutex
 	counts map[callLogKey]*callLogWindow // methods and codes are few: the map stays small
 }
@@ -49,7 +51,7 @@ type callLogWindow struct {
 }
 
 func newCallLogSampler() *callLogSampler {
-	return &callLogSampler{now: time.Now, counts: map[callLogKey]*callLogWindow{}}
+	return &callLogSampler{clock: kvstate.SystemClock, counts: map[callLogKey]*callLogWindow{}}
 }
 
 // allow says whether the line of a call to method that ended with code is logged, and how many
@@ -58,7 +60,7 @@ func (s *callLogSampler) allow(method, code string) (ok bool, suppressed int) {
 	if code == codes.OK.String() {
 		return true, 0
 	}
-	sec := s.now().Unix()
+	sec := s.clock.Now().Unix()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	k := callLogKey{method, code}

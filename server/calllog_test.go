@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // lockedBuffer is a log destination the server's goroutines may write while the test reads it.
@@ -95,7 +96,7 @@ func TestFailedCallLinesAreSampled(t *testing.T) {
 	logger := slog.New(slog.NewTextHandler(out, &slog.HandlerOptions{Level: slog.LevelDebug}))
 	sampler := newCallLogSampler()
 	now := time.Unix(1000, 0)
-	sampler.now = func() time.Time { return now }
+	sampler.clock = kvstate.ClockFunc(func() time.Time { return now })
 	unary := unaryCallLog(logger, sampler)
 	refuse := func(context.Context, any) (any, error) {
 		return nil, status.Error(codes.ResourceExhausted, "over the rate")

@@ -36,8 +36,8 @@ func TestGracePeriodRunsFromTheClose(t *testing.T) {
 	clock := &testClock{}
 	t0 := time.Unix(1_700_000_000, 0)
 	clock.set(t0)
-	e := newTestEnv(t, func(o *Options) { o.Now = clock.Now })
-	hk := &kvstate.Housekeeper{State: e.state, Log: e.log, Presence: e.presence, Grace: grace, BookingExpiry: time.Hour, Now: clock.Now}
+	e := newTestEnv(t, func(o *Options) { o.Clock = clock })
+	hk := &kvstate.Housekeeper{State: e.state, Log: e.log, Presence: e.presence, Grace: grace, BookingExpiry: time.Hour, Clock: clock}
 
 	p := e.connect(1)
 	p.send(events(stored(0, nil, 0, 1), stored(1, nil, 1, 1), stored(2, nil, 2, 1)))

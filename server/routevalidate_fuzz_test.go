@@ -115,8 +115,7 @@ func newFuzzRouter(t *testing.T, config int) *fuzzRouter {
 
 	kernel := policy.NewKernel(state, cfg)
 	kernel.Rand = rand.New(rand.NewPCG(1, 2)) // ties break the same way every run of an input
-	disp := dispatch.New(state, log, kernel)
-	disp.Now = func() time.Time { return fuzzClock }
+	disp := dispatch.New(state, log, kernel, dispatch.Options{Clock: kvstate.ClockFunc(func() time.Time { return fuzzClock })})
 	svc := &routerService{dispatcher: disp, maxPromptTokens: fuzzMaxPromptTokens,
 		metrics: newMetrics(prometheus.NewRegistry(), kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: log}}, kvstate.NewPresence(), disp),
 		logger:  slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))}

@@ -45,7 +45,7 @@ type Options struct {
 	Config     []config.Entry // the effective configuration, for GetConfig
 	Logger     *slog.Logger
 	Registry   *prometheus.Registry
-	Now        func() time.Time
+	Clock      kvstate.Clock     // when streams close (the housekeeper's grace period); nil: the system clock
 	Presence   *kvstate.Presence // this replica's streams (the housekeeper's too); nil: a new one
 
 	MaxPromptTokens      int    // longest accepted prompt, in tokens
@@ -136,9 +136,7 @@ var serviceNames = []string{
 
 // New assembles the gRPC server with every service registered and reporting SERVING.
 func New(o Options) *Server {
-	if o.Now == nil {
-		o.Now = time.Now
-	}
+	o.Clock = kvstate.ClockOr(o.Clock)
 	sharded := o.Shards != nil
 	if !sharded {
 		o.Shards = kvstate.OneShard{Shard: &kvstate.Shard{State: o.State, Log: o.Log, Liveness: o.Liveness}}
@@ -273,7 +271,7 @@ func New(o Options) *Server {
 		o.Shards.Observe(obs)
 	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
-	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, now: o.Now, stopping: s.stopping,
+	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, clock: o.Clock, stopping: s.stopping,
 		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, maxRanksPerWorker: o.MaxRanksPerWorker, maxModels: o.MaxModels, tracer: tracer,
 		dumps: dumps})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})

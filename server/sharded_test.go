@@ -34,7 +34,7 @@ func (s servedShards) Open(ctx context.Context, model string) (*kvstate.Shard, e
 // withShards serves src, a shard per model.
 func withShards(src kvstate.ShardSource) func(*Options) {
 	return func(o *Options) {
-		o.Shards, o.Dispatcher = src, dispatch.NewSharded(src, o.Dispatcher.Config())
+		o.Shards, o.Dispatcher = src, dispatch.NewSharded(src, o.Dispatcher.Config(), dispatch.Options{})
 	}
 }
 

@@ -298,7 +298,7 @@ func routeBench(b *testing.B, mutate func(*Options)) (kvrouterv1.RouterServiceCl
 	}
 	opts := Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
 		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)), MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
 	}
 	if mutate != nil {

@@ -31,7 +31,7 @@ type workerService struct {
 	presence *kvstate.Presence // this replica's streams
 	metrics  *metrics
 	logger   *slog.Logger
-	now      func() time.Time
+	clock    kvstate.Clock
 	stopping <-chan struct{} // closed when the server shuts down: streams end so workers reconnect elsewhere
 	// conditionalDisagg is on: decode workers without KV events are worth a warning (§8 item 8).
 	conditionalDisagg bool
@@ -250,7 +250,7 @@ func (s *workerService) Publish(stream grpc.BidiStreamingServer[kvrouterv1.Publi
 		if ps != nil {
 			epoch = ps.epoch
 		}
-		s.presence.Disconnected(info.Key, s.now().UnixNano(), epoch)
+		s.presence.Disconnected(info.Key, s.clock.Now().UnixNano(), epoch)
 	}()
 	spanCtx, sp := s.startSpan(ctx, SpanPublishHello, info)
 	res, err := sh.Log.Append(spanCtx, kvstate.WorkerUp{Info: info, Reset: hello.GetFreshStart()})

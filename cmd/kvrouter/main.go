@@ -115,13 +115,10 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 	var dispatcher dispatch.Router
 	if b.shards != nil {
-		sharded := dispatch.NewSharded(b.shards, cfg.Router)
-		sharded.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: sharded.HeldBlocks, HeldBy: sharded.HeldBlocksOf}
-		dispatcher = sharded
+		dispatcher = dispatch.NewSharded(b.shards, cfg.Router, dispatch.Options{Cap: dispatch.CapOver(cfg.MaxBookedBlocks, b.shards)})
 	} else {
-		one := dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router))
-		one.Cap = &dispatch.BookingCap{Max: cfg.MaxBookedBlocks, Held: state.Load().HeldBlocks, HeldBy: state.Load().HeldBlocksOf}
-		dispatcher = one
+		one := kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: b.log}}
+		dispatcher = dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router), dispatch.Options{Cap: dispatch.CapOver(cfg.MaxBookedBlocks, one)})
 	}
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 
@@ -216,7 +213,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 
 	housekeeper := &kvstate.Housekeeper{
-		Shards: b.shards, State: state, Log: b.log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Now: time.Now, Logger: logger,
+		Shards: b.shards, State: state, Log: b.log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Logger: logger,
 	}
 	background.Go(func() error {
 		housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))

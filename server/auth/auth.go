@@ -32,6 +32,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/grpc/tap"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 // MaxEventWait is the longest a Publish stream over its event rate is slowed before it is refused.
@@ -65,7 +67,8 @@ type Options struct {
 	EventBurst int
 	Registry   prometheus.Registerer
 	Logger     *slog.Logger
-	Now        func() time.Time
+	// Clock tells the time of the rate limits' buckets; nil: the system clock.
+	Clock kvstate.Clock
 }
 
 // Anonymous is the caller's name when no credentials file is configured.
@@ -122,9 +125,7 @@ type Caller struct {
 
 // New reads the credentials file (if any) and returns the Authenticator.
 func New(o Options) (*Authenticator, error) {
-	if o.Now == nil {
-		o.Now = time.Now
-	}
+	o.Clock = kvstate.ClockOr(o.Clock)
 	if o.Logger == nil {
 		o.Logger = slog.New(slog.DiscardHandler)
 	}
@@ -219,7 +220,7 @@ func (a *Authenticator) caller(c *Credential) *Caller {
 	if c.MaxBookedBlocks != nil {
 		booked = *c.MaxBookedBlocks
 	}
-	now := a.opts.Now()
+	now := a.opts.Clock.Now()
 	// A second's worth of calls may come at once; an event bucket holds at least one whole message.
 	routeBurst, eventBurst := routeRate, max(eventRate, float64(a.opts.EventBurst))
 	tokenBurst := max(tokenRate, float64(a.opts.RouteTokenBurst))
@@ -286,7 +287,7 @@ func (a *Authenticator) admit(ctx context.Context, method string) (*Caller, erro
 		return nil, nil
 	}
 	if method == a.opts.RouteMethod && c.use.route.limited.Load() {
-		if wait, ok := c.use.route.take(1, a.opts.Now(), 0); !ok {
+		if wait, ok := c.use.route.take(1, a.opts.Clock.Now(), 0); !ok {
 			a.limited.WithLabelValues(c.Name, "route").Inc()
 			return nil, exhausted(wait, "credential %q is over its Route rate limit (%g calls/s); retry in %v", c.Name, c.use.route.rate, wait.Round(time.Millisecond))
 		}
@@ -302,7 +303,7 @@ const refusalLogEvery = time.Second
 // refused since the last line.
 func (a *Authenticator) logRefusal(ctx context.Context, method string, err error) {
 	a.refusals.Lock()
-	now := a.opts.Now()
+	now := a.opts.Clock.Now()
 	if now.Sub(a.refusals.logged) < refusalLogEvery {
 		a.refusals.unlogged++
 		a.refusals.Unlock()
@@ -525,7 +526,7 @@ func (c *Caller) TakeRouteTokens(n int) error {
 	if c == nil || n == 0 {
 		return nil
 	}
-	if wait, ok := c.use.routeTokens.take(float64(n), c.a.opts.Now(), 0); !ok {
+	if wait, ok := c.use.routeTokens.take(float64(n), c.a.opts.Clock.Now(), 0); !ok {
 		c.a.limited.WithLabelValues(c.Name, "route_tokens").Inc()
 		return exhausted(wait, "credential %q is over its booked prompt token rate limit (%g tokens/s); retry in %v", c.Name, c.use.routeTokens.rate, wait.Round(time.Millisecond))
 	}
@@ -539,7 +540,7 @@ func (c *Caller) TakeEvents(ctx context.Context, n int) error {
 	if c == nil || n == 0 {
 		return nil
 	}
-	wait, ok := c.use.events.take(float64(n), c.a.opts.Now(), MaxEventWait)
+	wait, ok := c.use.events.take(float64(n), c.a.opts.Clock.Now(), MaxEventWait)
 	if !ok {
 		c.a.limited.WithLabelValues(c.Name, "events").Inc()
 		return exhausted(wait, "credential %q is over its KV event rate limit (%g blocks/s); retry in %v", c.Name, c.use.events.rate, wait.Round(time.Millisecond))

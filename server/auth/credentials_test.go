@@ -11,6 +11,8 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+
+	"github.com/kvrouter/kvrouter/kvstate"
 )
 
 const hashA = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08" // sha256("test")
@@ -127,7 +129,7 @@ func TestRouteTokenRate(t *testing.T) {
 	if err := os.WriteFile(path, []byte("credentials:\n  - name: fe\n    roles: [frontend]\n    token_sha256: "+strings.Repeat("ab", 32)+"\n    route_token_rate_limit: 1000\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	a, err := New(Options{CredentialsFile: path, RouteTokenBurst: 4000, Now: func() time.Time { return now }})
+	a, err := New(Options{CredentialsFile: path, RouteTokenBurst: 4000, Clock: kvstate.ClockFunc(func() time.Time { return now })})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -16,8 +16,7 @@ import (
 func TestBookingCap(t *testing.T) {
 	f := newFleet(t)
 	f.add(1, kvstate.RoleAggregated, 1<<20)
-	d := f.dispatcher(policy.DefaultConfig())
-	d.Cap = &BookingCap{Max: 40, Held: f.state.Load().HeldBlocks} // 16-block prompts: two fit
+	d := f.cappedDispatcher(policy.DefaultConfig(), &BookingCap{Max: 40, Held: f.state.Load().HeldBlocks}) // 16-block prompts: two fit
 	tokens := prompt(16 * testBlockSize)
 	route := func(id string) error {
 		_, err := d.Route(context.Background(), request(id, tokens))
@@ -64,10 +63,9 @@ func TestBookingCap(t *testing.T) {
 func TestCredentialBookingCap(t *testing.T) {
 	f := newFleet(t)
 	f.add(1, kvstate.RoleAggregated, 1<<20)
-	d := f.dispatcher(policy.DefaultConfig())
 	load := f.state.Load()
 	// 16 blocks a booking: four fit in all, two for each owner.
-	d.Cap = &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf}
+	d := f.cappedDispatcher(policy.DefaultConfig(), &BookingCap{Max: 70, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf})
 	tokens := prompt(16 * testBlockSize)
 	route := func(owner, id string) error {
 		req := request(id, tokens)

@@ -32,9 +32,15 @@ type Dispatcher struct {
 	log    kvstate.Log
 	kernel *policy.Kernel
 	queue  *queue
-	// Now is the clock of bookings and session lookups; tests replace it.
-	Now func() time.Time
-	// Cap bounds what this replica's bookings hold; nil: no bound. Set it before use.
+	clock  kvstate.Clock
+	cap    *BookingCap
+}
+
+// Options are what a dispatcher may be given beside its state, log and kernel.
+type Options struct {
+	// Clock reads booking, free and session times; nil: kvstate.SystemClock.
+	Clock kvstate.Clock
+	// Cap bounds what this replica's bookings hold; nil: no bound.
 	Cap *BookingCap
 }
 
@@ -51,6 +57,28 @@ type BookingCap struct {
 	Max    int                    // most blocks held; 0: no bound
 	Held   func() int             // the blocks held now
 	HeldBy func(owner string) int // the blocks owner's bookings hold now
+}
+
+// CapOver returns the BookingCap of max block keys over what the bookings of every shard of source
+// hold, with the per-owner count for Request.OwnerMaxBlocks.
+func CapOver(max int, source kvstate.ShardSource) *BookingCap {
+	return &BookingCap{
+		Max: max,
+		Held: func() int {
+			n := 0
+			for _, sh := range source.Shards() {
+				n += sh.State.Load().HeldBlocks()
+			}
+			return n
+		},
+		HeldBy: func(owner string) int {
+			n := 0
+			for _, sh := range source.Shards() {
+				n += sh.State.Load().HeldBlocksOf(owner)
+			}
+			return n
+		},
+	}
 }
 
 // ErrBookingsFull refuses a Route whose booking would pass BookingCap.Max.
@@ -85,10 +113,10 @@ func (c *BookingCap) room(req *Request, hops []kvstate.HopBooking) error {
 
 // New returns a dispatcher routing with kernel over state and booking through log. The kernel's
 // configuration also drives the queue (router_queue_*) and sessions (session_affinity_ttl).
-func New(state *kvstate.State, log kvstate.Log, kernel *policy.Kernel) *Dispatcher {
+func New(state *kvstate.State, log kvstate.Log, kernel *policy.Kernel, opts Options) *Dispatcher {
 	cfg := kernel.Config
 	return &Dispatcher{
-		state: state, log: log, kernel: kernel, Now: time.Now,
+		state: state, log: log, kernel: kernel, clock: kvstate.ClockOr(opts.Clock), cap: opts.Cap,
 		queue: newQueue(max(1, cfg.QueueMaxDepth), state.CapacityChanged),
 	}
 }
@@ -159,10 +187,10 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 	if err != nil || preq.QueryOnly {
 		return dec, err
 	}
-	if err := d.Cap.room(req, dec.Load); err != nil {
+	if err := d.cap.room(req, dec.Load); err != nil {
 		return nil, err
 	}
-	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, Owner: req.Owner, At: d.Now().UnixNano(), Hops: dec.Load}
+	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, Owner: req.Owner, At: d.clock.Now().UnixNano(), Hops: dec.Load}
 	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
 		b.Session, b.SessionExpires = req.SessionID, b.At+ttl.Nanoseconds()
 	}
@@ -173,7 +201,7 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 		// The caller left while this was booked and will never learn the answer: undo the booking
 		// rather than leave its load until it expires. (A caller that frees after cancelling, as
 		// clients/go does, may have been answered NOT_FOUND just before the booking applied.)
-		_ = d.endBooking(context.WithoutCancel(ctx), req.ID, kvstate.Freed{RequestID: req.ID, At: d.Now().UnixNano()})
+		_ = d.endBooking(context.WithoutCancel(ctx), req.ID, kvstate.Freed{RequestID: req.ID, At: d.clock.Now().UnixNano()})
 		return nil, err
 	}
 	dec.Booked = true
@@ -186,7 +214,7 @@ func (d *Dispatcher) session(req *Request) (kvstate.WorkerKey, bool) {
 	if d.kernel.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
 		return kvstate.WorkerKey{}, false
 	}
-	return d.state.Session(req.Model, req.SessionID, d.Now().UnixNano())
+	return d.state.Session(req.Model, req.SessionID, d.clock.Now().UnixNano())
 }
 
 // queueKey orders waiting requests: arrival order for FCFS; for WSPT the uncached prompt tokens,
@@ -204,12 +232,12 @@ func (d *Dispatcher) QueueDepth() int { return d.queue.depth() }
 // PrefillComplete ends the prefill part of request id's booking: its prefill worker no longer
 // carries the prompt's tokens.
 func (d *Dispatcher) PrefillComplete(ctx context.Context, id string) error {
-	return d.endBooking(ctx, id, kvstate.PrefillDone{RequestID: id, At: d.Now().UnixNano()})
+	return d.endBooking(ctx, id, kvstate.PrefillDone{RequestID: id, At: d.clock.Now().UnixNano()})
 }
 
 // Free ends request id's booking on every worker.
 func (d *Dispatcher) Free(ctx context.Context, id string) error {
-	return d.endBooking(ctx, id, kvstate.Freed{RequestID: id, At: d.Now().UnixNano()})
+	return d.endBooking(ctx, id, kvstate.Freed{RequestID: id, At: d.clock.Now().UnixNano()})
 }
 
 // endBooking appends a PrefillDone or Freed. Both modes answer alike: kvstate.ErrUnknownRequest

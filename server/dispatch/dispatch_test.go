@@ -61,12 +61,13 @@ func (f *fleet) cache(id uint64, tokens []uint32, n int) {
 }
 
 // dispatcher routes over the fleet on the fleet's clock, keeping the first of tied workers.
-func (f *fleet) dispatcher(cfg policy.Config) *Dispatcher {
+func (f *fleet) dispatcher(cfg policy.Config) *Dispatcher { return f.cappedDispatcher(cfg, nil) }
+
+// cappedDispatcher is dispatcher with a cap on what bookings hold.
+func (f *fleet) cappedDispatcher(cfg policy.Config, cap *BookingCap) *Dispatcher {
 	k := policy.NewKernel(f.state, cfg)
 	k.Rand = keepFirst{}
-	d := New(f.state, f.log, k)
-	d.Now = func() time.Time { return f.now }
-	return d
+	return New(f.state, f.log, k, Options{Clock: kvstate.ClockFunc(func() time.Time { return f.now }), Cap: cap})
 }
 
 type keepFirst struct{}
@@ -269,7 +270,7 @@ func TestCallerGoneUndoesBooking(t *testing.T) {
 	defer cancel()
 	routeCtx, leave := context.WithCancel(ctx)
 	k := policy.NewKernel(f.state, policy.DefaultConfig())
-	d := New(f.state, cancelOnBook{Log: f.log, cancel: leave}, k)
+	d := New(f.state, cancelOnBook{Log: f.log, cancel: leave}, k, Options{})
 	_, err := d.Route(routeCtx, &Request{Request: policy.Request{ID: "r", Model: "m", Tokens: prompt(64)}})
 	if !errors.Is(err, context.Canceled) {
 		t.Errorf("Route() = %v, want context.Canceled", err)

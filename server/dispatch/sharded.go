@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"sync"
-	"time"
 
 	"github.com/zeebo/xxh3"
 
@@ -21,11 +20,9 @@ import (
 type Sharded struct {
 	source kvstate.ShardSource
 	config policy.Config
-	// Now is the clock of every shard's dispatcher (Dispatcher.Now); tests replace it before use.
-	Now func() time.Time
-	// Cap bounds what the bookings of every shard hold together (BookingCap); nil: no bound. Set
-	// it before use.
-	Cap *BookingCap
+	// opts are every shard's dispatcher's: one clock, and one cap over what the bookings of every
+	// shard hold together (BookingCap).
+	opts Options
 
 	mu          sync.Mutex
 	dispatchers map[*kvstate.Shard]*Dispatcher
@@ -34,8 +31,9 @@ type Sharded struct {
 }
 
 // NewSharded returns a router over the shards source holds, deciding with cfg in each.
-func NewSharded(source kvstate.ShardSource, cfg policy.Config) *Sharded {
-	return &Sharded{source: source, config: cfg, Now: time.Now, dispatchers: make(map[*kvstate.Shard]*Dispatcher)}
+func NewSharded(source kvstate.ShardSource, cfg policy.Config, opts Options) *Sharded {
+	opts.Clock = kvstate.ClockOr(opts.Clock)
+	return &Sharded{source: source, config: cfg, opts: opts, dispatchers: make(map[*kvstate.Shard]*Dispatcher)}
 }
 
 // Config returns the routing configuration.
@@ -47,8 +45,7 @@ func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
 	defer s.mu.Unlock()
 	d := s.dispatchers[sh]
 	if d == nil {
-		d = New(sh.State, sh.Log, policy.NewKernel(sh.State, s.config))
-		d.Now, d.Cap = s.Now, s.Cap
+		d = New(sh.State, sh.Log, policy.NewKernel(sh.State, s.config), s.opts)
 		s.dispatchers[sh] = d
 	}
 	return d
@@ -81,24 +78,6 @@ func (s *Sharded) Route(ctx context.Context, req *Request) (*policy.Decision, er
 	return s.dispatcher(sh).Route(ctx, req)
 }
 
-// HeldBlocks returns the block keys the bookings of every shard hold (BookingCap.Held).
-func (s *Sharded) HeldBlocks() int {
-	n := 0
-	for _, sh := range s.source.Shards() {
-		n += sh.State.Load().HeldBlocks()
-	}
-	return n
-}
-
-// HeldBlocksOf returns the block keys owner's bookings hold in every shard (BookingCap.HeldBy).
-func (s *Sharded) HeldBlocksOf(owner string) int {
-	n := 0
-	for _, sh := range s.source.Shards() {
-		n += sh.State.Load().HeldBlocksOf(owner)
-	}
-	return n
-}
-
 // lockID locks request id against another Route of the same id on this replica, and returns the
 // unlock. Ids hash to a fixed set of locks: an unrelated id sharing one waits for a booking at most.
 func (s *Sharded) lockID(id string) (unlock func()) {
@@ -109,12 +88,12 @@ func (s *Sharded) lockID(id string) (unlock func()) {
 
 // PrefillComplete ends the prefill part of request id's booking, in the shard that holds it.
 func (s *Sharded) PrefillComplete(ctx context.Context, id string) error {
-	return s.endBooking(ctx, id, (*Dispatcher).PrefillComplete, kvstate.PrefillDone{RequestID: id, At: s.Now().UnixNano()})
+	return s.endBooking(ctx, id, (*Dispatcher).PrefillComplete, kvstate.PrefillDone{RequestID: id, At: s.opts.Clock.Now().UnixNano()})
 }
 
 // Free ends request id's booking, in the shard that holds it.
 func (s *Sharded) Free(ctx context.Context, id string) error {
-	return s.endBooking(ctx, id, (*Dispatcher).Free, kvstate.Freed{RequestID: id, At: s.Now().UnixNano()})
+	return s.endBooking(ctx, id, (*Dispatcher).Free, kvstate.Freed{RequestID: id, At: s.opts.Clock.Now().UnixNano()})
 }
 
 // endBooking ends request id's booking with end, in the shard whose state holds it. A request names

@@ -50,7 +50,7 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 		sh, _ := source.Open(context.Background(), m)
 		register(t, sh, uint64(i+1), tokens, 4-2*i)
 	}
-	s := NewSharded(source, policy.DefaultConfig())
+	s := NewSharded(source, policy.DefaultConfig(), Options{})
 	ctx := context.Background()
 
 	for model, worker := range map[string]uint64{"a": 1, "b": 2} {
@@ -94,7 +94,7 @@ func TestShardedRequestIDsAreUnique(t *testing.T) {
 		sh, _ := source.Open(context.Background(), m)
 		register(t, sh, uint64(i+1), tokens, 4)
 	}
-	s := NewSharded(source, policy.DefaultConfig())
+	s := NewSharded(source, policy.DefaultConfig(), Options{})
 	ctx := context.Background()
 	route := func(id, model string) error {
 		_, err := s.Route(ctx, &Request{Request: policy.Request{ID: id, Model: model, Tokens: tokens}})
@@ -189,7 +189,7 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 		}
 		return true
 	})
-	onA, onB := NewSharded(a, policy.DefaultConfig()), NewSharded(b, policy.DefaultConfig())
+	onA, onB := NewSharded(a, policy.DefaultConfig(), Options{}), NewSharded(b, policy.DefaultConfig(), Options{})
 	for i := range 20 {
 		id := "req-" + string(rune('a'+i))
 		if _, err := onA.Route(ctx, &Request{Request: policy.Request{ID: id, Model: "m1", Tokens: tokens}}); err != nil {
@@ -229,7 +229,7 @@ func TestShardedFreeOnAReplicaThatHasNotPickedUpTheShard(t *testing.T) {
 	kvtest.Eventually(t, testTimeout, "the shards past their reseed window", func() bool {
 		return !a.Log("m1").Incomplete() && !a.Log("m2").Incomplete()
 	})
-	onA, onLate := NewSharded(a, policy.DefaultConfig()), NewSharded(late, policy.DefaultConfig())
+	onA, onLate := NewSharded(a, policy.DefaultConfig(), Options{}), NewSharded(late, policy.DefaultConfig(), Options{})
 	if _, err := onA.Route(ctx, &Request{Request: policy.Request{ID: "r", Model: "m1", Tokens: tokens}}); err != nil {
 		t.Fatal(err)
 	}
@@ -271,7 +271,7 @@ func TestShardedEndOnAReplicaNotServingTheModel(t *testing.T) {
 	kvtest.Eventually(t, testTimeout, "the shards past their reseed window", func() bool {
 		return !all.Log("m1").Incomplete() && !all.Log("m2").Incomplete()
 	})
-	onAll, onOnly2 := NewSharded(all, policy.DefaultConfig()), NewSharded(only2, policy.DefaultConfig())
+	onAll, onOnly2 := NewSharded(all, policy.DefaultConfig(), Options{}), NewSharded(only2, policy.DefaultConfig(), Options{})
 	if _, err := onAll.Route(ctx, &Request{Request: policy.Request{ID: "in-m1", Model: "m1", Tokens: tokens}}); err != nil {
 		t.Fatal(err)
 	}

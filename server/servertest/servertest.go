@@ -22,7 +22,7 @@ import (
 func Serve(state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) (*server.Server, net.Listener, error) {
 	opts := server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig())),
+		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
 	}

@@ -316,8 +316,8 @@ func (s *sim) startReplicas() (stop func(), err error) {
 		} else {
 			rep.log = kvstate.NewMemLog(rep.state)
 		}
-		rep.disp = dispatch.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router))
-		rep.disp.Now = func() time.Time { return s.epoch.Add(s.now) }
+		rep.disp = dispatch.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router),
+			dispatch.Options{Clock: kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })})
 		srv, lis, err := servertest.Serve(rep.state, rep.log, 1<<22, func(o *server.Options) {
 			o.Dispatcher = rep.disp
 			o.MaxRecvMsgBytes = 64 << 20
