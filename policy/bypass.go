@@ -56,8 +56,8 @@ type CDDiagnostics struct {
 	CachedTokens     float64
 	EffectiveISL     float64
 	Ratio            float64
-	PrefillBusy      Tristate
-	DecodeBusy       Tristate
+	PrefillBusy      Signal
+	DecodeBusy       Signal
 	PrefillEvaluated bool // the policy needed the prefill-busy signal
 	GateEvaluated    bool // the decode gate computed its signal
 	PolicySaysBypass bool
@@ -149,17 +149,18 @@ func (r *Kernel) conditionalDisagg(rc *routeCtx, cd CDConfig, w Weights, prefill
 }
 
 // prefillBusy is the busy signal of the prefill worker an advisory selection would pick (§1.6):
-// Unknown without a threshold or when the selection fails; Yes when every prefill worker is overloaded.
-func (r *Kernel) prefillBusy(rc *routeCtx, cd CDConfig, w Weights, pool []*kvstate.Worker) Tristate {
+// SignalUnknown without a threshold or when the selection fails; SignalYes when every prefill worker
+// is overloaded.
+func (r *Kernel) prefillBusy(rc *routeCtx, cd CDConfig, w Weights, pool []*kvstate.Worker) Signal {
 	if cd.PrefillBusyThreshold == nil {
-		return Unknown
+		return SignalUnknown
 	}
 	choice, err := r.choose(rc, HopPrefillPreview, pool, w, nil)
 	switch {
 	case errors.Is(err, ErrAllWorkersOverloaded):
-		return Yes
+		return SignalYes
 	case err != nil:
-		return Unknown
+		return SignalUnknown
 	}
 	return PrefillBusy(choice.Load.ActivePrefillTokens, PrefillTokenCapacity(choice.Worker), *cd.PrefillBusyThreshold)
 }

@@ -31,13 +31,13 @@ type prefillLoad struct{}
 
 func (prefillLoad) String() string          { return "prefill_load" }
 func (prefillLoad) NeedsPrefillBusy() bool  { return true }
-func (prefillLoad) Bypass(s CDSignals) bool { return s.PrefillBusy == Yes }
+func (prefillLoad) Bypass(s CDSignals) bool { return s.PrefillBusy == SignalYes }
 
 type islOrLoad struct{}
 
 func (islOrLoad) String() string          { return "isl_or_load" }
 func (islOrLoad) NeedsPrefillBusy() bool  { return true }
-func (islOrLoad) Bypass(s CDSignals) bool { return s.ISLBounded || s.PrefillBusy == Yes }
+func (islOrLoad) Bypass(s CDSignals) bool { return s.ISLBounded || s.PrefillBusy == SignalYes }
 
 // cdPolicies is the registry: every name a configuration or a request may give.
 var cdPolicies = registry[CDPolicy]{kind: "conditional-disaggregation policy"}

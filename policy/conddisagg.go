@@ -23,7 +23,7 @@ type CDSignals struct {
 	ISLBounded bool
 	// PrefillBusy is the busy signal of the prefill worker the router would pick; Unknown unless the
 	// policy NeedsPrefillBusy, or when no signal is available (a missing signal counts as calm).
-	PrefillBusy Tristate
+	PrefillBusy Signal
 	// EffectiveISL and Ratio are the numbers behind ISLBounded (EffectiveISL).
 	EffectiveISL, Ratio float64
 }
@@ -50,22 +50,23 @@ func DefaultCDConfig() CDConfig {
 	return CDConfig{Policy: ISLBounding, EffISLThreshold: 2048, EffISLRatioThreshold: 0.7}
 }
 
-// Tristate is a signal that may be unavailable.
-type Tristate uint8
+// Signal is a yes-or-no signal that may be unavailable (a worker's busy state when its threshold or
+// its selection is missing): Dynamo logs it as true, false or unknown.
+type Signal uint8
 
-// Signal values.
+// The values of a Signal.
 const (
-	Unknown Tristate = iota
-	No
-	Yes
+	SignalUnknown Signal = iota
+	SignalNo
+	SignalYes
 )
 
 // String returns unknown, false or true.
-func (t Tristate) String() string {
+func (t Signal) String() string {
 	switch t {
-	case No:
+	case SignalNo:
 		return "false"
-	case Yes:
+	case SignalYes:
 		return "true"
 	}
 	return "unknown"
@@ -79,7 +80,7 @@ type CDInput struct {
 	// router would pick.
 	DecodeCachedTokens float64
 	// PrefillBusy is the busy signal of the prefill worker the router would pick.
-	PrefillBusy Tristate
+	PrefillBusy Signal
 }
 
 // EffectiveISL returns the tokens the decode worker would have to prefill, P - min(C, P), and their
@@ -118,15 +119,15 @@ const (
 
 // Gate applies the decode-busy gate as a veto on the policy's answer: with the gate configured, only
 // a decode worker known not to be busy may take the bypass; an unknown signal fails closed.
-func Gate(policySaysBypass, gateConfigured bool, decodeBusy Tristate) (bool, GateDecision) {
+func Gate(policySaysBypass, gateConfigured bool, decodeBusy Signal) (bool, GateDecision) {
 	switch {
 	case !policySaysBypass:
 		return false, GateDeclinedByPolicy
 	case !gateConfigured:
 		return true, GateAllowedGateDisabled
-	case decodeBusy == Unknown:
+	case decodeBusy == SignalUnknown:
 		return false, GateDeniedBusyUnknown
-	case decodeBusy == Yes:
+	case decodeBusy == SignalYes:
 		return false, GateDeniedBusy
 	}
 	return true, GateAllowedNotBusy
@@ -134,24 +135,24 @@ func Gate(policySaysBypass, gateConfigured bool, decodeBusy Tristate) (bool, Gat
 
 // DecodeBusy reports whether a decode worker's projected blocks (including the request's new ones)
 // exceed threshold x its total KV blocks; Unknown when it advertised no capacity (§1.7).
-func DecodeBusy(potentialBlocks, totalKVBlocks uint64, threshold float64) Tristate {
+func DecodeBusy(potentialBlocks, totalKVBlocks uint64, threshold float64) Signal {
 	if totalKVBlocks == 0 {
-		return Unknown
+		return SignalUnknown
 	}
-	return boolTristate(float64(potentialBlocks) > threshold*float64(totalKVBlocks))
+	return signalOf(float64(potentialBlocks) > threshold*float64(totalKVBlocks))
 }
 
 // PrefillBusy reports whether a prefill worker's active prefill tokens exceed threshold x its
 // prefill capacity (§1.6).
-func PrefillBusy(activePrefillTokens, capacity uint64, threshold float64) Tristate {
-	return boolTristate(float64(activePrefillTokens) > threshold*float64(capacity))
+func PrefillBusy(activePrefillTokens, capacity uint64, threshold float64) Signal {
+	return signalOf(float64(activePrefillTokens) > threshold*float64(capacity))
 }
 
-func boolTristate(b bool) Tristate {
+func signalOf(b bool) Signal {
 	if b {
-		return Yes
+		return SignalYes
 	}
-	return No
+	return SignalNo
 }
 
 // Reason says why a request was routed the way it was: the outcome of conditional disaggregation,

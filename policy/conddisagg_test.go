@@ -69,16 +69,16 @@ func TestPrefillLoad(t *testing.T) {
 	tests := []struct {
 		name    string
 		enabled bool
-		busy    Tristate
+		busy    Signal
 		p       uint64
 		want    bool
 	}{
-		{"disabled", false, Yes, 1000, false},
-		{"no signal counts as calm", true, Unknown, 1000, false},
-		{"not busy", true, No, 1000, false},
-		{"busy", true, Yes, 1000, true},
-		{"busy, huge uncached prompt: ISL ignored", true, Yes, 100000, true},
-		{"not busy, huge prompt", true, No, 100000, false},
+		{"disabled", false, SignalYes, 1000, false},
+		{"no signal counts as calm", true, SignalUnknown, 1000, false},
+		{"not busy", true, SignalNo, 1000, false},
+		{"busy", true, SignalYes, 1000, true},
+		{"busy, huge uncached prompt: ISL ignored", true, SignalYes, 100000, true},
+		{"not busy, huge prompt", true, SignalNo, 100000, false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -94,21 +94,21 @@ func TestPrefillLoad(t *testing.T) {
 func TestISLOrLoad(t *testing.T) {
 	small := CDInput{PromptTokens: 1000, DecodeCachedTokens: 896}
 	large := CDInput{PromptTokens: 100000}
-	with := func(in CDInput, busy Tristate) CDInput { in.PrefillBusy = busy; return in }
+	with := func(in CDInput, busy Signal) CDInput { in.PrefillBusy = busy; return in }
 	tests := []struct {
 		name    string
 		enabled bool
 		in      CDInput
 		want    bool
 	}{
-		{"small, calm: bypass via ISL", true, with(small, No), true},
-		{"small, busy", true, with(small, Yes), true},
-		{"large, calm", true, with(large, No), false},
-		{"large, busy: bypass via load", true, with(large, Yes), true},
-		{"small, disabled", false, with(small, Yes), false},
-		{"large, disabled", false, with(large, Yes), false},
-		{"small, no signal", true, with(small, Unknown), true},
-		{"large, no signal degrades to isl_bounding", true, with(large, Unknown), false},
+		{"small, calm: bypass via ISL", true, with(small, SignalNo), true},
+		{"small, busy", true, with(small, SignalYes), true},
+		{"large, calm", true, with(large, SignalNo), false},
+		{"large, busy: bypass via load", true, with(large, SignalYes), true},
+		{"small, disabled", false, with(small, SignalYes), false},
+		{"large, disabled", false, with(large, SignalYes), false},
+		{"small, no signal", true, with(small, SignalUnknown), true},
+		{"large, no signal degrades to isl_bounding", true, with(large, SignalUnknown), false},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -124,18 +124,18 @@ func TestISLOrLoad(t *testing.T) {
 func TestGate(t *testing.T) {
 	tests := []struct {
 		says, configured bool
-		busy             Tristate
+		busy             Signal
 		want             bool
 		label            GateDecision
 	}{
-		{true, true, No, true, GateAllowedNotBusy},
-		{true, true, Yes, false, GateDeniedBusy},
-		{false, true, No, false, GateDeclinedByPolicy},
-		{false, true, Yes, false, GateDeclinedByPolicy},
-		{false, true, Unknown, false, GateDeclinedByPolicy},
-		{true, false, Unknown, true, GateAllowedGateDisabled},
-		{true, false, Yes, true, GateAllowedGateDisabled},
-		{true, true, Unknown, false, GateDeniedBusyUnknown},
+		{true, true, SignalNo, true, GateAllowedNotBusy},
+		{true, true, SignalYes, false, GateDeniedBusy},
+		{false, true, SignalNo, false, GateDeclinedByPolicy},
+		{false, true, SignalYes, false, GateDeclinedByPolicy},
+		{false, true, SignalUnknown, false, GateDeclinedByPolicy},
+		{true, false, SignalUnknown, true, GateAllowedGateDisabled},
+		{true, false, SignalYes, true, GateAllowedGateDisabled},
+		{true, true, SignalUnknown, false, GateDeniedBusyUnknown},
 	}
 	for _, tt := range tests {
 		got, label := Gate(tt.says, tt.configured, tt.busy)
@@ -148,11 +148,11 @@ func TestGate(t *testing.T) {
 func TestDecodeBusy(t *testing.T) {
 	tests := []struct {
 		potential, total uint64
-		want             Tristate
+		want             Signal
 	}{
-		{90, 100, No}, // strict >
-		{91, 100, Yes},
-		{91, 0, Unknown}, // capacity unknown
+		{90, 100, SignalNo},
+		{91, 100, SignalYes},
+		{91, 0, SignalUnknown},
 	}
 	for _, tt := range tests {
 		if got := DecodeBusy(tt.potential, tt.total, 0.9); got != tt.want {
@@ -165,11 +165,11 @@ func TestDecodeBusy(t *testing.T) {
 func TestPrefillBusy(t *testing.T) {
 	tests := []struct {
 		active, capacity uint64
-		want             Tristate
+		want             Signal
 	}{
-		{16384, 8192, No},
-		{16385, 8192, Yes},
-		{1_000_000, DefaultPrefillTokenCapacity, No}, // no advertised capacity: practically never busy
+		{16384, 8192, SignalNo},
+		{16385, 8192, SignalYes},
+		{1_000_000, DefaultPrefillTokenCapacity, SignalNo},
 	}
 	for _, tt := range tests {
 		if got := PrefillBusy(tt.active, tt.capacity, 2.0); got != tt.want {

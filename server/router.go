@@ -226,7 +226,7 @@ var reasonToProto = map[policy.Reason]kvrouterv1.DecisionReason{
 }
 
 // signalLog formats a busy signal for logs, as "not_evaluated" when it was not needed.
-func signalLog(evaluated bool, t policy.Tristate) string {
+func signalLog(evaluated bool, t policy.Signal) string {
 	if !evaluated {
 		return "not_evaluated"
 	}
@@ -234,13 +234,13 @@ func signalLog(evaluated bool, t policy.Tristate) string {
 }
 
 // busySignal maps a signal to the wire: UNSPECIFIED when it was not evaluated.
-func busySignal(evaluated bool, t policy.Tristate) kvrouterv1.BusySignal {
+func busySignal(evaluated bool, t policy.Signal) kvrouterv1.BusySignal {
 	switch {
 	case !evaluated:
 		return kvrouterv1.BusySignal_BUSY_SIGNAL_UNSPECIFIED
-	case t == policy.Yes:
+	case t == policy.SignalYes:
 		return kvrouterv1.BusySignal_BUSY_SIGNAL_BUSY
-	case t == policy.No:
+	case t == policy.SignalNo:
 		return kvrouterv1.BusySignal_BUSY_SIGNAL_NOT_BUSY
 	}
 	return kvrouterv1.BusySignal_BUSY_SIGNAL_UNKNOWN
