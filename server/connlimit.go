@@ -41,6 +41,11 @@ func (l *limitListener) Accept() (net.Conn, error) {
 		if err != nil {
 			return nil, err
 		}
+		if l.conns.penalized(c.RemoteAddr(), time.Now()) {
+			l.refused.Inc()
+			_ = c.Close()
+			continue
+		}
 		select {
 		case l.slots <- struct{}{}:
 			l.open.Inc()
@@ -84,8 +89,83 @@ func (c *limitedConn) refusedOnce(now time.Time, max int64) bool {
 	return c.refusals.Add(1) > max
 }
 
-// connRegistry finds a held connection by its remote address.
-type connRegistry struct{ m sync.Map } // string -> *limitedConn
+// connRegistry finds a held connection by its remote address, and remembers for cutPenalty the
+// hosts whose connections were cut (cutRefused).
+type connRegistry struct {
+	m sync.Map // string -> *limitedConn
+
+	mu  sync.Mutex
+	cut map[string]time.Time // host -> when its connection was cut last
+	// penalty overrides cutPenalty when set (nanoseconds; tests).
+	penalty atomic.Int64
+}
+
+func (r *connRegistry) penaltyTime() time.Duration {
+	if p := r.penalty.Load(); p > 0 {
+		return time.Duration(p)
+	}
+	return cutPenalty
+}
+
+// cutPenalty is how long a host whose connection was cut for its refused calls has its next
+// connections closed at once, before their TLS handshake: a client that floods refused calls, or
+// resets each call as it opens it, would otherwise reconnect at once, and each reconnection costs
+// the router a handshake, far more than the calls it refuses. A legitimate client reconnects after
+// its own backoff (gRPC's first is a second), so it never meets the penalty; behind a NAT or a
+// gateway, the hosts sharing the address wait this long at most.
+const cutPenalty = 100 * time.Millisecond
+
+// maxCutHosts bounds the hosts remembered: an attacker spreading over many addresses fills it, and
+// then a cut host goes unremembered (the connection cap still bounds what they all hold).
+const maxCutHosts = 4096
+
+// penalize remembers that host's connection was cut at now.
+func (r *connRegistry) penalize(addr net.Addr, now time.Time) {
+	host := hostOf(addr)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.cut == nil {
+		r.cut = make(map[string]time.Time)
+	}
+	if len(r.cut) >= maxCutHosts {
+		for h, at := range r.cut {
+			if now.Sub(at) >= r.penaltyTime() {
+				delete(r.cut, h)
+			}
+		}
+		if len(r.cut) >= maxCutHosts {
+			return
+		}
+	}
+	r.cut[host] = now
+}
+
+// penalized reports whether a connection from addr comes within cutPenalty of its host's last cut.
+func (r *connRegistry) penalized(addr net.Addr, now time.Time) bool {
+	host := hostOf(addr)
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	at, ok := r.cut[host]
+	if !ok {
+		return false
+	}
+	if now.Sub(at) >= r.penaltyTime() {
+		delete(r.cut, host)
+		return false
+	}
+	return true
+}
+
+// hostOf is addr's host, without its port.
+func hostOf(addr net.Addr) string {
+	if addr == nil {
+		return ""
+	}
+	if host, _, err := net.SplitHostPort(addr.String()); err == nil {
+		return host
+	}
+	return addr.String()
+}
 
 func (r *connRegistry) add(key string, c *limitedConn) { r.m.Store(key, c) }
 
@@ -116,6 +196,7 @@ func cutRefused(admit tap.ServerInHandle, conns *connRegistry, max int64, cut pr
 		if code := status.Code(err); code == codes.Unauthenticated || code == codes.PermissionDenied {
 			if c := conns.of(ctx); c != nil && c.refusedOnce(time.Now(), max) {
 				cut.Inc()
+				conns.penalize(c.RemoteAddr(), time.Now())
 				_ = c.Close()
 			}
 		}
