@@ -97,6 +97,22 @@ func (c *BookingCap) room(req *Request, hops []kvstate.HopBooking) error {
 	for _, h := range hops {
 		n += len(h.Blocks)
 	}
+	return c.roomFor(req, n)
+}
+
+// roomBefore checks, before the decision, that a booking of req can fit: whatever the decision, it
+// holds the prompt's blocks once (on its decode or aggregated hop; a prefill hop holds none), so a
+// caller at its cap is refused before its prompt is hashed and the workers are scored, which for a
+// 1M-token prompt is most of what the call costs. room checks again, exactly, after the decision.
+func (c *BookingCap) roomBefore(req *Request, m *kvstate.Model) error {
+	if c == nil || m == nil {
+		return nil // an unknown model is the decision's to answer
+	}
+	return c.roomFor(req, int(policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}.Blocks()))
+}
+
+// roomFor checks that a booking of req holding n block keys fits under the caps.
+func (c *BookingCap) roomFor(req *Request, n int) error {
 	if most := req.OwnerMaxBlocks; most > 0 && req.Owner != "" && c.HeldBy != nil {
 		if held := c.HeldBy(req.Owner); held+n > most {
 			return fmt.Errorf("%w (credential %q: %d held, this request would add %d, max_booked_blocks_per_credential %d): free finished requests, or retry later",
@@ -182,6 +198,11 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 		r := req.Request
 		r.SessionWorker = &bound
 		preq = &r
+	}
+	if !preq.QueryOnly {
+		if err := d.cap.roomBefore(req, d.state.Model(req.Model)); err != nil {
+			return nil, err
+		}
 	}
 	dec, err := d.kernel.Decide(preq)
 	if err != nil || preq.QueryOnly {
