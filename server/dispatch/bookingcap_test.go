@@ -100,3 +100,31 @@ func TestCredentialBookingCap(t *testing.T) {
 		t.Errorf("Route(a3) after a's Free = %v, want booked", err)
 	}
 }
+
+// TestLongPromptRefusedBeforeTheDecision: a caller at its cap is refused a long prompt's booking
+// before the kernel decides (a decision that would fail, here pinned to a worker that does not
+// exist, is never made): hashing and scoring a 1M-token prompt is most of what refusing it cost.
+func TestLongPromptRefusedBeforeTheDecision(t *testing.T) {
+	f := newFleet(t)
+	f.add(1, kvstate.RoleAggregated, 1<<20)
+	load := f.state.Load()
+	d := f.cappedDispatcher(policy.DefaultConfig(), &BookingCap{Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf})
+	long := prompt(roomBeforeBlocks * testBlockSize)
+	req := request("first", long)
+	req.Owner, req.OwnerMaxBlocks = "a", roomBeforeBlocks
+	if _, err := d.Route(context.Background(), req); err != nil {
+		t.Fatal(err)
+	}
+	pinned := request("second", long)
+	pinned.Owner, pinned.OwnerMaxBlocks = "a", roomBeforeBlocks
+	pinned.DecodePin = &policy.Pin{Worker: 99}
+	if _, err := d.Route(context.Background(), pinned); !errors.Is(err, ErrCredentialBookingsFull) {
+		t.Errorf("a long prompt's booking past the cap, pinned to no worker = %v, want ErrCredentialBookingsFull before the decision", err)
+	}
+	short := request("third", prompt(testBlockSize))
+	short.Owner, short.OwnerMaxBlocks = "a", roomBeforeBlocks
+	short.DecodePin = &policy.Pin{Worker: 99}
+	if _, err := d.Route(context.Background(), short); !errors.Is(err, policy.ErrPinnedWorkerNotFound) {
+		t.Errorf("a short prompt pinned to no worker = %v, want the decision's ErrPinnedWorkerNotFound (short prompts are checked after it)", err)
+	}
+}

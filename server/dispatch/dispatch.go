@@ -62,6 +62,10 @@ type BookingCap struct {
 // CapOver returns the BookingCap of max block keys over what the bookings of every shard of source
 // hold, with the per-owner count for Request.OwnerMaxBlocks.
 func CapOver(max int, source kvstate.ShardSource) *BookingCap {
+	if one, ok := source.(kvstate.OneShard); ok {
+		load := one.Shard.State.Load() // no slice of shards a call: Route's path allocates little
+		return &BookingCap{Max: max, Held: load.HeldBlocks, HeldBy: load.HeldBlocksOf}
+	}
 	return &BookingCap{
 		Max: max,
 		Held: func() int {
@@ -100,16 +104,24 @@ func (c *BookingCap) room(req *Request, hops []kvstate.HopBooking) error {
 	return c.roomFor(req, n)
 }
 
-// roomBefore checks, before the decision, that a booking of req can fit: whatever the decision, it
-// holds the prompt's blocks once (on its decode or aggregated hop; a prefill hop holds none), so a
-// caller at its cap is refused before its prompt is hashed and the workers are scored, which for a
-// 1M-token prompt is most of what the call costs. room checks again, exactly, after the decision.
+// roomBefore checks, before the decision, that a booking of a long prompt can fit: whatever the
+// decision, it holds the prompt's blocks once (on its decode or aggregated hop; a prefill hop holds
+// none), so a caller at its cap is refused before its prompt is hashed and the workers are scored,
+// which for a 1M-token prompt is most of what the call costs. Prompts under roomBeforeBlocks cost
+// less to decide than to count twice; room checks every booking, exactly, after the decision.
 func (c *BookingCap) roomBefore(req *Request, m *kvstate.Model) error {
 	if c == nil || m == nil {
 		return nil // an unknown model is the decision's to answer
 	}
-	return c.roomFor(req, int(policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}.Blocks()))
+	n := policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}.Blocks()
+	if n < roomBeforeBlocks {
+		return nil
+	}
+	return c.roomFor(req, int(n))
 }
+
+// roomBeforeBlocks is the least prompt, in blocks, that roomBefore checks.
+const roomBeforeBlocks = 1024
 
 // roomFor checks that a booking of req holding n block keys fits under the caps.
 func (c *BookingCap) roomFor(req *Request, n int) error {
@@ -199,7 +211,7 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 		r.SessionWorker = &bound
 		preq = &r
 	}
-	if !preq.QueryOnly {
+	if !preq.QueryOnly && d.cap != nil {
 		if err := d.cap.roomBefore(req, d.state.Model(req.Model)); err != nil {
 			return nil, err
 		}
