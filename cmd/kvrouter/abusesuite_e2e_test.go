@@ -104,6 +104,11 @@ const abuseCredentials = `  - name: frontend-b
 // the cap bounds as docs/security.md says).
 const abuseMaxConnections = 256
 
+// abuseMaxModels is the suite's max_models: low enough that the models attack reaches it within its
+// first second even on a busy machine (it made 922 of the default 1,000 in two rounds under CI's
+// load, and was never refused).
+const abuseMaxModels = 200
+
 // abuseMaxBookedPerCredential is the suite's max_booked_blocks_per_credential: two 1M-token
 // bookings of block size 4 (262,144 block keys each), so that what they hold fits within
 // abuseRSSBound (the default admits 32).
@@ -116,6 +121,7 @@ func TestAbuseSuite(t *testing.T) {
 	}
 	healthAddr := freePort(t)
 	r := startSecureRouter(t, "--log-level", "info", "--health-listen", healthAddr, "--max-connections", strconv.Itoa(abuseMaxConnections),
+		"--max-models", strconv.Itoa(abuseMaxModels),
 		"--max-booked-blocks-per-credential", strconv.Itoa(abuseMaxBookedPerCredential))
 	for _, name := range []string{"frontend-b", "worker-9"} {
 		r.tokens[name] = newToken(t)
