@@ -15,7 +15,9 @@ scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
 scripts/need.sh redis-server=redis-server redis-cli=redis-server openssl=openssl py:zmq=python3-zmq py:msgpack=python3-msgpack
 go vet ./...
-go test -race -count=1 -timeout 10m ./... "$@"
+# cmd/kvrouter, which starts real routers, Redis servers and attackers, takes up to 10 minutes under
+# the race detector on a busy 2-core machine; the others a few.
+go test -race -count=1 -timeout 20m ./... "$@"
 FUZZTIME=${FUZZTIME:-3s}
 if [ "$FUZZTIME" != 0 ]; then
   # Every `func FuzzX` of the module, by package: -fuzz takes one target of one package at a time.

@@ -42,10 +42,10 @@ import (
 // after another. Each attack runs in a process of its own (this test binary again, as
 // TestAbuseAttacker), so that it competes with the router for the machine as a remote attacker's
 // traffic would, not with the frontend for this process's goroutines. For each attack the
-// frontend's Route p99 is measured just before it and while it runs, in two rounds (a third when
-// neither is within the bound); the lowest round's ratio must be within abuseP99Ratio (one round
-// can always meet a noisy neighbour on a shared two-core machine, where the attacker's own CPU
-// competes with the router too), the router's peak memory must grow less than abuseRSSBound over
+// frontend's Route p99 is measured just before it and while it runs, in one round, or up to three
+// while none is within the bound or the attacker has not yet been answered as it must; the lowest
+// round's ratio must be within abuseP99Ratio (one round can always meet a noisy neighbour on a
+// shared two-core machine, where the attacker's own CPU competes with the router too), the router's peak memory must grow less than abuseRSSBound over
 // the whole suite, and the attacker must have been answered with the status that names what
 // stopped it.
 
@@ -169,8 +169,8 @@ func TestAbuseSuite(t *testing.T) {
 			best, answers, lastOut := 0.0, map[string]int{}, ""
 			var notes []string
 			for round := range 3 {
-				if round == 2 && best <= abuseP99Ratio {
-					break // two rounds, one within the bound: enough
+				if round > 0 && best <= abuseP99Ratio && slices.ContainsFunc(a.want, func(c string) bool { return answers[c] > 0 }) {
+					break // a round within the bound, and the attacker answered: enough
 				}
 				base, n0 := p99(abuseWindow)
 				attacker, out := startAttacker(t, env, a.name)
@@ -193,7 +193,7 @@ func TestAbuseSuite(t *testing.T) {
 			}
 			t.Logf("%s; attacker answered %v; the router's peak memory %.1f MiB over the start", notes, answers, float64(peakRSS(t, pid)-before)/(1<<20))
 			if best > abuseP99Ratio {
-				t.Errorf("the frontend's Route p99 grew %.1fx under the attack (the best of three rounds), more than %dx: %s", best, abuseP99Ratio, notes)
+				t.Errorf("the frontend's Route p99 grew %.1fx under the attack (the best round), more than %dx: %s", best, abuseP99Ratio, notes)
 			}
 			if !slices.ContainsFunc(a.want, func(c string) bool { return answers[c] > 0 }) {
 				t.Errorf("the attacker got %v, want one of %v; its output:\n%s", answers, a.want, lastOut)
@@ -333,9 +333,24 @@ func TestAbuseAttacker(t *testing.T) {
 		fmt.Println(abuseReady)
 		a.parallel(1, func() { a.ranks(os.Getenv("KVROUTER_ABUSE_WORKER_TOKEN")) })
 	case "1M-token bookings of one frontend credential":
-		req := bigBooking()
-		fmt.Println(abuseReady)
-		a.parallel(2, func() { a.bookings(os.Getenv("KVROUTER_ABUSE_FRONTEND_TOKEN"), req) })
+		// Ready once the credential's cap is reached (the bookings are never freed, so a later
+		// round starts there): the attack measured is the flood of bookings past it, and the
+		// refusals come however slowly a busy machine lets the attacker fill the cap.
+		req, full := bigBooking(), make(chan struct{})
+		var once sync.Once
+		attacking := make(chan struct{})
+		go func() {
+			defer close(attacking)
+			a.parallel(2, func() {
+				a.bookings(os.Getenv("KVROUTER_ABUSE_FRONTEND_TOKEN"), req, func() { once.Do(func() { close(full) }) })
+			})
+		}()
+		select {
+		case <-full:
+			fmt.Println(abuseReady)
+		case <-stop:
+		}
+		<-attacking
 	case "models from a worker credential without models":
 		fmt.Println(abuseReady)
 		a.parallel(4, func() { a.models(os.Getenv("KVROUTER_ABUSE_ANY_MODEL_TOKEN")) })
@@ -661,17 +676,20 @@ func bigBooking() *kvrouterv1.RouteRequest {
 // bookings books req again and again under new request ids with a frontend credential of its own,
 // freeing nothing: before, each pinned about 2 MB of block keys for booking_expiry, with no bound
 // but the call rate.
-func (a *attacker) bookings(token string, req *kvrouterv1.RouteRequest) {
+func (a *attacker) bookings(token string, req *kvrouterv1.RouteRequest, refused func()) {
 	conn := a.grpcConn()
 	defer conn.Close()
 	router := kvrouterv1.NewRouterServiceClient(conn)
 	r := proto.Clone(req).(*kvrouterv1.RouteRequest)
 	for !a.stopped() {
-		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), 5*time.Second)
+		ctx, cancel := context.WithTimeout(metadata.AppendToOutgoingContext(context.Background(), "authorization", "Bearer "+token), defaultTestTimeout)
 		r.RequestId = fmt.Sprintf("big-%d", a.next())
 		_, err := router.Route(ctx, r)
 		a.counts.add(status.Code(err).String())
 		cancel() // RetryInfo not honoured: a hostile caller does not
+		if status.Code(err) == codes.ResourceExhausted {
+			refused()
+		}
 	}
 }
 
