@@ -84,7 +84,6 @@ var abuseAttacks = []struct {
 	{"hellos with a 1 MB endpoint", []string{codes.InvalidArgument.String()}},
 	{"64 KiB headers without credentials", []string{"rst_FRAME_SIZE_ERROR", "conn_closed"}},
 	{"idle connections past the cap", []string{"conn_closed"}},
-	{"TLS handshakes without credentials", []string{"handshake"}},
 }
 
 // abuseCredentials are the attackers' credentials beside testCredentials: a frontend of its own (so
@@ -360,9 +359,6 @@ func TestAbuseAttacker(t *testing.T) {
 	case "64 KiB headers without credentials":
 		fmt.Println(abuseReady)
 		a.parallel(2, a.hugeHeaders)
-	case "TLS handshakes without credentials":
-		fmt.Println(abuseReady)
-		a.parallel(4, a.handshakes)
 	case "idle connections past the cap":
 		a.idleConnections(abuseMaxConnections+100, func() { fmt.Println(abuseReady) })
 	default:
@@ -784,20 +780,5 @@ func (a *attacker) idleConnections(n int, ready func()) {
 	<-a.stop
 	for _, c := range conns {
 		c.Close()
-	}
-}
-
-// handshakes opens TLS connections and closes each once its handshake is done, as fast as the
-// router completes them: each costs the router a handshake's signature.
-func (a *attacker) handshakes() {
-	for !a.stopped() {
-		conn, err := tls.DialWithDialer(&net.Dialer{Timeout: 2 * time.Second}, "tcp", a.addr,
-			&tls.Config{RootCAs: a.roots, ServerName: "localhost", NextProtos: []string{"h2"}})
-		if err != nil {
-			a.counts.add("conn_closed")
-			continue
-		}
-		a.counts.add("handshake")
-		conn.Close()
 	}
 }
