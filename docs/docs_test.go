@@ -70,7 +70,7 @@ var (
 //     (github.com/...) are prose or patterns, not paths, and are skipped; so is a span that is a
 //     link's whole text, whose target is checked instead. A trailing ":LINE" or
 //     ":Identifier" after a file is dropped, and a trailing ".Identifier" after a directory
-//     (`server/dispatch.Dispatcher`) is accepted when the directory exists.
+//     (`server/app.Dispatcher`) is accepted when the directory exists.
 //
 // Bare file names without a '/' (`errors.go`) are relative to whatever the sentence is about, so
 // they are not checked; nor are paths in fenced code blocks (commands), reference-style link
@@ -166,8 +166,8 @@ func TestExists(t *testing.T) {
 	}{
 		{"kvstate", true},
 		{"docs/docs_test.go", true},
-		{"server/dispatch.Dispatcher", true}, // a package member
-		{"server/dispatch.go", false},        // a file, although server/dispatch/ exists
+		{"server/app.Dispatcher", true}, // a package member
+		{"server/app.go", false},        // a file, although server/app/ exists
 		{"kvstate/no-such-file.go", false},
 		{"no-such-dir/x", false},
 	}
@@ -318,7 +318,7 @@ func allowedPath(p string) bool {
 }
 
 // exists reports whether target, a slash-separated path from the repository root, is a file or
-// directory. A Go reference to a package member (`server/dispatch.Dispatcher`) counts when the
+// directory. A Go reference to a package member (`server/app.Dispatcher`) counts when the
 // package directory exists.
 func exists(target string) bool {
 	if _, err := os.Stat(filepath.Join(repoRoot, filepath.FromSlash(target))); err == nil {

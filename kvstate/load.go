@@ -317,7 +317,7 @@ func (l *Load) dropSlot(slot uint32) {
 }
 
 // HeldBlocks returns the block keys the bookings hold, every hop's (a block two hops share counts
-// twice): about what they pin in memory, 8 bytes each. dispatch.BookingCap bounds it.
+// twice): about what they pin in memory, 8 bytes each. app.BookingCap bounds it.
 func (l *Load) HeldBlocks() int {
 	l.mu.RLock()
 	defer l.mu.RUnlock()

@@ -20,7 +20,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 const (
@@ -116,7 +116,7 @@ type cachedPrompt struct {
 type routeFixture struct {
 	state   *kvstate.State
 	log     *kvstate.MemLog
-	router  *dispatch.Dispatcher
+	router  *app.Dispatcher
 	workers []kvstate.WorkerKey
 	gen     *promptGen
 	queries map[int][][]uint32 // by prompt length in tokens
@@ -143,7 +143,7 @@ func fixture(tb testing.TB, prefill int) *routeFixture {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &routeFixture{
-		state: state, log: log, router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
+		state: state, log: log, router: app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
 		gen: newPromptGen(20261202), queries: map[int][][]uint32{}, nextID: map[kvstate.WorkerKey]uint64{},
 	}
 	for i := range benchWorkers {
@@ -270,7 +270,7 @@ var topologies = []struct {
 	prefill int
 }{{"agg64", 0}, {"disagg16p48d", 16}}
 
-// BenchmarkRoute measures dispatch.Dispatcher.Route (the kernel's decision, and its booking) on a
+// BenchmarkRoute measures app.Dispatcher.Route (the kernel's decision, and its booking) on a
 // fleet with about 1M cached blocks, query-only (a preview, nothing booked) and booking (each
 // request booked, and freed benchInFlight requests later, so bookings stay alive meanwhile as they
 // would in service). p50-ns and p99-ns are of the
@@ -299,9 +299,9 @@ func BenchmarkRouteConditionalDisagg(b *testing.B) {
 	on.ConditionalDisagg.Enabled, on.ConditionalDisagg.Policy = true, policy.ISLOrLoad
 	threshold := 1.0
 	on.ConditionalDisagg.PrefillBusyThreshold = &threshold
-	routers := map[string]*dispatch.Dispatcher{
-		"off": dispatch.New(f.state, f.log, policy.NewKernel(f.state, policy.DefaultConfig()), dispatch.Options{}),
-		"on":  dispatch.New(f.state, f.log, policy.NewKernel(f.state, on), dispatch.Options{}),
+	routers := map[string]*app.Dispatcher{
+		"off": app.New(f.state, f.log, policy.NewKernel(f.state, policy.DefaultConfig()), app.Options{}),
+		"on":  app.New(f.state, f.log, policy.NewKernel(f.state, on), app.Options{}),
 	}
 	for _, tokens := range []int{2048, 32768} {
 		for _, book := range []bool{false, true} {
@@ -352,7 +352,7 @@ func BenchmarkRouteUnderIngestion(b *testing.B) {
 }
 
 // benchRoute routes the fixture's query prompts of the given length, timing every call.
-func benchRoute(b *testing.B, f *routeFixture, router *dispatch.Dispatcher, tokens int, book bool) {
+func benchRoute(b *testing.B, f *routeFixture, router *app.Dispatcher, tokens int, book bool) {
 	queries := f.queries[tokens]
 	ids := make([]string, 4*benchInFlight)
 	for i := range ids {
@@ -366,7 +366,7 @@ func benchRoute(b *testing.B, f *routeFixture, router *dispatch.Dispatcher, toke
 	b.ReportAllocs()
 	i := 0
 	for b.Loop() {
-		req := &dispatch.Request{Request: policy.Request{Model: benchModel, Tokens: queries[i%len(queries)], QueryOnly: !book}}
+		req := &app.Request{Request: policy.Request{Model: benchModel, Tokens: queries[i%len(queries)], QueryOnly: !book}}
 		if book {
 			req.ID = ids[i%len(ids)]
 		}

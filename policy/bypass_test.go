@@ -334,7 +334,7 @@ func TestEffectiveCD(t *testing.T) {
 }
 
 // TestSessionAffinity: the kernel's side of session affinity, given the decode worker the session
-// is bound to (server/dispatch looks it up and binds sessions).
+// is bound to (server/app looks it up and binds sessions).
 func TestSessionAffinity(t *testing.T) {
 	tests := []struct {
 		name string

@@ -25,7 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // curveCenter is the point every curve passes through: the shape. Each curve varies one of
@@ -50,7 +50,7 @@ type curveFleet struct {
 	curvePoint
 	state   *kvstate.State
 	log     *kvstate.MemLog
-	router  *dispatch.Dispatcher
+	router  *app.Dispatcher
 	queries [][]uint32
 	walk    float64 // mean over the queries of the deepest cached prefix any worker holds, in blocks
 	built   time.Duration
@@ -121,7 +121,7 @@ func newCurveFleet(t *testing.T, p curvePoint) *curveFleet {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &curveFleet{curvePoint: p, state: state, log: log,
-		router: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{})}
+		router: app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{})}
 	ctx := context.Background()
 	workers := make([]kvstate.WorkerKey, p.workers)
 	for i := range workers {
@@ -194,7 +194,7 @@ func measureCurvePoint(t *testing.T, f *curveFleet, name string, book bool, per 
 	)
 	start := time.Now()
 	for i := 0; i < 200 || time.Since(start) < per; i++ {
-		req := &dispatch.Request{Request: policy.Request{Model: benchModel, Tokens: f.queries[i%len(f.queries)], QueryOnly: !book}}
+		req := &app.Request{Request: policy.Request{Model: benchModel, Tokens: f.queries[i%len(f.queries)], QueryOnly: !book}}
 		if book {
 			req.ID = fmt.Sprintf("curve-%d-%d", round, i)
 		}

@@ -108,7 +108,7 @@ type Decision struct {
 	Decode      Choice
 	Annotations []string
 	// Load is what booking the decision puts on its workers, one entry per hop; nil for a
-	// query-only request. The kernel only describes it: the caller books it (server/dispatch).
+	// query-only request. The kernel only describes it: the caller books it (server/app).
 	Load         []kvstate.HopBooking
 	Booked       bool // set by whoever booked Load
 	PromptTokens uint64
@@ -126,7 +126,7 @@ type View interface {
 
 // Kernel is the pure decision kernel: from a read-only View it decides where a request runs and
 // what load that puts on the chosen workers. It appends nothing, books nothing and never blocks;
-// server/dispatch books its decisions, queues requests it finds overloaded and keeps sessions. It
+// server/app books its decisions, queues requests it finds overloaded and keeps sessions. It
 // is safe for concurrent use; deciding reads local memory only and allocates little (scratch space
 // is pooled).
 type Kernel struct {

@@ -62,7 +62,7 @@ func (f *fleet) cache(id uint64, tokens []uint32, n int) {
 	}})
 }
 
-// router returns a kernel over the fleet whose Route books what it decides, the way server/dispatch
+// router returns a kernel over the fleet whose Route books what it decides, the way server/app
 // does, so that tests see each decision's load in the state.
 func (f *fleet) router(cfg Config) *bookingKernel {
 	k := NewKernel(f.state, cfg)

@@ -14,7 +14,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // errorDomain is the ErrorInfo domain of every error the router returns.
@@ -32,9 +32,9 @@ var domainErrors = []struct {
 	{policy.ErrNoEligibleWorkers, codes.FailedPrecondition, "NO_ELIGIBLE_WORKERS"},
 	{policy.ErrPinnedWorkerNotFound, codes.NotFound, "PINNED_WORKER_NOT_FOUND"},
 	{policy.ErrPinnedWorkerOverloaded, codes.ResourceExhausted, "PINNED_WORKER_OVERLOADED"},
-	{dispatch.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
-	{dispatch.ErrBookingsFull, codes.ResourceExhausted, "BOOKINGS_FULL"},
-	{dispatch.ErrCredentialBookingsFull, codes.ResourceExhausted, "CREDENTIAL_BOOKINGS_FULL"},
+	{app.ErrQueueFull, codes.ResourceExhausted, "QUEUE_FULL"},
+	{app.ErrBookingsFull, codes.ResourceExhausted, "BOOKINGS_FULL"},
+	{app.ErrCredentialBookingsFull, codes.ResourceExhausted, "CREDENTIAL_BOOKINGS_FULL"},
 	{policy.ErrAllWorkersOverloaded, codes.ResourceExhausted, "ALL_WORKERS_OVERLOADED"},
 	{policy.ErrDisaggRequired, codes.FailedPrecondition, "DISAGG_REQUIRED"},
 	{kvstate.ErrAlreadyBooked, codes.AlreadyExists, "ALREADY_BOOKED"},

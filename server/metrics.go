@@ -188,7 +188,7 @@ func (m *metrics) observeEvents(r kvstate.Result) {
 	}
 }
 
-// queueDepther reports how many Route requests wait for capacity (dispatch.Dispatcher).
+// queueDepther reports how many Route requests wait for capacity (app.Dispatcher).
 type queueDepther interface{ QueueDepth() int }
 
 // stateCollector reports gauges of the state when scraped: of every shard's, for a log sharded by

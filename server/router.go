@@ -10,8 +10,8 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/auth"
-	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // maxRequestIDBytes bounds request ids: they are kept in memory for the life of a booking.
@@ -29,7 +29,7 @@ const (
 // routerService implements RouterService: validate, call the dispatcher, map the result.
 type routerService struct {
 	kvrouterv1.UnimplementedRouterServiceServer
-	dispatcher      dispatch.Router
+	dispatcher      app.Router
 	metrics         *metrics
 	logger          *slog.Logger
 	maxPromptTokens int
@@ -99,7 +99,7 @@ func checkRequestID(id string) error {
 }
 
 // routeRequest validates a RouteRequest and converts it to the dispatcher's request.
-func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Request, error) {
+func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*app.Request, error) {
 	if size, ok := tooLarge(req); ok {
 		most := maxRouteBytes(s.maxPromptTokens)
 		return nil, limitExceeded("ROUTE_MESSAGE_TOO_LARGE", "message", "max_prompt_tokens", most, size,
@@ -125,7 +125,7 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*dispatch.Re
 	case n > s.maxPromptTokens:
 		return nil, invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
 	}
-	dreq := &dispatch.Request{SessionID: req.GetSessionId(), Request: policy.Request{
+	dreq := &app.Request{SessionID: req.GetSessionId(), Request: policy.Request{
 		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
 		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(),
 		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),

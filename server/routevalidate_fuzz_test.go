@@ -21,7 +21,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // fuzzMaxPromptTokens is max_prompt_tokens of FuzzRouteValidation's router: small, so that the
@@ -46,7 +46,7 @@ var fuzzClock = time.Date(2026, 12, 1, 0, 0, 0, 0, time.UTC)
 type fuzzRouter struct {
 	state *kvstate.State
 	log   *kvstate.MemLog
-	disp  *dispatch.Dispatcher
+	disp  *app.Dispatcher
 	svc   *routerService
 }
 
@@ -115,7 +115,7 @@ func newFuzzRouter(t *testing.T, config int) *fuzzRouter {
 
 	kernel := policy.NewKernel(state, cfg)
 	kernel.Rand = rand.New(rand.NewPCG(1, 2)) // ties break the same way every run of an input
-	disp := dispatch.New(state, log, kernel, dispatch.Options{Clock: kvstate.ClockFunc(func() time.Time { return fuzzClock })})
+	disp := app.New(state, log, kernel, app.Options{Clock: kvstate.ClockFunc(func() time.Time { return fuzzClock })})
 	svc := &routerService{dispatcher: disp, maxPromptTokens: fuzzMaxPromptTokens,
 		metrics: newMetrics(prometheus.NewRegistry(), kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: log}}, kvstate.NewPresence(), disp),
 		logger:  slog.New(slog.NewTextHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug}))}

@@ -27,9 +27,9 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/auth"
 	"github.com/kvrouter/kvrouter/server/config"
-	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 // Options configure a Server.
@@ -40,8 +40,8 @@ type Options struct {
 	State    *kvstate.State
 	Log      kvstate.Log
 	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
-	// Dispatcher routes: a dispatch.Dispatcher over the one shard, or a dispatch.Sharded.
-	Dispatcher dispatch.Router
+	// Dispatcher routes: a app.Dispatcher over the one shard, or a app.Sharded.
+	Dispatcher app.Router
 	Config     []config.Entry // the effective configuration, for GetConfig
 	Logger     *slog.Logger
 	Registry   *prometheus.Registry

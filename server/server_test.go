@@ -29,8 +29,8 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
+	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/config"
-	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 const defaultTestTimeout = 10 * time.Second
@@ -55,7 +55,7 @@ func withRouting(change func(*policy.Config)) func(*Options) {
 	return func(o *Options) {
 		cfg := o.Dispatcher.Config()
 		change(&cfg)
-		o.Dispatcher = dispatch.New(o.State, o.Log, policy.NewKernel(o.State, cfg), dispatch.Options{})
+		o.Dispatcher = app.New(o.State, o.Log, policy.NewKernel(o.State, cfg), app.Options{})
 	}
 }
 
@@ -66,7 +66,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	registry := prometheus.NewRegistry()
 	opts := Options{
 		State: state, Log: log, Registry: registry,
-		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
+		Dispatcher:      app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Config:          []config.Entry{{Key: "listen", Value: ":50051", Source: config.SourceDefault}, {Key: "overlap_score_credit", Value: "0.5", Source: config.SourceFlag}},
 		MaxPromptTokens: 1000, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,

@@ -12,7 +12,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // servedShards is an in-process shard per model, for the models of served only: as a replica
@@ -34,7 +34,7 @@ func (s servedShards) Open(ctx context.Context, model string) (*kvstate.Shard, e
 // withShards serves src, a shard per model.
 func withShards(src kvstate.ShardSource) func(*Options) {
 	return func(o *Options) {
-		o.Shards, o.Dispatcher = src, dispatch.NewSharded(src, o.Dispatcher.Config(), dispatch.Options{})
+		o.Shards, o.Dispatcher = src, app.NewSharded(src, o.Dispatcher.Config(), app.Options{})
 	}
 }
 

@@ -25,7 +25,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // tracedEnv is a test server whose spans land in memory, as they end.
@@ -298,7 +298,7 @@ func routeBench(b *testing.B, mutate func(*Options)) (kvrouterv1.RouterServiceCl
 	}
 	opts := Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher: dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
+		Dispatcher: app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
 		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)), MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
 	}
 	if mutate != nil {

@@ -33,8 +33,8 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
+	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/config"
-	"github.com/kvrouter/kvrouter/server/dispatch"
 )
 
 func main() {
@@ -113,12 +113,12 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	for _, run := range b.run {
 		background.Go(func() error { return run(runCtx) })
 	}
-	var dispatcher dispatch.Router
+	var dispatcher app.Router
 	if b.shards != nil {
-		dispatcher = dispatch.NewSharded(b.shards, cfg.Router, dispatch.Options{Cap: dispatch.CapOver(cfg.MaxBookedBlocks, b.shards)})
+		dispatcher = app.NewSharded(b.shards, cfg.Router, app.Options{Cap: app.CapOver(cfg.MaxBookedBlocks, b.shards)})
 	} else {
 		one := kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: b.log}}
-		dispatcher = dispatch.New(state, b.log, policy.NewKernel(state, cfg.Router), dispatch.Options{Cap: dispatch.CapOver(cfg.MaxBookedBlocks, one)})
+		dispatcher = app.New(state, b.log, policy.NewKernel(state, cfg.Router), app.Options{Cap: app.CapOver(cfg.MaxBookedBlocks, one)})
 	}
 	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 

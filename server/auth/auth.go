@@ -508,7 +508,7 @@ func (c *Caller) MayPublishFor(worker uint64, model string) error {
 }
 
 // Bookings names the owner of the caller's bookings and the most block keys they may hold
-// together (0: no bound), for the dispatcher to check before it books (dispatch.BookingCap). A nil
+// together (0: no bound), for the dispatcher to check before it books (app.BookingCap). A nil
 // Caller and Anonymous (no credentials file: every caller is one) own nothing, so only the bound
 // on all bookings applies to them.
 func (c *Caller) Bookings() (owner string, maxBlocks int) {

@@ -13,7 +13,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // Serve serves state and log on a free loopback port and returns the server and its listener;
@@ -22,7 +22,7 @@ import (
 func Serve(state *kvstate.State, log kvstate.Log, maxPromptTokens int, mutate ...func(*server.Options)) (*server.Server, net.Listener, error) {
 	opts := server.Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher:      dispatch.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), dispatch.Options{}),
+		Dispatcher:      app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		MaxPromptTokens: maxPromptTokens, MaxRecvMsgBytes: 16 << 20, MaxConcurrentStreams: 1000,
 	}

@@ -3,7 +3,7 @@
 // same result. The router runs in this process: its gRPC server takes each engine's KV events and
 // load through the Go client's Publisher, exactly as from a real worker, and requests are routed,
 // marked prefill-complete and freed through the same orchestration the server uses
-// (server/dispatch), with the virtual time as its clock.
+// (server/app), with the virtual time as its clock.
 package fleet
 
 import (
@@ -31,7 +31,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate/redislog"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/dispatch"
+	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/servertest"
 )
 
@@ -134,7 +134,7 @@ type replica struct {
 	state *kvstate.State
 	log   kvstate.Log
 	redis *redislog.Log // nil when the replica's log is in process
-	disp  *dispatch.Dispatcher
+	disp  *app.Dispatcher
 	conn  *grpc.ClientConn
 }
 
@@ -316,8 +316,8 @@ func (s *sim) startReplicas() (stop func(), err error) {
 		} else {
 			rep.log = kvstate.NewMemLog(rep.state)
 		}
-		rep.disp = dispatch.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router),
-			dispatch.Options{Clock: kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })})
+		rep.disp = app.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router),
+			app.Options{Clock: kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })})
 		srv, lis, err := servertest.Serve(rep.state, rep.log, 1<<22, func(o *server.Options) {
 			o.Dispatcher = rep.disp
 			o.MaxRecvMsgBytes = 64 << 20
@@ -543,7 +543,7 @@ func (s *sim) route(r *request) error {
 	}
 	r.rep = s.replicas[s.routed%len(s.replicas)]
 	s.routed++
-	dec, err := r.rep.disp.Route(s.ctx, &dispatch.Request{Request: policy.Request{ID: r.rec.ID, Model: ModelName, Tokens: r.tokens}, SessionID: r.src.Session})
+	dec, err := r.rep.disp.Route(s.ctx, &app.Request{Request: policy.Request{ID: r.rec.ID, Model: ModelName, Tokens: r.tokens}, SessionID: r.src.Session})
 	if err != nil {
 		return fmt.Errorf("fleet: Route(%s): %w", r.rec.ID, err)
 	}

@@ -1,9 +1,9 @@
-// Package dispatch is the orchestration layer of routing: it asks the pure decision kernel
+// Package app is the orchestration layer of routing: it asks the pure decision kernel
 // (policy.Kernel) where a request runs, books the decision through the log so that every replica
 // counts its load, binds the request's session to its decode worker, and queues requests the kernel
 // finds overloaded until capacity frees. The gRPC edge (server) calls it; so can an in-process
 // simulator, which then routes exactly as the server does.
-package dispatch
+package app
 
 import (
 	"context"
