@@ -127,7 +127,7 @@ func TestExtractReferences(t *testing.T) {
 		{"link from the root", "README.md", "[d](docs/x.md)", []string{"1:docs/x.md"}},
 		{"image", "docs/a.md", "![p](benchmarks/p.png)", []string{"1:docs/benchmarks/p.png"}},
 		{"urls and anchors skipped", "docs/a.md", "[u](https://x.org/a.md) [m](mailto:a@b) [h](#top)", nil},
-		{"code span by top dir", "README.md", "x\n`kvstate/redislog/` y", []string{"2:kvstate/redislog"}},
+		{"code span by top dir", "README.md", "x\n`kvstate/replication/` y", []string{"2:kvstate/replication"}},
 		{"code span by extension", "README.md", "`clients/go/x.go`", []string{"1:clients/go/x.go"}},
 		{"leading ./", "README.md", "`./cmd/kvrouter`", []string{"1:cmd/kvrouter"}},
 		{"dot dir", "README.md", "`.ci/run`", []string{"1:.ci/run"}},

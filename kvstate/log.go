@@ -14,7 +14,7 @@ var ErrLogUnavailable = errors.New("shared log unavailable")
 // Log is the ordered event log every change to State goes through. Append returns once the change is
 // durable (for the in-process log: applied) and reports what applying it did; a change that fails
 // validation against the state returns an error and changes nothing. Implementations: MemLog (one
-// replica, embedded) and redislog.Log (a Redis stream that every replica tails; a SharedLog).
+// replica, embedded) and replication.Log (a Redis stream that every replica tails; a SharedLog).
 type Log interface {
 	// Append makes c durable and applies it to the local state.
 	Append(ctx context.Context, c Change) (Result, error)

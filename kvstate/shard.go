@@ -9,7 +9,7 @@ import (
 )
 
 // Shard is one state machine: a State and the Log every change to it goes through. A deployment
-// whose shared log is split by model (kvstate/redislog.Shards) runs one shard per model, each
+// whose shared log is split by model (kvstate/replication.Shards) runs one shard per model, each
 // applied on its own and in its own order; otherwise one shard holds every model. Nothing in a
 // shard's state depends on another shard's changes (docs/architecture.md, "The shared log's order,
 // and sharding it by model").
@@ -27,7 +27,7 @@ type Shard struct {
 // for this one.
 var ErrModelNotServed = errors.New("model is not served by this replica")
 
-// ShardSource finds the shards a replica holds: redislog.Shards for a log sharded by model, OneShard
+// ShardSource finds the shards a replica holds: replication.Shards for a log sharded by model, OneShard
 // otherwise. The edge holds one and never knows which.
 type ShardSource interface {
 	// Open returns the shard that holds model, creating it if no replica has yet (a worker's hello

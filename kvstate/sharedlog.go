@@ -5,7 +5,7 @@ import (
 	"time"
 )
 
-// SharedLog is a Log that several replicas share through a store (kvstate/redislog is the Redis
+// SharedLog is a Log that several replicas share through a store (kvstate/replication is the Redis
 // one). Beyond appending, the edge needs from it a readiness, a health, a report of where this
 // replica stands, and figures for metrics; a backend that implements this interface gets readiness
 // gating, the shared-state health entry, GetState's report and the kvrouter_shared_log_* metrics

@@ -121,7 +121,7 @@ func newCurveFleet(t *testing.T, p curvePoint) *curveFleet {
 	state := kvstate.NewState()
 	log := kvstate.NewMemLog(state)
 	f := &curveFleet{curvePoint: p, state: state, log: log,
-		router: app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{})}
+		router: app.New(state, log, policy.NewKernel(policy.StateView(state), policy.DefaultConfig()), app.Options{})}
 	ctx := context.Background()
 	workers := make([]kvstate.WorkerKey, p.workers)
 	for i := range workers {

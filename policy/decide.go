@@ -117,94 +117,135 @@ type Decision struct {
 	Candidates   []Scored // when explaining
 }
 
-// View is the read-only state a decision reads: a model's block size, workers and prefix index,
-// and the booked load. *kvstate.State implements it; the kernel never changes what it reads.
-type View interface {
-	Model(name string) *kvstate.Model
-	Load() *kvstate.Load
-}
-
 // Kernel is the pure decision kernel: from a read-only View it decides where a request runs and
 // what load that puts on the chosen workers. It appends nothing, books nothing and never blocks;
-// server/app books its decisions, queues requests it finds overloaded and keeps sessions. It
-// is safe for concurrent use; deciding reads local memory only and allocates little (scratch space
-// is pooled).
+// server/app books its decisions, queues requests it finds overloaded and keeps sessions. Its view
+// offers reads only and its configuration is fixed at construction (NewKernel), so the compiler,
+// not a convention, keeps it from changing what it reads or being changed while it decides. It is
+// safe for concurrent use; deciding reads local memory only and allocates little (scratch space is
+// pooled).
 type Kernel struct {
-	View   View
-	Config Config // Config.Scorer costs each hop's candidates (nil: DynamoCost)
-	// Picker chooses among the costs; nil means TemperaturePicker.
-	Picker Picker
-	// Filters drop candidates after the kernel's own eligibility rules; none by default.
-	Filters []Filter
-	Rand    Rand
+	view    View
+	cfg     Config
+	scorer  Scorer   // cfg.Scorer, or DynamoCost
+	picker  Picker   // WithPicker, or TemperaturePicker
+	filters []Filter // WithFilters; none by default
+	rand    Rand     // WithRand, or GlobalRand
 
 	scratch sync.Pool
 }
 
-// NewKernel returns a kernel with the configured scorer, Dynamo's picker and the global random
-// source.
-func NewKernel(view View, cfg Config) *Kernel {
-	return &Kernel{View: view, Config: cfg, Picker: TemperaturePicker{}, Rand: GlobalRand{}}
+// NewKernel returns a kernel deciding over view with cfg: its scorer (nil: DynamoCost), Dynamo's
+// picker and the global random source unless opts say otherwise. The kernel keeps its own copy of
+// cfg, so a caller changing its Config (or a threshold it points to) afterwards changes nothing.
+func NewKernel(view View, cfg Config, opts ...Option) *Kernel {
+	k := &Kernel{view: view, cfg: cfg.clone()}
+	for _, o := range opts {
+		o(k)
+	}
+	if k.scorer = k.cfg.Scorer; k.scorer == nil {
+		k.scorer = DynamoCost
+	}
+	if k.picker == nil {
+		k.picker = TemperaturePicker{}
+	}
+	if k.rand == nil {
+		k.rand = GlobalRand{}
+	}
+	return k
+}
+
+// Config returns a copy of the configuration the kernel decides with.
+func (r *Kernel) Config() Config { return r.cfg.clone() }
+
+// BlockSize returns the block size of the named model as the kernel's view has it, and false when
+// no worker serves the model: what a caller keys the model's prompts for (KeyedPrompt.Key).
+func (r *Kernel) BlockSize(model string) (uint32, bool) {
+	m := r.view.Model(model)
+	if m == nil {
+		return 0, false
+	}
+	return m.BlockSize(), true
 }
 
 // scratch is per-call working memory, reused through a pool so routing does not allocate it anew.
 type scratch struct {
-	local, seq []uint64
-	overlap    kvstate.Overlaps // per worker: prompt overlap in the prefix index
-	active     kvstate.Overlaps // per worker: prompt overlap with its active (booked) blocks
-	cands      []Candidate
-	costs      []float64
-	slots      []uint32
-	loads      []kvstate.SlotLoad
-	prefill    []*kvstate.Worker // the model's prefill pool
-	decode     []*kvstate.Worker // the model's decode (or aggregated) pool
-	eligible   []*kvstate.Worker // one hop's workers after hints
-	hop        Hop               // what the hop's filters, scorer and picker see
+	key      KeyedPrompt      // the prompt's key when the caller gave none that fits
+	overlap  kvstate.Overlaps // per worker: prompt overlap in the prefix index
+	active   kvstate.Overlaps // per worker: prompt overlap with its active (booked) blocks
+	cands    []Candidate
+	costs    []float64
+	slots    []uint32
+	loads    []kvstate.SlotLoad
+	workers  []*kvstate.Worker // the model's workers (a copy: ModelView.AppendWorkers)
+	prefill  []*kvstate.Worker // the model's prefill pool
+	decode   []*kvstate.Worker // the model's decode (or aggregated) pool
+	eligible []*kvstate.Worker // one hop's workers after hints
+	hop      Hop               // what the hop's filters, scorer and picker see
+}
+
+// getScratch returns pooled scratch space; putScratch gives it back.
+func (r *Kernel) getScratch() *scratch {
+	if sc, _ := r.scratch.Get().(*scratch); sc != nil {
+		return sc
+	}
+	return &scratch{}
+}
+
+func (r *Kernel) putScratch(sc *scratch) { r.scratch.Put(sc) }
+
+// keyFor returns p when it was keyed for blockSize, else req's prompt keyed in sc (the one rule of
+// KeyedPrompt's contract).
+func keyFor(req *Request, p *KeyedPrompt, blockSize uint32, sc *scratch) *KeyedPrompt {
+	if p.KeyedFor(blockSize) {
+		return p
+	}
+	sc.key.Key(req, blockSize)
+	return &sc.key
 }
 
 // routeCtx is one request's routing inputs, shared by its hops.
 type routeCtx struct {
 	req    *Request
 	sc     *scratch
-	prompt Prompt
+	key    *KeyedPrompt // the prompt's hashes
+	prompt Prompt       // key.Prompt
 	dec    *Decision
 }
 
 // Decide returns where req runs and, unless it is query-only, the load booking it would put on its
-// workers (Decision.Load). It fails with ErrAllWorkersOverloaded when router_queue_threshold leaves
-// no worker for a hop; the caller may queue the request and decide again when capacity changes.
-func (r *Kernel) Decide(req *Request) (*Decision, error) {
-	cd, err := r.Config.effectiveCD(req.CDOverride)
+// workers (Decision.Load). p is req's prompt keyed for its model (KeyedPrompt: the kernel uses it
+// when it was keyed for the model's block size, and keys the prompt itself otherwise; nil is fine).
+// It fails with ErrAllWorkersOverloaded when router_queue_threshold leaves no worker for a hop; the
+// caller may queue the request and decide again when capacity changes.
+func (r *Kernel) Decide(req *Request, p *KeyedPrompt) (*Decision, error) {
+	cd, err := r.cfg.effectiveCD(req.CDOverride)
 	if err != nil {
 		return nil, err
 	}
-	m := r.View.Model(req.Model)
+	m := r.view.Model(req.Model)
 	if m == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, req.Model)
 	}
-	sc, _ := r.scratch.Get().(*scratch)
-	if sc == nil {
-		sc = &scratch{}
-	}
-	defer r.scratch.Put(sc)
+	sc := r.getScratch()
+	defer r.putScratch(sc)
 
-	rc := &routeCtx{req: req, sc: sc, prompt: Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}}
-	salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
-	sc.local = blockhash.Locals(sc.local[:0], req.Tokens, int(m.BlockSize), salt)
-	sc.seq = blockhash.Sequence(sc.seq[:0], sc.local)
-	if r.Config.UseKVEvents {
-		m.Index.Overlaps(sc.seq, &sc.overlap)
+	key := keyFor(req, p, m.BlockSize(), sc)
+	rc := &routeCtx{req: req, sc: sc, key: key, prompt: key.Prompt}
+	if r.cfg.UseKVEvents {
+		m.Overlaps(key.Seq, &sc.overlap)
 	} else {
-		m.Index.Overlaps(nil, &sc.overlap)
+		m.Overlaps(nil, &sc.overlap)
 	}
-	r.View.Load().ActiveDepths(sc.seq, &sc.active)
+	r.view.Load().ActiveDepths(key.Seq, &sc.active)
 
 	rc.dec = &Decision{
-		PromptTokens: rc.prompt.Tokens, PromptBlocks: uint64(len(sc.seq)), BlockSize: m.BlockSize,
+		PromptTokens: rc.prompt.Tokens, PromptBlocks: uint64(len(key.Seq)), BlockSize: key.BlockSize,
 		Annotations: StripBypassMarkers(req.Annotations),
 	}
+	sc.workers = m.AppendWorkers(sc.workers[:0])
 	sc.prefill, sc.decode = sc.prefill[:0], sc.decode[:0]
-	for _, w := range m.Workers() {
+	for _, w := range sc.workers {
 		if w.Info.Role == kvstate.RolePrefill {
 			sc.prefill = append(sc.prefill, w)
 		} else {
@@ -212,7 +253,7 @@ func (r *Kernel) Decide(req *Request) (*Decision, error) {
 		}
 	}
 	prefillPool, decodePool := sc.prefill, sc.decode
-	weights := r.Config.weights(req.Override)
+	weights := r.cfg.weights(req.Override)
 	dec := rc.dec
 	// The decode hop goes to the explicit pin, else to the session's decode worker if it is still here.
 	affinity, affinityStale := sessionTarget(req, decodePool)
@@ -224,7 +265,7 @@ func (r *Kernel) Decide(req *Request) (*Decision, error) {
 	switch {
 	case len(prefillPool) == 0:
 		// No prefill pool (§5.4): the decode worker runs the whole request.
-		if r.Config.EnforceDisagg {
+		if r.cfg.EnforceDisagg {
 			return nil, fmt.Errorf("%w: model %q", ErrDisaggRequired, req.Model)
 		}
 		dc, err := r.choose(rc, HopAggregated, decodePool, weights, decodePin)
@@ -309,7 +350,7 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	if len(eligible) == 0 {
 		return Choice{}, noEligibleWorker(req, hop, pin)
 	}
-	sc.loads = r.View.Load().Slots(sc.loads[:0], sc.slots)
+	sc.loads = r.view.Load().Slots(sc.loads[:0], sc.slots)
 
 	requestBlocks := p.Blocks()
 	sc.cands = sc.cands[:0]
@@ -337,19 +378,19 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	}
 	h := &sc.hop
 	*h = Hop{Name: hop, Request: req, Prompt: p, Weights: w, MinActivePrefill: minActive}
-	for _, f := range r.Filters {
+	for _, f := range r.filters {
 		n := len(sc.cands)
 		sc.cands = slices.DeleteFunc(sc.cands, func(c Candidate) bool { return !f.Keep(h, &c) })
 		if len(sc.cands) == 0 {
 			return Choice{}, filteredOut(hop, f, n)
 		}
 	}
-	r.scorer().Score(h, sc.cands)
+	r.scorer.Score(h, sc.cands)
 	sc.costs = sc.costs[:0]
 	for i := range sc.cands {
 		sc.costs = append(sc.costs, sc.cands[i].Cost)
 	}
-	best := r.picker().Pick(h, sc.costs, r.Rand)
+	best := r.picker.Pick(h, sc.costs, r.rand)
 	if req.Explain {
 		for i, c := range sc.cands {
 			rc.dec.Candidates = append(rc.dec.Candidates, Scored{Hop: hop, Candidate: c, Chosen: i == best})
@@ -390,24 +431,10 @@ func filteredOut(hop string, f Filter, n int) error {
 	return fmt.Errorf("%w: %s hop: filter %s dropped all %d workers", ErrNoEligibleWorkers, hop, f, n)
 }
 
-func (r *Kernel) scorer() Scorer {
-	if r.Config.Scorer == nil {
-		return DynamoCost
-	}
-	return r.Config.Scorer
-}
-
-func (r *Kernel) picker() Picker {
-	if r.Picker == nil {
-		return TemperaturePicker{}
-	}
-	return r.Picker
-}
-
 // overloaded reports whether the worker's prefill load is over router_queue_threshold times its
 // prefill capacity (§3.5). Without a threshold no worker is overloaded.
 func (r *Kernel) overloaded(w *kvstate.Worker, load kvstate.SlotLoad) bool {
-	t := r.Config.QueueThreshold
+	t := r.cfg.QueueThreshold
 	if t == nil {
 		return false
 	}
@@ -464,7 +491,7 @@ func requestBlockKeys(rc *routeCtx, reuse bool) []uint64 {
 	n := rc.prompt.Blocks()
 	keys := make([]uint64, 0, n)
 	if reuse {
-		keys = append(keys, rc.sc.seq...)
+		keys = append(keys, rc.key.Seq...)
 	}
 	base := xxh3.HashString(rc.req.ID)
 	for i := uint64(len(keys)); i < n; i++ {
@@ -517,20 +544,22 @@ func containsID(ids []uint64, id uint64) bool {
 
 // UncachedTokens returns the prompt tokens that no worker of the request's model holds: the prompt
 // minus the longest device-tier cached prefix on any of them (all of it for an unknown model).
-// Requests queued for capacity wait shortest-first by it under router_queue_policy wspt.
-func (r *Kernel) UncachedTokens(req *Request) uint64 {
+// Requests queued for capacity wait shortest-first by it under router_queue_policy wspt. p is req's
+// prompt keyed for its model, as Decide takes it (nil: the kernel keys it).
+func (r *Kernel) UncachedTokens(req *Request, p *KeyedPrompt) uint64 {
 	tokens := uint64(len(req.Tokens))
-	m := r.View.Model(req.Model)
-	if m == nil || m.BlockSize == 0 {
+	m := r.view.Model(req.Model)
+	if m == nil || m.BlockSize() == 0 {
 		return tokens
 	}
-	var o kvstate.Overlaps
-	salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
-	seq := blockhash.Sequence(nil, blockhash.Locals(nil, req.Tokens, int(m.BlockSize), salt))
-	m.Index.Overlaps(seq, &o)
+	sc := r.getScratch()
+	defer r.putScratch(sc)
+	key := keyFor(req, p, m.BlockSize(), sc)
+	m.Overlaps(key.Seq, &sc.overlap)
 	var best uint32
-	for _, w := range m.Workers() {
-		best = max(best, o.Depths(w.Slot)[kvstate.TierDevice])
+	sc.workers = m.AppendWorkers(sc.workers[:0])
+	for _, w := range sc.workers {
+		best = max(best, sc.overlap.Depths(w.Slot)[kvstate.TierDevice])
 	}
-	return tokens - min(tokens, uint64(best)*uint64(m.BlockSize))
+	return tokens - min(tokens, uint64(best)*uint64(key.BlockSize))
 }

@@ -64,9 +64,8 @@ func (f *fleet) cache(id uint64, tokens []uint32, n int) {
 
 // router returns a kernel over the fleet whose Route books what it decides, the way server/app
 // does, so that tests see each decision's load in the state.
-func (f *fleet) router(cfg Config) *bookingKernel {
-	k := NewKernel(f.state, cfg)
-	k.Rand = fixedRand{keepFirst: true}
+func (f *fleet) router(cfg Config, opts ...Option) *bookingKernel {
+	k := NewKernel(StateView(f.state), cfg, append([]Option{WithRand(fixedRand{keepFirst: true})}, opts...)...)
 	return &bookingKernel{Kernel: k, f: f}
 }
 
@@ -76,7 +75,7 @@ type bookingKernel struct {
 }
 
 func (b *bookingKernel) Route(ctx context.Context, req *Request) (*Decision, error) {
-	dec, err := b.Decide(req)
+	dec, err := b.Decide(req, nil)
 	if err != nil || req.QueryOnly {
 		return dec, err
 	}

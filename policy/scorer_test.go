@@ -49,7 +49,7 @@ func TestAddingAScorer(t *testing.T) {
 	f, tokens := warmButBusy(t)
 	pick := func(cfg Config) uint64 {
 		t.Helper()
-		dec, err := f.router(cfg).Decide(&Request{Model: "m", Tokens: tokens, QueryOnly: true})
+		dec, err := f.router(cfg).Decide(&Request{Model: "m", Tokens: tokens, QueryOnly: true}, nil)
 		if err != nil {
 			t.Fatalf("Decide() = %v", err)
 		}
@@ -76,14 +76,12 @@ func (n maxRequests) Keep(_ *Hop, c *Candidate) bool { return c.Load.ActiveReque
 // candidate it drops fails with ErrNoEligibleWorkers, naming it; nothing is booked then.
 func TestFilters(t *testing.T) {
 	f, tokens := warmButBusy(t)
-	r := f.router(DefaultConfig())
-	r.Filters = []Filter{maxRequests(1)}
-	dec, err := r.Route(context.Background(), &Request{ID: "r", Model: "m", Tokens: tokens})
+	dec, err := f.router(DefaultConfig(), WithFilters(maxRequests(1))).Route(context.Background(), &Request{ID: "r", Model: "m", Tokens: tokens})
 	if err != nil || dec.Decode.Worker.Info.Key.ID != 2 {
 		t.Fatalf("Route() with max_requests(1) = %v, %v; want worker 2 (1 runs two requests)", dec, err)
 	}
-	r.Filters = []Filter{maxRequests(0)} // 2 now runs r
-	_, err = r.Route(context.Background(), &Request{ID: "s", Model: "m", Tokens: tokens})
+	// 2 now runs r.
+	_, err = f.router(DefaultConfig(), WithFilters(maxRequests(0))).Route(context.Background(), &Request{ID: "s", Model: "m", Tokens: tokens})
 	if !errors.Is(err, ErrNoEligibleWorkers) || !strings.Contains(err.Error(), "filter max_requests dropped all 2 workers") {
 		t.Errorf("Route() with max_requests(0) = %v, want ErrNoEligibleWorkers naming the filter", err)
 	}

@@ -72,6 +72,10 @@ func toStatus(err error) error {
 	if errors.As(err, &fe) {
 		return invalidArgument(fe.Field, fe.Rule)
 	}
+	var r *app.Refusal
+	if errors.As(err, &r) {
+		return refusalStatus(r)
+	}
 	for _, d := range domainErrors {
 		if errors.Is(err, d.err) {
 			st := status.New(d.code, err.Error())
@@ -86,6 +90,35 @@ func toStatus(err error) error {
 		}
 	}
 	return status.Error(codes.Internal, err.Error())
+}
+
+// refusalCodes maps the kinds of a Publish session's refusal to status codes.
+var refusalCodes = map[app.RefusalKind]codes.Code{
+	app.RefusedPrecondition: codes.FailedPrecondition,
+	app.RefusedLimit:        codes.ResourceExhausted,
+	app.RefusedUnavailable:  codes.Unavailable,
+	app.RefusedInternal:     codes.Internal,
+}
+
+// refusalStatus converts a Publish session's refusal: its reason and metadata become an
+// ErrorInfo, its RetryAfter a RetryInfo.
+func refusalStatus(r *app.Refusal) error {
+	code, ok := refusalCodes[r.Kind]
+	if !ok {
+		code = codes.Internal
+	}
+	st := status.New(code, r.Message)
+	var details []protoadapt.MessageV1
+	if r.Reason != "" {
+		details = append(details, &errdetails.ErrorInfo{Reason: r.Reason, Domain: errorDomain, Metadata: r.Metadata})
+	}
+	if r.RetryAfter > 0 {
+		details = append(details, &errdetails.RetryInfo{RetryDelay: durationpb.New(r.RetryAfter)})
+	}
+	if len(details) == 0 {
+		return st.Err()
+	}
+	return withDetails(st, details...)
 }
 
 // invalidArgument returns INVALID_ARGUMENT naming the field and the rule it broke, with a BadRequest

@@ -26,9 +26,8 @@ import (
 // limits: it then costs at most about 4 bytes per wire byte (token ids) plus a fixed amount per
 // event and per block (measured in docs/BENCHMARKS.md, "Publish message memory").
 type publishLimits struct {
-	maxBytes      int // wire size of one message
-	maxBlocks     int // events in one message, and stored blocks plus removed hashes in one message
-	maxDumpBlocks int // stored blocks of a whole dump, over all its parts
+	maxBytes  int // wire size of one message
+	maxBlocks int // events in one message, and stored blocks plus removed hashes in one message
 }
 
 // publishFrame is what the Publish handler receives: the message's size and counts, and the message
@@ -115,7 +114,7 @@ func (c limitingCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	b := buf.ReadOnlyData()
 	if counts, ok := countPublish(b); ok {
 		f.counts = counts
-		if counts.events > f.limits.maxBlocks || counts.blocks > f.limits.maxBlocks {
+		if counts.events > f.limits.maxBlocks || counts.blocks > f.limits.maxBlocks || counts.helloBytes > maxHelloBytes {
 			return nil
 		}
 	}
@@ -133,6 +132,8 @@ func (f *publishFrame) check() error {
 	case f.counts.events > f.limits.maxBlocks:
 		return limitExceeded("PUBLISH_BATCH_TOO_LARGE", f.counts.field+".events", "max_batch_blocks", f.limits.maxBlocks, f.counts.events,
 			"holds %d events, more than max_batch_blocks %d: split the batch", f.counts.events, f.limits.maxBlocks)
+	case f.counts.helloBytes > maxHelloBytes:
+		return invalidArgumentf("hello", "must be at most %d bytes encoded (got %d): its model at most %d bytes, its endpoint at most %d", maxHelloBytes, f.counts.helloBytes, maxModelBytes, maxEndpointBytes)
 	case f.counts.blocks > f.limits.maxBlocks:
 		return limitExceeded("PUBLISH_BATCH_TOO_LARGE", f.counts.field+".events", "max_batch_blocks", f.limits.maxBlocks, f.counts.blocks,
 			"holds %d blocks (stored blocks plus removed hashes), more than max_batch_blocks %d: split the batch", f.counts.blocks, f.limits.maxBlocks)
@@ -155,10 +156,18 @@ func limitExceeded(reason, field, limit string, max, got int, format string, arg
 type publishCounts struct {
 	field          string // "events" or "dump"
 	events, blocks int
+	helloBytes     int // the encoded hello's size, when the message is one
 }
+
+// maxHelloBytes is the largest encoded hello that can be valid: its model and endpoint at their
+// limits and every other field at its largest, with room to spare. A larger one is refused before
+// it is decoded: decoding a 1 MB endpoint only to refuse it cost the router 5x the memory of the
+// message, and the frontends' Route p99 grew 4x while two attackers sent them.
+const maxHelloBytes = maxModelBytes + maxEndpointBytes + 1024
 
 // Field numbers of the messages countPublish walks (proto/kvrouter/v1/worker.proto).
 const (
+	fieldPublishHello  = 1 // PublishRequest.hello
 	fieldPublishEvents = 2 // PublishRequest.events
 	fieldPublishDump   = 3 // PublishRequest.dump
 	fieldBatchEvents   = 1 // EventBatch.events
@@ -176,6 +185,9 @@ func countPublish(b []byte) (publishCounts, bool) {
 	ok := eachField(b, func(num protowire.Number, typ protowire.Type, v []byte) bool {
 		eventsField := protowire.Number(0)
 		switch {
+		case num == fieldPublishHello && typ == protowire.BytesType:
+			c.helloBytes = len(v)
+			return true
 		case num == fieldPublishEvents && typ == protowire.BytesType:
 			c.field, eventsField = "events", fieldBatchEvents
 		case num == fieldPublishDump && typ == protowire.BytesType:

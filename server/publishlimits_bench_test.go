@@ -74,7 +74,7 @@ func largestMessages() map[string]*kvrouterv1.PublishRequest {
 // flight holds at most (docs/BENCHMARKS.md, "Publish message memory").
 func BenchmarkPublishMessageMemory(b *testing.B) {
 	codec := newLimitingCodec(maxRouteBytes(1 << 20))
-	limits := publishLimits{maxBytes: config.DefaultMaxPublishMsgBytes, maxBlocks: config.DefaultMaxBatchBlocks, maxDumpBlocks: config.DefaultMaxDumpBlocks}
+	limits := publishLimits{maxBytes: config.DefaultMaxPublishMsgBytes, maxBlocks: config.DefaultMaxBatchBlocks}
 	refused := map[string]bool{"refused-15MB-empties": true, "15MB-token-ids": true}
 	for name, msg := range largestMessages() {
 		wire, err := proto.Marshal(msg)
@@ -85,19 +85,19 @@ func BenchmarkPublishMessageMemory(b *testing.B) {
 		if name == "one-long-block" {
 			blockSize = uint32(len(msg.GetEvents().GetEvents()[0].GetStored().GetBlocks()[0].GetTokenIds()))
 		}
-		ps := &publishStream{info: kvstate.WorkerInfo{BlockSize: blockSize}}
+		info := kvstate.WorkerInfo{BlockSize: blockSize}
 		for _, limited := range []bool{true, false} {
 			if !limited && name != "15MB-token-ids" {
 				continue
 			}
 			lim, label := limits, name
 			if !limited {
-				lim, label = publishLimits{maxBytes: 1 << 30, maxBlocks: 1 << 30, maxDumpBlocks: 1 << 30}, "no-limits-"+name
+				lim, label = publishLimits{maxBytes: 1 << 30, maxBlocks: 1 << 30}, "no-limits-"+name
 			}
 			b.Run(label, func(b *testing.B) {
 				b.ReportAllocs()
 				for b.Loop() {
-					if accepted := receiveMessage(b, codec, lim, ps, wire); accepted == (limited && refused[name]) {
+					if accepted := receiveMessage(b, codec, lim, info, wire); accepted == (limited && refused[name]) {
 						b.Fatalf("%s: accepted %v, want %v", label, accepted, !(limited && refused[name]))
 					}
 				}
@@ -109,7 +109,7 @@ func BenchmarkPublishMessageMemory(b *testing.B) {
 
 // receiveMessage does what the router does with one Publish message up to its log entry; it
 // reports false when the limits refuse the message.
-func receiveMessage(b *testing.B, codec limitingCodec, limits publishLimits, ps *publishStream, wire []byte) bool {
+func receiveMessage(b *testing.B, codec limitingCodec, limits publishLimits, info kvstate.WorkerInfo, wire []byte) bool {
 	f := &publishFrame{limits: limits}
 	if err := codec.Unmarshal(mem.BufferSlice{mem.SliceBuffer(wire)}, f); err != nil {
 		b.Fatal(err)
@@ -117,7 +117,7 @@ func receiveMessage(b *testing.B, codec limitingCodec, limits publishLimits, ps 
 	if f.check() != nil {
 		return false
 	}
-	evs, err := ps.convertEvents("events.events", f.msg.GetEvents().GetEvents(), true)
+	evs, err := convertEvents("events.events", f.msg.GetEvents().GetEvents(), info, true)
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -113,8 +113,7 @@ func newFuzzRouter(t *testing.T, config int) *fuzzRouter {
 		Hops:    []kvstate.HopBooking{{Worker: p1, PrefillTokens: 100}, {Worker: d3, Blocks: []uint64{1, 2}}},
 		Session: "s1", SessionExpires: fuzzClock.Add(time.Hour).UnixNano()}})
 
-	kernel := policy.NewKernel(state, cfg)
-	kernel.Rand = rand.New(rand.NewPCG(1, 2)) // ties break the same way every run of an input
+	kernel := policy.NewKernel(policy.StateView(state), cfg, policy.WithRand(rand.New(rand.NewPCG(1, 2)))) // ties break the same way every run of an input
 	disp := app.New(state, log, kernel, app.Options{Clock: kvstate.ClockFunc(func() time.Time { return fuzzClock })})
 	svc := &routerService{dispatcher: disp, maxPromptTokens: fuzzMaxPromptTokens,
 		metrics: newMetrics(prometheus.NewRegistry(), kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: log}}, kvstate.NewPresence(), disp),

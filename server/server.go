@@ -34,8 +34,9 @@ import (
 
 // Options configure a Server.
 type Options struct {
-	// Shards hold the state and log of each model (kvstate/redislog.Shards for a shared log sharded
-	// by model); nil means one shard of State, Log and Liveness, which holds every model.
+	// Shards hold the state and log of each model: kvstate.OneShard, one shard for every model, or
+	// a log sharded by model (kvstate/replication.Shards); server/replica builds them. Nil means
+	// one shard of State, Log and Liveness (a shortcut for tests).
 	Shards   kvstate.ShardSource
 	State    *kvstate.State
 	Log      kvstate.Log
@@ -137,28 +138,26 @@ var serviceNames = []string{
 // New assembles the gRPC server with every service registered and reporting SERVING.
 func New(o Options) *Server {
 	o.Clock = kvstate.ClockOr(o.Clock)
-	sharded := o.Shards != nil
-	if !sharded {
+	if o.Shards == nil {
 		o.Shards = kvstate.OneShard{Shard: &kvstate.Shard{State: o.State, Log: o.Log, Liveness: o.Liveness}}
 	}
-	limits := publishLimits{maxBytes: o.MaxPublishMsgBytes, maxBlocks: o.MaxBatchBlocks, maxDumpBlocks: o.MaxDumpBlocks}
+	_, one := o.Shards.(kvstate.OneShard)
+	sharded := !one
+	limits := publishLimits{maxBytes: o.MaxPublishMsgBytes, maxBlocks: o.MaxBatchBlocks}
 	if limits.maxBytes <= 0 {
 		limits.maxBytes = min(config.DefaultMaxPublishMsgBytes, o.MaxRecvMsgBytes)
 	}
 	if limits.maxBlocks <= 0 {
 		limits.maxBlocks = config.DefaultMaxBatchBlocks
 	}
-	if limits.maxDumpBlocks <= 0 {
-		limits.maxDumpBlocks = config.DefaultMaxDumpBlocks
+	maxDumpBlocks := o.MaxDumpBlocks
+	if maxDumpBlocks <= 0 {
+		maxDumpBlocks = config.DefaultMaxDumpBlocks
 	}
-	dumps := &dumpBudget{limit: int64(o.MaxDumpBytesInFlight)}
-	if dumps.limit <= 0 {
-		dumps.limit = config.DefaultMaxDumpBytesInFlight
+	maxDumpBytes := int64(o.MaxDumpBytesInFlight)
+	if maxDumpBytes <= 0 {
+		maxDumpBytes = config.DefaultMaxDumpBytesInFlight
 	}
-	o.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name: "kvrouter_publish_dump_bytes_in_flight",
-		Help: "Bytes the dumps in parts of this replica's Publish streams hold between their parts, together; a part that would pass max_dump_bytes_in_flight is refused (RESOURCE_EXHAUSTED, DUMPS_IN_FLIGHT).",
-	}, func() float64 { return float64(dumps.used.Load()) }))
 	grpcMetrics := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram(
 		grpcprom.WithHistogramBuckets([]float64{50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 50e-3, 0.25, 1}),
 	))
@@ -235,6 +234,9 @@ func New(o Options) *Server {
 		// A connection that has not finished its TLS handshake and HTTP/2 preface by then is
 		// closed: it holds one of max_connections meanwhile (gRPC's default waits 120 s).
 		grpc.ConnectionTimeout(10 * time.Second),
+		// Stop returns once every handler has: a Publish stream has released its worker's lease by
+		// then, so the leases may stop right after the server (replica.Run's contract).
+		grpc.WaitForHandlers(true),
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime, PermitWithoutStream: true}),
 		grpc.KeepaliveParams(serverParams),
 	}
@@ -271,9 +273,16 @@ func New(o Options) *Server {
 		o.Shards.Observe(obs)
 	}
 	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
-	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{shards: o.Shards, presence: o.Presence, metrics: m, logger: o.Logger, clock: o.Clock, stopping: s.stopping,
-		conditionalDisagg: o.Dispatcher.Config().ConditionalDisagg.Enabled, limits: limits, maxWorkersPerModel: o.MaxWorkersPerModel, maxRanksPerWorker: o.MaxRanksPerWorker, maxModels: o.MaxModels, tracer: tracer,
-		dumps: dumps})
+	publishing := app.NewPublishing(app.PublishOptions{Shards: o.Shards, Presence: o.Presence, Clock: o.Clock, Logger: o.Logger,
+		ConditionalDisagg:  o.Dispatcher.Config().ConditionalDisagg.Enabled,
+		MaxWorkersPerModel: o.MaxWorkersPerModel, MaxRanksPerWorker: o.MaxRanksPerWorker, MaxModels: o.MaxModels,
+		MaxDumpBlocks: maxDumpBlocks, MaxDumpBytesInFlight: maxDumpBytes,
+		Observer: publishObserver{metrics: m, tracer: tracer}})
+	o.Registry.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "kvrouter_publish_dump_bytes_in_flight",
+		Help: "Bytes the dumps in parts of this replica's Publish streams hold between their parts, together; a part that would pass max_dump_bytes_in_flight is refused (RESOURCE_EXHAUSTED, DUMPS_IN_FLIGHT).",
+	}, func() float64 { return float64(publishing.DumpBytesInFlight()) }))
+	kvrouterv1.RegisterWorkerServiceServer(s.grpc, &workerService{publishing: publishing, logger: o.Logger, limits: limits, stopping: s.stopping})
 	kvrouterv1.RegisterAdminServiceServer(s.grpc, &adminService{shards: o.Shards, sharded: sharded, presence: o.Presence, config: o.Config})
 	healthpb.RegisterHealthServer(s.grpc, s.health)
 	// The health port takes callers without credentials, so everything a caller could grow there

@@ -55,7 +55,7 @@ func withRouting(change func(*policy.Config)) func(*Options) {
 	return func(o *Options) {
 		cfg := o.Dispatcher.Config()
 		change(&cfg)
-		o.Dispatcher = app.New(o.State, o.Log, policy.NewKernel(o.State, cfg), app.Options{})
+		o.Dispatcher = app.New(o.State, o.Log, policy.NewKernel(policy.StateView(o.State), cfg), app.Options{})
 	}
 }
 
@@ -66,7 +66,7 @@ func newTestEnv(t *testing.T, mutate ...func(*Options)) *testEnv {
 	registry := prometheus.NewRegistry()
 	opts := Options{
 		State: state, Log: log, Registry: registry,
-		Dispatcher:      app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
+		Dispatcher:      app.New(state, log, policy.NewKernel(policy.StateView(state), policy.DefaultConfig()), app.Options{}),
 		Logger:          slog.New(slog.NewTextHandler(io.Discard, nil)),
 		Config:          []config.Entry{{Key: "listen", Value: ":50051", Source: config.SourceDefault}, {Key: "overlap_score_credit", Value: "0.5", Source: config.SourceFlag}},
 		MaxPromptTokens: 1000, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
@@ -372,6 +372,11 @@ func TestPublishHelloValidation(t *testing.T) {
 			h.GetHello().Endpoint = strings.Repeat("e", 1025)
 			return h
 		}(), code: codes.InvalidArgument, msg: "hello.endpoint: must be at most 1024 bytes (got 1025)"},
+		{name: "hello too large to decode", first: func() *kvrouterv1.PublishRequest {
+			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
+			h.GetHello().Endpoint = strings.Repeat("e", 1<<20)
+			return h
+		}(), code: codes.InvalidArgument, msg: "hello: must be at most 2304 bytes encoded (got 1048598): its model at most 256 bytes, its endpoint at most 1024"},
 		{name: "block size differs from the model's", first: hello(2, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 8),
 			before: func(e *testEnv) { e.connect(1) },
 			code:   codes.FailedPrecondition, msg: `block size differs from the model's: model "m" uses block_size 4, the worker registered 8`},

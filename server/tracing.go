@@ -129,30 +129,81 @@ func routeAttributes(req *kvrouterv1.RouteRequest, dec *policy.Decision) []attri
 	return attrs
 }
 
-// publishSpan is the span of one applied Publish message. Each is the root of its own trace, linked
-// to the stream's span: a stream lives as long as its worker, and one trace of all its messages
-// would grow without end.
-type publishSpan struct {
-	span  trace.Span
-	start time.Time
+// publishObserver hears what the Publish sessions do (app.PublishObserver): it counts applied
+// events, resyncs and superseded streams, and, with a tracer, makes the span of each applied
+// message. Each span is the root of its own trace, linked to the stream's span: a stream lives as
+// long as its worker, and one trace of all its messages would grow without end.
+type publishObserver struct {
+	metrics *metrics
+	tracer  trace.Tracer // nil: tracing is off
 }
 
-// startSpan starts the span of a Publish message, and returns it with ctx carrying it (for the
-// append, which a shared log links its replicas' applies to); the span is nil, and ctx unchanged,
-// when tracing is off or the span would not be recorded, so that an untraced message costs a nil
-// check.
-func (s *workerService) startSpan(ctx context.Context, name string, info kvstate.WorkerInfo) (context.Context, *publishSpan) {
-	t := s.tracer
-	if t == nil {
+func (o publishObserver) Applied(res kvstate.Result) { o.metrics.observeEvents(res) }
+func (o publishObserver) Resynced()                  { o.metrics.resyncs.Inc() }
+func (o publishObserver) Superseded()                { o.metrics.superseded.Inc() }
+
+// Appending starts the span of a Publish message's append, and returns ctx carrying it (for the
+// append, which a shared log links its replicas' applies to) and the function that ends it; it
+// returns ctx unchanged and no function when tracing is off or the span would not be recorded, so
+// that an untraced message costs a nil check.
+func (o publishObserver) Appending(ctx context.Context, log kvstate.Log, info kvstate.WorkerInfo, change kvstate.Change) (context.Context, func(kvstate.Result, error)) {
+	if o.tracer == nil {
 		return ctx, nil
 	}
-	spanCtx, span := t.Start(ctx, name, trace.WithNewRoot(), trace.WithLinks(trace.LinkFromContext(ctx)))
+	name, attrs := publishSpanOf(info, change)
+	if name == "" {
+		return ctx, nil
+	}
+	spanCtx, span := o.tracer.Start(ctx, name, trace.WithNewRoot(), trace.WithLinks(trace.LinkFromContext(ctx)))
 	if !span.IsRecording() {
 		span.End()
 		return ctx, nil
 	}
 	span.SetAttributes(AttrWorkerID.Int64(int64(info.Key.ID)), AttrDPRank.Int64(int64(info.Key.Rank)), AttrModel.String(info.Model))
-	return spanCtx, &publishSpan{span: span, start: time.Now()}
+	_, shared := log.(kvstate.SharedLog)
+	start := time.Now()
+	return spanCtx, func(res kvstate.Result, err error) { endPublishSpan(span, start, shared, change, res, err, attrs) }
+}
+
+// publishSpanOf returns the span name of a Publish message's change and the attributes known before
+// its append; no name for a change that is not traced (load reports).
+func publishSpanOf(info kvstate.WorkerInfo, change kvstate.Change) (string, []attribute.KeyValue) {
+	switch c := change.(type) {
+	case kvstate.WorkerUp:
+		return SpanPublishHello, []attribute.KeyValue{AttrRole.String(info.Role.String())}
+	case kvstate.KVEvents:
+		return SpanPublishEvents, eventAttributes(c.Events)
+	case kvstate.KVDump:
+		return SpanPublishDump, eventAttributes(c.Events)
+	}
+	return "", nil
+}
+
+// endPublishSpan records the append that applied the message and ends its span.
+func endPublishSpan(span trace.Span, start time.Time, shared bool, change kvstate.Change, res kvstate.Result, err error, attrs []attribute.KeyValue) {
+	if _, hello := change.(kvstate.WorkerUp); hello {
+		attrs = append(attrs, AttrEpoch.Int64(int64(res.Epoch)))
+	} else {
+		attrs = append(attrs, AttrApplied.Int(res.Applied))
+	}
+	attrs = append(attrs,
+		AttrAppendMS.Float64(float64(time.Since(start).Microseconds())/1000),
+		// The append waited for the shared store (Redis), unless the store was unreachable and the
+		// change was kept in this replica's outage buffer (its ack then waits).
+		AttrSharedLog.Bool(shared),
+		AttrBuffered.Bool(res.Buffered),
+	)
+	if res.HasLastEvent {
+		attrs = append(attrs, AttrLastEventID.Int64(int64(res.LastEventID)))
+	}
+	if res.Gap {
+		attrs = append(attrs, AttrGap.Bool(true))
+	}
+	span.SetAttributes(attrs...)
+	if err != nil {
+		span.SetStatus(otelcodes.Error, err.Error())
+	}
+	span.End()
 }
 
 // traceLog adds to a shared log's observers the hooks that link each replica's apply of an entry
@@ -184,29 +235,6 @@ func traceLog(tracer trace.Tracer, obs *kvstate.Observers) {
 			trace.WithAttributes(AttrLogEntry.String(entryID)))
 		return func() { span.End() }
 	}
-}
-
-// end records the append that applied the message and ends the span.
-func (s *publishSpan) end(log kvstate.Log, res kvstate.Result, err error, attrs ...attribute.KeyValue) {
-	_, shared := log.(kvstate.SharedLog)
-	attrs = append(attrs,
-		AttrAppendMS.Float64(float64(time.Since(s.start).Microseconds())/1000),
-		// The append waited for the shared store (Redis), unless the store was unreachable and the
-		// change was kept in this replica's outage buffer (its ack then waits).
-		AttrSharedLog.Bool(shared),
-		AttrBuffered.Bool(res.Buffered),
-	)
-	if res.HasLastEvent {
-		attrs = append(attrs, AttrLastEventID.Int64(int64(res.LastEventID)))
-	}
-	if res.Gap {
-		attrs = append(attrs, AttrGap.Bool(true))
-	}
-	s.span.SetAttributes(attrs...)
-	if err != nil {
-		s.span.SetStatus(otelcodes.Error, err.Error())
-	}
-	s.span.End()
 }
 
 // eventAttributes counts a batch's events and blocks (stored and removed).

@@ -254,17 +254,18 @@ func TestUntracedAllocatesNothing(t *testing.T) {
 			t.Errorf("traceRoute(%s) allocates %v times, want 0", name, n)
 		}
 	}
-	svc := &workerService{}
+	var change kvstate.Change = kvstate.KVEvents{Worker: w.Info.Key, Events: []kvstate.Event{{ID: 1, Kind: kvstate.EventCleared}}}
+	off := publishObserver{}
 	if n := testing.AllocsPerRun(100, func() {
-		if _, sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
-			t.Fatalf("startSpan() without a tracer = %v, want nil", sp)
+		if _, done := off.Appending(context.Background(), nil, w.Info, change); done != nil {
+			t.Fatal("Appending() without a tracer returned a function to end a span, want none")
 		}
 	}); n != 0 {
-		t.Errorf("startSpan() without a tracer allocates %v times, want 0", n)
+		t.Errorf("Appending() without a tracer allocates %v times, want 0", n)
 	}
-	svc.tracer = never.Tracer("t")
-	if _, sp := svc.startSpan(context.Background(), SpanPublishEvents, w.Info); sp != nil {
-		t.Errorf("startSpan() of an unsampled span = %v, want nil (nothing to record)", sp)
+	unrecorded := publishObserver{tracer: never.Tracer("t")}
+	if _, done := unrecorded.Appending(context.Background(), nil, w.Info, change); done != nil {
+		t.Error("Appending() of an unsampled span returned a function to end it, want none (nothing to record)")
 	}
 }
 
@@ -298,7 +299,7 @@ func routeBench(b *testing.B, mutate func(*Options)) (kvrouterv1.RouterServiceCl
 	}
 	opts := Options{
 		State: state, Log: log, Registry: prometheus.NewRegistry(),
-		Dispatcher: app.New(state, log, policy.NewKernel(state, policy.DefaultConfig()), app.Options{}),
+		Dispatcher: app.New(state, log, policy.NewKernel(policy.StateView(state), policy.DefaultConfig()), app.Options{}),
 		Logger:     slog.New(slog.NewTextHandler(io.Discard, nil)), MaxPromptTokens: 1 << 16, MaxRecvMsgBytes: 4 << 20, MaxConcurrentStreams: 100,
 	}
 	if mutate != nil {

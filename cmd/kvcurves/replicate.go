@@ -12,11 +12,11 @@ import (
 	"syscall"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
 )
 
 // replicas holds one AdminService client per kvrouter replica.
@@ -140,8 +140,8 @@ func runReplicate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		return fail(err)
 	}
 	defer r.close()
-	rdb := redis.NewClient(&redis.Options{Addr: *redisAddr})
-	defer rdb.Close()
+	store := redisstore.Dial(*redisAddr)
+	defer store.Close()
 
 	// Connect to every replica and to Redis before the clock starts: a gRPC client dials on its
 	// first call, which would otherwise count in the first poll's lag.
@@ -150,7 +150,7 @@ func runReplicate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 			return fail(fmt.Errorf("replica %s: %v", r.addrs[i], err))
 		}
 	}
-	if err := rdb.Ping(ctx).Err(); err != nil {
+	if err := store.Ping(ctx); err != nil {
 		return fail(fmt.Errorf("redis %s: %v", *redisAddr, err))
 	}
 	deadline := time.Now().Add(*timeout)
@@ -167,11 +167,11 @@ func runReplicate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 		time.Sleep(time.Millisecond)
 	}
 	acked := time.Now()
-	last, err := rdb.XRevRangeN(ctx, *prefix+":log", "+", "-", 1).Result()
-	if err != nil || len(last) == 0 {
-		return fail(fmt.Errorf("reading the stream's last entry: %v (%d entries)", err, len(last)))
+	head, err := store.Log(*prefix).Head(ctx)
+	if err != nil || head.Length == 0 {
+		return fail(fmt.Errorf("reading the stream's last entry: %v (%d entries)", err, head.Length))
 	}
-	target, err := parseStreamID(last[0].ID)
+	target, err := parseStreamID(head.Last)
 	if err != nil {
 		return fail(err)
 	}
@@ -195,7 +195,7 @@ func runReplicate(ctx context.Context, args []string, stdout, stderr io.Writer) 
 					}
 				}
 				if time.Now().After(deadline) || ctx.Err() != nil {
-					errs[i] = fmt.Errorf("replica %s did not reach entry %s within %v (last: %v)", r.addrs[i], last[0].ID, *timeout, err)
+					errs[i] = fmt.Errorf("replica %s did not reach entry %s within %v (last: %v)", r.addrs[i], head.Last, *timeout, err)
 					return
 				}
 				time.Sleep(*poll)

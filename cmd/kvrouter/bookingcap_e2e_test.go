@@ -10,7 +10,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // TestBookingsPerCredentialInEveryLayout: what one credential's bookings hold is bounded

@@ -18,7 +18,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // The fault scenarios of issue 26: a replica paused past the grace period, a replica cut off from

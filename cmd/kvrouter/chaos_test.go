@@ -17,7 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // The fault suite (scripts/chaos.sh): each scenario runs real kvrouter processes and a private Redis

@@ -26,15 +26,11 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
-	"github.com/redis/go-redis/v9"
 	"golang.org/x/sync/errgroup"
 
-	"github.com/kvrouter/kvrouter/kvstate"
-	"github.com/kvrouter/kvrouter/kvstate/redislog"
-	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/config"
+	"github.com/kvrouter/kvrouter/server/replica"
 )
 
 func main() {
@@ -93,34 +89,21 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 	defer stopTracing() // last: the spans of the server's last calls are flushed
 
-	state := kvstate.NewState()
-	state.SetMaxIndexBlocks(cfg.MaxIndexBlocks)
-	b, err := openLog(cfg, state, logger)
+	rep, err := replica.Build(replica.Options{Config: cfg, Logger: logger})
 	if err != nil {
 		return err
 	}
-	mode := b.mode
-	// Every long-lived goroutine runs in background; those of the log under runCtx, which ends only
-	// after the gRPC server has stopped (so every stream has released its lease before the leases'
-	// Run returns); the Redis client closes once they all have returned.
+	// Every long-lived goroutine runs in background; the replica's (its logs, leases and
+	// housekeeper) under runCtx, which ends only after the gRPC server has stopped (so every stream
+	// has released its lease before the leases' Run returns); the Redis client closes once they
+	// all have returned.
 	runCtx, stopRun := context.WithCancel(context.Background())
 	var background errgroup.Group
 	defer func() {
 		stopRun()
 		_ = background.Wait()
-		b.close()
+		rep.Close()
 	}()
-	for _, run := range b.run {
-		background.Go(func() error { return run(runCtx) })
-	}
-	var dispatcher app.Router
-	if b.shards != nil {
-		dispatcher = app.NewSharded(b.shards, cfg.Router, app.Options{Cap: app.CapOver(cfg.MaxBookedBlocks, b.shards)})
-	} else {
-		one := kvstate.OneShard{Shard: &kvstate.Shard{State: state, Log: b.log}}
-		dispatcher = app.New(state, b.log, policy.NewKernel(state, cfg.Router), app.Options{Cap: app.CapOver(cfg.MaxBookedBlocks, one)})
-	}
-	presence := kvstate.NewPresence() // this replica's streams, for the server and the housekeeper
 
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
@@ -131,18 +114,9 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	for _, watch := range sec.watches {
 		background.Go(func() error { return watch(runCtx) })
 	}
-	srv := server.New(server.Options{
-		Shards: b.shards, State: state, Log: b.log, Liveness: b.liveness, Dispatcher: dispatcher,
-		Config: cfg.Entries(), Logger: logger, Registry: registry, Presence: presence,
-		MaxPromptTokens: cfg.MaxPromptTokens, MaxRecvMsgBytes: cfg.MaxRecvMsgBytes, MaxConcurrentStreams: uint32(cfg.MaxConcurrentStreams),
-		MaxPublishMsgBytes: cfg.MaxPublishMsgBytes, MaxBatchBlocks: cfg.MaxBatchBlocks, MaxDumpBlocks: cfg.MaxDumpBlocks,
-		MaxDumpBytesInFlight: cfg.MaxDumpBytesInFlight,
-		MaxWorkersPerModel:   cfg.MaxWorkersPerModel, MaxRanksPerWorker: cfg.MaxRanksPerWorker, MaxModels: cfg.MaxModels, Creds: sec.creds, Auth: sec.auth,
-		MaxConnections: cfg.MaxConnections, HealthMaxConnections: cfg.HealthMaxConnections, MaxHeaderListBytes: cfg.MaxHeaderListBytes,
-		MaxRefusedCallsPerConn: cfg.MaxRefusedCallsPerConn,
-		KeepaliveMinTime:       cfg.KeepaliveMinTime, MaxConnectionAge: cfg.MaxConnectionAge, MaxConnectionAgeGrace: cfg.MaxConnectionAgeGrace,
-		TracerProvider: tracerProvider,
-	})
+	opts := rep.ServerOptions()
+	opts.Registry, opts.Creds, opts.Auth, opts.TracerProvider = registry, sec.creds, sec.auth, tracerProvider
+	srv := server.New(opts)
 
 	lis, err := net.Listen("tcp", cfg.Listen)
 	if err != nil {
@@ -212,25 +186,19 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		logger.Info("serving health", "addr", hlis.Addr().String())
 	}
 
-	housekeeper := &kvstate.Housekeeper{
-		Shards: b.shards, State: state, Log: b.log, Presence: presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry, Logger: logger,
-	}
-	background.Go(func() error {
-		housekeeper.Run(runCtx, min(time.Second, cfg.WorkerGracePeriod/4+time.Millisecond))
-		return nil
-	})
+	background.Go(func() error { return rep.Run(runCtx) })
 
 	serveErr := make(chan error, 1)
 	background.Go(func() error {
 		serveErr <- srv.Serve(lis)
 		return nil
 	})
-	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", mode, "tls", sec.creds != nil, "mutual_tls", cfg.TLSClientCAFile != "",
+	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", rep.Mode, "tls", sec.creds != nil, "mutual_tls", cfg.TLSClientCAFile != "",
 		"credentials_file", cfg.CredentialsFile)
 	if cfg.CredentialsFile == "" && !config.IsLoopback(cfg.Listen) {
 		logger.Warn("no credentials_file: every caller that reaches the port may publish events, route and read the fleet; see docs/security.md")
 	}
-	for _, w := range cleartextSecrets(cfg, addrsOfRedis(cfg)) {
+	for _, w := range cleartextSecrets(cfg, redisAddrs(cfg)) {
 		logger.Warn(w)
 	}
 
@@ -251,27 +219,10 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	return <-serveErr
 }
 
-// logBackend is the state's log and what comes with it: the liveness of workers, the goroutines
-// that keep it (run until their context ends), and what to close once they have returned. A log
-// sharded by model has shards (each with its state, log and liveness) in place of log and liveness.
-type logBackend struct {
-	log      kvstate.Log
-	liveness kvstate.Liveness
-	shards   kvstate.ShardSource
-	mode     string
-	run      []func(context.Context) error
-	close    func()
-}
-
-// addrsOfRedis returns the Redis addresses the configuration names (none in embedded mode).
-func addrsOfRedis(cfg *config.Options) []string {
-	switch {
-	case cfg.RedisAddr != "":
-		return []string{cfg.RedisAddr}
-	case cfg.RedisClusterAddrs != "":
-		return strings.Split(cfg.RedisClusterAddrs, ",")
-	}
-	return nil
+// redisAddrs returns the Redis addresses the configuration names (none in embedded mode).
+func redisAddrs(cfg *config.Options) []string {
+	addrs, _ := replica.RedisAddrs(cfg)
+	return addrs
 }
 
 // cleartextSecrets returns a warning for each secret the configuration sends over the network
@@ -292,80 +243,4 @@ func cleartextSecrets(cfg *config.Options, redisAddrs []string) []string {
 		}
 	}
 	return out
-}
-
-// openLog returns the state's log: in-process by default, or a Redis stream shared with the other
-// replicas.
-func openLog(cfg *config.Options, state *kvstate.State, logger *slog.Logger) (logBackend, error) {
-	var addrs []string
-	cluster := false
-	switch {
-	case cfg.RedisAddr != "":
-		addrs = []string{cfg.RedisAddr}
-	case cfg.RedisClusterAddrs != "":
-		addrs, cluster = strings.Split(cfg.RedisClusterAddrs, ","), true
-	default:
-		return logBackend{log: kvstate.NewMemLog(state), liveness: kvstate.LocalLiveness{}, mode: "embedded", close: func() {}}, nil
-	}
-	redis.SetLogger(redisLogger{logger})
-	rdb, err := openRedis(cfg, addrs, cluster, logger)
-	if err != nil {
-		return logBackend{}, err
-	}
-	replica := cfg.ReplicaID
-	if replica == "" {
-		host, _ := os.Hostname()
-		replica = fmt.Sprintf("%s-%d", host, os.Getpid())
-	}
-	opts := redislog.Options{
-		Prefix: cfg.RedisPrefix, Replica: replica, Logger: logger, MaxBuffered: cfg.RedisMaxBuffered,
-		SnapshotEvery: uint64(cfg.SnapshotEvery), SnapshotInterval: max(cfg.SnapshotInterval, time.Second), SnapshotChunkBytes: cfg.SnapshotChunkBytes,
-		ReseedWindow: cfg.RedisReseedWindow,
-		// A replica silent for longer than the booking expiry holds nothing another replica must
-		// wait for: a booking it made before is past the expiry when it arrives, and is expired by
-		// the first housekeeper that sees it.
-		ReplicaTimeout: cfg.BookingExpiry,
-	}
-	if cfg.RedisShardByModel {
-		shards := redislog.NewShards(rdb, redislog.ShardsOptions{
-			Models: cfg.Models(), Log: opts, WorkerGracePeriod: cfg.WorkerGracePeriod,
-			NewState: func() *kvstate.State {
-				st := kvstate.NewState()
-				st.SetMaxIndexBlocks(cfg.MaxIndexBlocks)
-				return st
-			},
-		})
-		served := "all"
-		if m := cfg.Models(); m != nil {
-			served = strings.Join(m, ",")
-		}
-		logger.Info("sharing state through Redis, a log per model", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix,
-			"registry", shards.RegistryKey(), "models", served, "replica", replica, "tls", cfg.RedisTLS, "user", cfg.RedisUsername)
-		return logBackend{shards: shards, mode: "redis sharded by model " + strings.Join(addrs, ","), run: []func(context.Context) error{shards.Run},
-			close: func() { rdb.Close() }}, nil
-	}
-	l := redislog.New(rdb, state, opts)
-	// Workers whose replica died are removed by whichever replica sees their lease run out.
-	leases := redislog.NewLeases(rdb, cfg.RedisPrefix, l, cfg.WorkerGracePeriod, logger)
-	leases.AfterOutages(l)
-	logger.Info("sharing state through Redis", "addrs", addrs, "cluster", cluster, "prefix", cfg.RedisPrefix, "replica", replica,
-		"tls", cfg.RedisTLS, "user", cfg.RedisUsername)
-	return logBackend{
-		log: l, liveness: leases, mode: "redis " + strings.Join(addrs, ","),
-		run: []func(context.Context) error{
-			l.Run,
-			func(ctx context.Context) error {
-				leases.Run(ctx, min(time.Second, cfg.WorkerGracePeriod/3+time.Millisecond))
-				return nil
-			},
-		},
-		close: func() { rdb.Close() },
-	}, nil
-}
-
-// redisLogger sends go-redis's own log lines to slog.
-type redisLogger struct{ l *slog.Logger }
-
-func (r redisLogger) Printf(ctx context.Context, format string, v ...any) {
-	r.l.WarnContext(ctx, "redis client: "+fmt.Sprintf(format, v...))
 }

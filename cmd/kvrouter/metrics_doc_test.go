@@ -17,7 +17,7 @@ import (
 	"google.golang.org/grpc/metadata"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // The files TestMetricsReference checks.

@@ -12,7 +12,7 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // TestPublisherSurvivesReplicaKill runs the Go client's Publisher against two kvrouter processes on

@@ -4,10 +4,6 @@ import (
 	"context"
 	"crypto/tls"
 	"errors"
-	"fmt"
-	"io"
-	"log/slog"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -20,9 +16,8 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 	"github.com/kvrouter/kvrouter/server"
-	"github.com/kvrouter/kvrouter/server/config"
 	"github.com/kvrouter/kvrouter/server/servertest/testpki"
 )
 
@@ -37,45 +32,20 @@ const (
 	wrongPassword = "pw-0b1d3f5-wrong"
 )
 
-// redisPKI is the certificates of a secured Redis and of its clients, written to a directory.
-type redisPKI struct {
-	dir                   string
-	serverCA              *testpki.CA
-	serverCAFile          string // what kvrouter trusts: --redis-tls-ca-file
-	serverCert, serverKey string
-	clientCA              *testpki.CA
-	clientCAFile          string // what Redis trusts: --tls-ca-cert-file
-	clientCert, clientKey string // kvrouter's client certificate
-	clientLeaf            *testpki.Leaf
-	otherCAFile           string // a CA that signed nothing here
-}
-
-func newRedisPKI(t *testing.T) *redisPKI {
-	t.Helper()
-	p := &redisPKI{dir: t.TempDir(), serverCA: testpki.NewCA(t, "redis server CA"), clientCA: testpki.NewCA(t, "redis client CA")}
-	p.serverCAFile = p.serverCA.WriteCert(t, p.dir, "server-ca.crt")
-	p.serverCert, p.serverKey = p.serverCA.Server(t).Write(t, p.dir, "redis")
-	p.clientCAFile = p.clientCA.WriteCert(t, p.dir, "client-ca.crt")
-	p.clientLeaf = p.clientCA.Client(t, "spiffe://kvrouter/replica")
-	p.clientCert, p.clientKey = p.clientLeaf.Write(t, p.dir, "kvrouter")
-	p.otherCAFile = testpki.NewCA(t, "unrelated CA").WriteCert(t, p.dir, "other-ca.crt")
-	return p
-}
-
 // startSecureRedis runs a private redis-server that speaks TLS only, requires a client certificate
 // when mutual is set, and knows one ACL user (the default user is off) when acl is set, with the
 // rights docs/operations.md gives kvrouter's user: the keys of the default prefix and every command.
-func startSecureRedis(t *testing.T, p *redisPKI, mutual, acl bool) *redistest.Server {
+func startSecureRedis(t *testing.T, p *testpki.RedisPKI, mutual, acl bool) *redistest.Server {
 	t.Helper()
 	authClients := "no"
-	clientTLS := &tls.Config{RootCAs: p.serverCA.Pool(), MinVersion: tls.VersionTLS12}
+	clientTLS := &tls.Config{RootCAs: p.ServerCA.Pool(), MinVersion: tls.VersionTLS12}
 	if mutual {
 		authClients = "yes"
-		clientTLS.Certificates = []tls.Certificate{p.clientLeaf.TLS(t)}
+		clientTLS.Certificates = []tls.Certificate{p.ClientLeaf.TLS(t)}
 	}
 	o := redistest.Options{
-		Args: []string{"--tls-cert-file", p.serverCert, "--tls-key-file", p.serverKey,
-			"--tls-ca-cert-file", p.clientCAFile, "--tls-auth-clients", authClients},
+		Args: []string{"--tls-cert-file", p.ServerCert, "--tls-key-file", p.ServerKey,
+			"--tls-ca-cert-file", p.ClientCAFile, "--tls-auth-clients", authClients},
 		TLS: clientTLS,
 	}
 	if acl {
@@ -145,10 +115,10 @@ func kvrouterExit(t *testing.T, bin string, env []string, args ...string) (int, 
 
 // tlsFlags are kvrouter's flags for the secured Redis p protects: TLS, its CA, and the client
 // certificate when mutual.
-func tlsFlags(p *redisPKI, mutual bool) []string {
-	f := []string{"--redis-tls", "--redis-tls-ca-file", p.serverCAFile}
+func tlsFlags(p *testpki.RedisPKI, mutual bool) []string {
+	f := []string{"--redis-tls", "--redis-tls-ca-file", p.ServerCAFile}
 	if mutual {
-		f = append(f, "--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", p.clientKey)
+		f = append(f, "--redis-tls-cert-file", p.ClientCert, "--redis-tls-key-file", p.ClientKey)
 	}
 	return f
 }
@@ -201,13 +171,13 @@ func configOf(t *testing.T, addr string) map[string]*kvrouterv1.ConfigEntry {
 // may leave). Both reach SERVING, including their SharedState entry; a worker's event acked by A is
 // routed on by B; GetConfig shows the password redacted, and neither output holds it.
 func TestRedisTLSAndACL(t *testing.T) {
-	p := newRedisPKI(t)
+	p := testpki.NewRedisPKI(t)
 	srv := startSecureRedis(t, p, true, true)
 	bin := buildBinary(t)
 	common := append([]string{"--redis-addr", srv.Addr, "--redis-username", redisUser}, tlsFlags(p, true)...)
 
 	a, aLogs := startSecureKvrouter(t, bin, []string{"KVROUTER_REDIS_PASSWORD=" + redisPassword}, append(common, "--replica-id", "a")...)
-	passwordFile := filepath.Join(p.dir, "redis-password")
+	passwordFile := filepath.Join(p.Dir, "redis-password")
 	if err := os.WriteFile(passwordFile, []byte(redisPassword+"\r\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -238,7 +208,7 @@ func TestRedisTLSAndACL(t *testing.T) {
 // TestRedisTLSServerOnly runs a replica on a Redis that speaks TLS but asks for no client
 // certificate and has no password: --redis-tls and --redis-tls-ca-file are enough.
 func TestRedisTLSServerOnly(t *testing.T) {
-	p := newRedisPKI(t)
+	p := testpki.NewRedisPKI(t)
 	srv := startSecureRedis(t, p, false, false)
 	bin := buildBinary(t)
 	a, logs := startSecureKvrouter(t, bin, nil, append([]string{"--redis-addr", srv.Addr}, tlsFlags(p, false)...)...)
@@ -252,10 +222,10 @@ func TestRedisTLSServerOnly(t *testing.T) {
 // its output holds neither the right password nor the wrong one. Without that PING it would retry
 // for ever, never SERVING, logging WRONGPASS ten times a second.
 func TestRedisMisconfiguredExits(t *testing.T) {
-	p := newRedisPKI(t)
+	p := testpki.NewRedisPKI(t)
 	srv := startSecureRedis(t, p, true, true)
 	bin := buildBinary(t)
-	wrongFile := filepath.Join(p.dir, "wrong-password")
+	wrongFile := filepath.Join(p.Dir, "wrong-password")
 	if err := os.WriteFile(wrongFile, []byte(wrongPassword+"\n"), 0o600); err != nil {
 		t.Fatal(err)
 	}
@@ -273,8 +243,8 @@ func TestRedisMisconfiguredExits(t *testing.T) {
 			[]string{"WRONGPASS", "--redis-password-file " + wrongFile}},
 		{"no password", nil, tlsFlags(p, true),
 			[]string{"NOAUTH", `user "kvr" was refused without a password`, "KVROUTER_REDIS_PASSWORD"}},
-		{"untrusted server certificate", goodEnv, []string{"--redis-tls", "--redis-tls-ca-file", p.otherCAFile,
-			"--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", p.clientKey},
+		{"untrusted server certificate", goodEnv, []string{"--redis-tls", "--redis-tls-ca-file", p.OtherCAFile,
+			"--redis-tls-cert-file", p.ClientCert, "--redis-tls-key-file", p.ClientKey},
 			[]string{"certificate does not verify", "--redis-tls-ca-file", "unknown authority"}},
 		{"server name not in the certificate", goodEnv, append(tlsFlags(p, true), "--redis-tls-server-name", "redis.example"),
 			[]string{"certificate does not verify", "--redis-tls-server-name", "redis.example"}},
@@ -316,7 +286,7 @@ func lastLine(s string) string {
 // every connection. The replica reconnects with the new certificate, read again from the same files,
 // and goes on: a new worker's event is acked and SharedState is SERVING again.
 func TestRedisClientCertReloaded(t *testing.T) {
-	p := newRedisPKI(t)
+	p := testpki.NewRedisPKI(t)
 	srv := startSecureRedis(t, p, true, true)
 	bin := buildBinary(t)
 	a, logs := startSecureKvrouter(t, bin, []string{"KVROUTER_REDIS_PASSWORD=" + redisPassword},
@@ -332,8 +302,8 @@ func TestRedisClientCertReloaded(t *testing.T) {
 		t.Fatalf("admin PING = %v", err)
 	}
 	renewedCA := testpki.NewCA(t, "renewed redis client CA")
-	renewedCA.Client(t, "spiffe://kvrouter/replica").Write(t, p.dir, "kvrouter") // replaces the files kvrouter reads
-	renewedCAFile := renewedCA.WriteCert(t, p.dir, "renewed-client-ca.crt")
+	renewedCA.Client(t, "spiffe://kvrouter/replica").Write(t, p.Dir, "kvrouter") // replaces the files kvrouter reads
+	renewedCAFile := renewedCA.WriteCert(t, p.Dir, "renewed-client-ca.crt")
 	if err := admin.ConfigSet(ctx, "tls-ca-cert-file", renewedCAFile).Err(); err != nil {
 		t.Fatalf("CONFIG SET tls-ca-cert-file = %v", err)
 	}
@@ -342,7 +312,7 @@ func TestRedisClientCertReloaded(t *testing.T) {
 	}
 	// The old certificate no longer gets in.
 	old := redis.NewClient(&redis.Options{Addr: srv.Addr, Username: redisUser, Password: redisPassword, MaxRetries: -1,
-		TLSConfig: &tls.Config{RootCAs: p.serverCA.Pool(), Certificates: []tls.Certificate{p.clientLeaf.TLS(t)}, MinVersion: tls.VersionTLS12}})
+		TLSConfig: &tls.Config{RootCAs: p.ServerCA.Pool(), Certificates: []tls.Certificate{p.ClientLeaf.TLS(t)}, MinVersion: tls.VersionTLS12}})
 	defer old.Close()
 	if err := old.Ping(ctx).Err(); err == nil {
 		t.Fatal("PING with the old client certificate succeeded after the switch, want a refused handshake")
@@ -359,186 +329,4 @@ func TestRedisClientCertReloaded(t *testing.T) {
 	if out := logs.String(); strings.Contains(out, "reloading the Redis client certificate failed") {
 		t.Errorf("a reload failed:\n%s", out)
 	}
-}
-
-// TestRedisOptions checks the client options kvrouter builds from its settings, without a Redis:
-// the timeouts, the password file's one trailing line end, the TLS settings, and errors that name
-// the setting and never the secret.
-func TestRedisOptions(t *testing.T) {
-	dir := t.TempDir()
-	write := func(name, content string) string {
-		path := filepath.Join(dir, name)
-		if err := os.WriteFile(path, []byte(content), 0o600); err != nil {
-			t.Fatal(err)
-		}
-		return path
-	}
-	load := func(t *testing.T, env map[string]string, args ...string) *config.Options {
-		t.Helper()
-		cfg, err := config.Load("kvrouter serve", append([]string{"--redis-addr", "127.0.0.1:6379"}, args...), func(k string) string { return env[k] }, io.Discard)
-		if err != nil {
-			t.Fatalf("config.Load(%q) = %v", args, err)
-		}
-		return cfg
-	}
-	options := func(t *testing.T, cfg *config.Options) (*redis.UniversalOptions, error) {
-		return redisOptions(cfg, []string{cfg.RedisAddr}, false, slog.New(slog.DiscardHandler))
-	}
-
-	t.Run("defaults", func(t *testing.T) {
-		o, err := options(t, load(t, nil))
-		if err != nil {
-			t.Fatalf("redisOptions() = %v", err)
-		}
-		if o.DialTimeout != 2*time.Second || o.ReadTimeout != 3*time.Second || o.WriteTimeout != 3*time.Second || !o.ContextTimeoutEnabled || o.MaxRetries != 1 {
-			t.Errorf("timeouts = dial %v read %v write %v context %v retries %d, want 2s 3s 3s true 1", o.DialTimeout, o.ReadTimeout, o.WriteTimeout, o.ContextTimeoutEnabled, o.MaxRetries)
-		}
-		if o.TLSConfig != nil || o.Username != "" || o.Password != "" {
-			t.Errorf("TLS %v, user %q, password set %v; want none", o.TLSConfig, o.Username, o.Password != "")
-		}
-	})
-	t.Run("password file", func(t *testing.T) {
-		for content, want := range map[string]string{
-			"s3cret": "s3cret", "s3cret\n": "s3cret", "s3cret\r\n": "s3cret", "s3cret\n\n": "s3cret\n", " s3cret \n": " s3cret ",
-		} {
-			o, err := options(t, load(t, nil, "--redis-username", "u", "--redis-password-file", write("pw", content)))
-			if err != nil {
-				t.Fatalf("redisOptions() = %v", err)
-			}
-			if o.Password != want || o.Username != "u" {
-				t.Errorf("file %q: user %q, password %q; want u, %q", content, o.Username, o.Password, want)
-			}
-		}
-	})
-	t.Run("password from the environment", func(t *testing.T) {
-		o, err := options(t, load(t, map[string]string{"KVROUTER_REDIS_PASSWORD": "env-pw\n"}))
-		if err != nil || o.Password != "env-pw\n" {
-			t.Errorf("redisOptions() = password %q, %v; want %q as given", o.Password, err, "env-pw\n")
-		}
-	})
-	t.Run("tls", func(t *testing.T) {
-		p := newRedisPKI(t)
-		o, err := options(t, load(t, nil, "--redis-tls", "--redis-tls-ca-file", p.serverCAFile, "--redis-tls-server-name", "redis.internal",
-			"--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", p.clientKey))
-		if err != nil {
-			t.Fatalf("redisOptions() = %v", err)
-		}
-		tc := o.TLSConfig
-		if tc == nil || tc.MinVersion != tls.VersionTLS12 || tc.ServerName != "redis.internal" || tc.RootCAs == nil || tc.GetClientCertificate == nil {
-			t.Fatalf("TLSConfig = %+v, want TLS 1.2+, server name redis.internal, the CA file's roots and a client certificate", tc)
-		}
-		if !tc.RootCAs.Equal(p.serverCA.Pool()) {
-			t.Error("RootCAs is not the CA file's pool")
-		}
-		cert, err := tc.GetClientCertificate(&tls.CertificateRequestInfo{})
-		if err != nil || cert.Leaf == nil || !cert.Leaf.Equal(p.clientLeaf.Cert) {
-			t.Errorf("GetClientCertificate() = %v, want the client certificate", err)
-		}
-		o, err = options(t, load(t, nil, "--redis-tls"))
-		if err != nil || o.TLSConfig.RootCAs != nil || o.TLSConfig.GetClientCertificate != nil || o.TLSConfig.ServerName != "" {
-			t.Errorf("--redis-tls alone = %+v, %v; want the system's roots, no client certificate, the address's host", o.TLSConfig, err)
-		}
-	})
-	t.Run("client certificate renewed", func(t *testing.T) {
-		p := newRedisPKI(t)
-		o, err := options(t, load(t, nil, "--redis-tls", "--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", p.clientKey))
-		if err != nil {
-			t.Fatalf("redisOptions() = %v", err)
-		}
-		get := o.TLSConfig.GetClientCertificate
-		renewed := p.clientCA.Client(t, "spiffe://kvrouter/renewed")
-		renewed.Write(t, p.dir, "kvrouter")
-		future := time.Now().Add(time.Minute) // a modification time surely different from the first files'
-		for _, f := range []string{p.clientCert, p.clientKey} {
-			if err := os.Chtimes(f, future, future); err != nil {
-				t.Fatal(err)
-			}
-		}
-		if cert, err := get(nil); err != nil || !cert.Leaf.Equal(renewed.Cert) {
-			t.Errorf("after renewal GetClientCertificate() = %v, want the renewed certificate", err)
-		}
-		// A half-written pair (a key of another certificate) keeps the last good one.
-		if err := os.WriteFile(p.clientKey, p.clientLeaf.KeyPEM, 0o600); err != nil {
-			t.Fatal(err)
-		}
-		if err := os.Chtimes(p.clientKey, future.Add(time.Second), future.Add(time.Second)); err != nil {
-			t.Fatal(err)
-		}
-		if cert, err := get(nil); err != nil || !cert.Leaf.Equal(renewed.Cert) {
-			t.Errorf("with a mismatched key GetClientCertificate() = %v, want the last good certificate", err)
-		}
-	})
-	t.Run("handshake within the call's deadline", func(t *testing.T) {
-		// A server that accepts the connection and never answers, as a paused Redis does.
-		lis, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer lis.Close()
-		go func() {
-			for {
-				c, err := lis.Accept()
-				if err != nil {
-					return
-				}
-				t.Cleanup(func() { c.Close() })
-			}
-		}()
-		o, err := options(t, load(t, nil, "--redis-tls"))
-		if err != nil {
-			t.Fatalf("redisOptions() = %v", err)
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
-		defer cancel()
-		start := time.Now()
-		_, err = o.Dialer(ctx, "tcp", lis.Addr().String())
-		if took := time.Since(start); err == nil || took > time.Second {
-			t.Errorf("Dialer() to a silent server = %v after %v, want an error after the context's 200ms", err, took)
-		}
-	})
-	t.Run("mistakes told from outages", func(t *testing.T) {
-		cfg := load(t, nil, "--redis-tls")
-		for _, tc := range []struct {
-			err  error
-			want string // "" for an outage
-		}{
-			{tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake"}, "does not speak TLS (unset --redis-tls"},
-			{fmt.Errorf("dial: %w", &tls.CertificateVerificationError{Err: errors.New("x509: certificate signed by unknown authority")}), "certificate does not verify"},
-			{errors.New("remote error: tls: bad certificate"), "does it require a client certificate"},
-			{io.EOF, ""},
-			{context.DeadlineExceeded, ""},
-			{errors.New("dial tcp 127.0.0.1:6379: connect: connection refused"), ""},
-		} {
-			if got := redisMisconfigured(cfg, tc.err); !strings.Contains(got, tc.want) || (tc.want == "") != (got == "") {
-				t.Errorf("redisMisconfigured(%v) = %q, want %q", tc.err, got, tc.want)
-			}
-		}
-	})
-	t.Run("errors", func(t *testing.T) {
-		p := newRedisPKI(t)
-		junk := write("junk.pem", "junk: not PEM, maybe a secret\n")
-		empty := write("empty", "\n")
-		for _, tc := range []struct {
-			name string
-			env  map[string]string
-			args []string
-			want string
-		}{
-			{"missing password file", nil, []string{"--redis-password-file", dir + "/none"}, "--redis-password-file " + dir + "/none: no such file or directory"},
-			{"password file from the environment", map[string]string{"KVROUTER_REDIS_PASSWORD_FILE": dir + "/none"}, nil, "KVROUTER_REDIS_PASSWORD_FILE " + dir + "/none: no such file or directory"},
-			{"empty password file", nil, []string{"--redis-password-file", empty}, "--redis-password-file " + empty + ": the file is empty"},
-			{"CA file not PEM", nil, []string{"--redis-tls", "--redis-tls-ca-file", junk}, "--redis-tls-ca-file " + junk + ": no certificates found"},
-			{"missing CA file", nil, []string{"--redis-tls", "--redis-tls-ca-file", dir + "/none"}, "--redis-tls-ca-file " + dir + "/none: no such file or directory"},
-			{"missing key file", nil, []string{"--redis-tls", "--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", dir + "/none"}, "--redis-tls-key-file " + dir + "/none: no such file or directory"},
-			{"key not PEM", nil, []string{"--redis-tls", "--redis-tls-cert-file", p.clientCert, "--redis-tls-key-file", junk}, "--redis-tls-key-file " + junk + ": tls: "},
-		} {
-			_, err := options(t, load(t, tc.env, tc.args...))
-			if err == nil || !strings.Contains(err.Error(), tc.want) {
-				t.Errorf("%s: redisOptions() = %v, want an error containing %q", tc.name, err, tc.want)
-			}
-			if err != nil && strings.Contains(err.Error(), "secret") {
-				t.Errorf("%s: the error quotes the file: %v", tc.name, err)
-			}
-		}
-	})
 }

@@ -9,7 +9,7 @@ import (
 	"github.com/redis/go-redis/v9"
 
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // TestReplicasShareState runs two kvrouter processes on one private redis-server: a worker publishes

@@ -8,7 +8,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
 
 // TestCompareAndSweep runs both commands on a small generated workload and checks what they write:

@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -28,12 +29,14 @@ type Request struct {
 
 // Dispatcher decides, books and queues routing requests. It is safe for concurrent use.
 type Dispatcher struct {
-	state  *kvstate.State
-	log    kvstate.Log
-	kernel *policy.Kernel
-	queue  *queue
-	clock  kvstate.Clock
-	cap    *BookingCap
+	state    *kvstate.State
+	log      kvstate.Log
+	kernel   *policy.Kernel
+	cfg      policy.Config // the kernel's, read once: the queue's and sessions' settings
+	queue    *queue
+	clock    kvstate.Clock
+	cap      *BookingCap
+	outcomes Outcomes // nil: none (NoOutcomes)
 }
 
 // Options are what a dispatcher may be given beside its state, log and kernel.
@@ -42,6 +45,9 @@ type Options struct {
 	Clock kvstate.Clock
 	// Cap bounds what this replica's bookings hold; nil: no bound.
 	Cap *BookingCap
+	// Outcomes hears what happened to each routed request (booked, prefill done, freed); nil:
+	// NoOutcomes. It is called on the routing path and must not block (see Outcomes).
+	Outcomes Outcomes
 }
 
 // BookingCap bounds the blocks a replica's bookings hold (kvstate.Load.HeldBlocks), every model's
@@ -104,17 +110,14 @@ func (c *BookingCap) room(req *Request, hops []kvstate.HopBooking) error {
 	return c.roomFor(req, n)
 }
 
-// roomBefore checks, before the decision, that a booking of a long prompt can fit: whatever the
-// decision, it holds the prompt's blocks once (on its decode or aggregated hop; a prefill hop holds
-// none), so a caller at its cap is refused before its prompt is hashed and the workers are scored,
-// which for a 1M-token prompt is most of what the call costs. Prompts under roomBeforeBlocks cost
-// less to decide than to count twice; room checks every booking, exactly, after the decision.
-func (c *BookingCap) roomBefore(req *Request, m *kvstate.Model) error {
-	if c == nil || m == nil {
-		return nil // an unknown model is the decision's to answer
-	}
-	n := policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: m.BlockSize}.Blocks()
-	if n < roomBeforeBlocks {
+// roomBefore checks, before the decision, that a booking of a long prompt of n blocks (its model's
+// block size known, its hashes not yet computed) can fit: whatever the decision, it holds the
+// prompt's blocks once (on its decode or aggregated hop; a prefill hop holds none), so a caller at
+// its cap is refused before its prompt is hashed and the workers are scored, which for a 1M-token
+// prompt is most of what the call costs. Prompts under roomBeforeBlocks cost less to decide than to
+// count twice; room checks every booking, exactly, after the decision.
+func (c *BookingCap) roomBefore(req *Request, n uint64) error {
+	if c == nil || n < roomBeforeBlocks {
 		return nil
 	}
 	return c.roomFor(req, int(n))
@@ -142,26 +145,39 @@ func (c *BookingCap) roomFor(req *Request, n int) error {
 // New returns a dispatcher routing with kernel over state and booking through log. The kernel's
 // configuration also drives the queue (router_queue_*) and sessions (session_affinity_ttl).
 func New(state *kvstate.State, log kvstate.Log, kernel *policy.Kernel, opts Options) *Dispatcher {
-	cfg := kernel.Config
+	cfg := kernel.Config()
 	return &Dispatcher{
-		state: state, log: log, kernel: kernel, clock: kvstate.ClockOr(opts.Clock), cap: opts.Cap,
-		queue: newQueue(max(1, cfg.QueueMaxDepth), state.CapacityChanged),
+		state: state, log: log, kernel: kernel, cfg: cfg, clock: kvstate.ClockOr(opts.Clock), cap: opts.Cap,
+		outcomes: outcomesOr(opts.Outcomes), queue: newQueue(max(1, cfg.QueueMaxDepth), state.CapacityChanged),
 	}
 }
 
-// Config returns the routing configuration.
-func (d *Dispatcher) Config() policy.Config { return d.kernel.Config }
+// Config returns the routing configuration: the dispatcher's copy of its kernel's, which the
+// kernel does not share.
+func (d *Dispatcher) Config() policy.Config { return d.cfg }
 
-// Route decides where req runs and, unless it is query-only, books its load. With
+// Route decides where req runs and, unless it is query-only, books its load. It keys req's prompt
+// once, before the decision (key), and every later step reads that key. With
 // router_queue_threshold set, a request whose every eligible worker is overloaded waits in the
-// queue until capacity frees or ctx ends.
+// queue until capacity frees or ctx ends. A booked decision is reported to Options.Outcomes.
 func (d *Dispatcher) Route(ctx context.Context, req *Request) (*policy.Decision, error) {
 	if err := d.caughtUp(ctx); err != nil {
 		return nil, err
 	}
-	dec, err := d.route(ctx, req)
-	if errors.Is(err, policy.ErrAllWorkersOverloaded) && d.kernel.Config.QueueThreshold != nil {
-		dec, err = d.queue.wait(ctx, d.queueKey(req), func() (*policy.Decision, error) { return d.route(ctx, req) })
+	var start time.Time
+	if d.outcomes != nil {
+		start = d.clock.Now()
+	}
+	key, err := d.key(req)
+	if err != nil {
+		return nil, err
+	}
+	if key != nil {
+		defer keyedPrompts.Put(key)
+	}
+	dec, err := d.route(ctx, req, key, start)
+	if errors.Is(err, policy.ErrAllWorkersOverloaded) && d.cfg.QueueThreshold != nil {
+		dec, err = d.queue.wait(ctx, d.queueKey(req, key), func() (*policy.Decision, error) { return d.route(ctx, req, key, start) })
 	}
 	if err != nil && (errors.Is(err, policy.ErrUnknownModel) || errors.Is(err, policy.ErrPinnedWorkerNotFound)) {
 		if sl, ok := d.log.(kvstate.SharedLog); ok && sl.Incomplete() {
@@ -202,21 +218,42 @@ func (d *Dispatcher) caughtUp(ctx context.Context) error {
 	}
 }
 
-// route makes one attempt: decide, then book.
-func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision, error) {
+// keyedPrompts pools the keyed prompts of Routes in flight, every dispatcher's: a prompt's hashes
+// are the one buffer of a Route that grows with its prompt (16 bytes a block), and reusing them
+// keeps Route from allocating them anew, as the kernel's pooled scratch did when it hashed.
+var keyedPrompts = sync.Pool{New: func() any { return new(policy.KeyedPrompt) }}
+
+// key keys req's prompt once for the whole Route (policy.KeyedPrompt): the booking cap's check, the
+// queue's order and every try of the decision read this one key. Between learning the model's
+// block size and hashing, it checks that a long prompt's booking can fit (roomBefore), so that a
+// caller at its cap is refused before its prompt is hashed. For a model no worker serves it keys
+// nothing and returns nil: the decision answers ErrUnknownModel (or keys the prompt itself if the
+// model arrived in between). The caller puts a returned key back in keyedPrompts.
+func (d *Dispatcher) key(req *Request) (*policy.KeyedPrompt, error) {
+	blockSize, ok := d.kernel.BlockSize(req.Model)
+	if !ok {
+		return nil, nil
+	}
+	if !req.QueryOnly {
+		if err := d.cap.roomBefore(req, policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: blockSize}.Blocks()); err != nil {
+			return nil, err
+		}
+	}
+	key := keyedPrompts.Get().(*policy.KeyedPrompt)
+	key.Key(&req.Request, blockSize)
+	return key, nil
+}
+
+// route makes one attempt: decide with the Route's keyed prompt, then book.
+func (d *Dispatcher) route(ctx context.Context, req *Request, key *policy.KeyedPrompt, start time.Time) (*policy.Decision, error) {
 	preq := &req.Request
-	if key, ok := d.session(req); ok {
-		bound := key // declared here, so only a request with a session allocates it
+	if worker, ok := d.session(req); ok {
+		bound := worker // declared here, so only a request with a session allocates it
 		r := req.Request
 		r.SessionWorker = &bound
 		preq = &r
 	}
-	if !preq.QueryOnly && d.cap != nil {
-		if err := d.cap.roomBefore(req, d.state.Model(req.Model)); err != nil {
-			return nil, err
-		}
-	}
-	dec, err := d.kernel.Decide(preq)
+	dec, err := d.kernel.Decide(preq, key)
 	if err != nil || preq.QueryOnly {
 		return dec, err
 	}
@@ -224,17 +261,20 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 		return nil, err
 	}
 	b := kvstate.Booking{RequestID: req.ID, Model: req.Model, Owner: req.Owner, At: d.clock.Now().UnixNano(), Hops: dec.Load}
-	if ttl := d.kernel.Config.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
+	if ttl := d.cfg.SessionAffinityTTL; ttl > 0 && req.SessionID != "" {
 		b.Session, b.SessionExpires = req.SessionID, b.At+ttl.Nanoseconds()
 	}
 	if _, err := d.log.Append(ctx, kvstate.Booked{Booking: b}); err != nil {
 		return nil, err
 	}
+	if d.outcomes != nil {
+		d.outcomes.Booked(ctx, bookedOutcome(req, dec, &b, start))
+	}
 	if err := ctx.Err(); err != nil {
 		// The caller left while this was booked and will never learn the answer: undo the booking
 		// rather than leave its load until it expires. (A caller that frees after cancelling, as
 		// clients/go does, may have been answered NOT_FOUND just before the booking applied.)
-		_ = d.endBooking(context.WithoutCancel(ctx), req.ID, kvstate.Freed{RequestID: req.ID, At: d.clock.Now().UnixNano()})
+		_ = d.free(context.WithoutCancel(ctx), req.ID, FreedCallerGone)
 		return nil, err
 	}
 	dec.Booked = true
@@ -244,19 +284,19 @@ func (d *Dispatcher) route(ctx context.Context, req *Request) (*policy.Decision,
 // session returns the decode worker the request's session is bound to, when session affinity is on
 // and the request pins no decode worker itself.
 func (d *Dispatcher) session(req *Request) (kvstate.WorkerKey, bool) {
-	if d.kernel.Config.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
+	if d.cfg.SessionAffinityTTL <= 0 || req.SessionID == "" || req.DecodePin != nil {
 		return kvstate.WorkerKey{}, false
 	}
 	return d.state.Session(req.Model, req.SessionID, d.clock.Now().UnixNano())
 }
 
 // queueKey orders waiting requests: arrival order for FCFS; for WSPT the uncached prompt tokens,
-// smallest first.
-func (d *Dispatcher) queueKey(req *Request) float64 {
-	if d.kernel.Config.QueuePolicy != policy.QueuePolicyWSPT {
+// smallest first, from the Route's keyed prompt.
+func (d *Dispatcher) queueKey(req *Request, key *policy.KeyedPrompt) float64 {
+	if d.cfg.QueuePolicy != policy.QueuePolicyWSPT {
 		return 0 // ties fall back to arrival order
 	}
-	return float64(max(1, d.kernel.UncachedTokens(&req.Request)))
+	return float64(max(1, d.kernel.UncachedTokens(&req.Request, key)))
 }
 
 // QueueDepth returns the number of requests waiting for capacity.
@@ -265,17 +305,31 @@ func (d *Dispatcher) QueueDepth() int { return d.queue.depth() }
 // PrefillComplete ends the prefill part of request id's booking: its prefill worker no longer
 // carries the prompt's tokens.
 func (d *Dispatcher) PrefillComplete(ctx context.Context, id string) error {
-	return d.endBooking(ctx, id, kvstate.PrefillDone{RequestID: id, At: d.clock.Now().UnixNano()})
+	now := d.clock.Now()
+	return d.endBooking(ctx, id, kvstate.PrefillDone{RequestID: id, At: now.UnixNano()}, now, 0)
 }
 
 // Free ends request id's booking on every worker.
 func (d *Dispatcher) Free(ctx context.Context, id string) error {
-	return d.endBooking(ctx, id, kvstate.Freed{RequestID: id, At: d.clock.Now().UnixNano()})
+	return d.free(ctx, id, FreedByCaller)
 }
 
-// endBooking appends a PrefillDone or Freed. Both modes answer alike: kvstate.ErrUnknownRequest
-// when no replica holds the booking, and nothing is appended then.
-func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change) error {
+// free appends the Freed of request id, reporting it with cause.
+func (d *Dispatcher) free(ctx context.Context, id string, cause FreeCause) error {
+	now := d.clock.Now()
+	return d.endBooking(ctx, id, kvstate.Freed{RequestID: id, At: now.UnixNano()}, now, cause)
+}
+
+// endBooking appends a PrefillDone or Freed made at now, and reports it to the outcomes (a Freed
+// with cause). Both modes answer alike: kvstate.ErrUnknownRequest when no replica holds the
+// booking, and nothing is appended (or reported) then.
+func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change, now time.Time, cause FreeCause) error {
+	var bookedAt int64
+	var seen bool
+	if d.outcomes != nil {
+		// Read before the append: once freed, the booking and its time are gone.
+		bookedAt, seen = d.state.Load().BookedAt(id)
+	}
 	_, err := d.log.Append(ctx, c)
 	switch {
 	case errors.Is(err, kvstate.ErrUnknownRequest):
@@ -283,5 +337,16 @@ func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change
 	case err != nil:
 		return fmt.Errorf("request_id %q: %w", id, err)
 	}
+	if d.outcomes == nil {
+		return nil
+	}
+	if _, freed := c.(kvstate.Freed); !freed {
+		if !seen { // the booking reached this replica while the append waited for it
+			bookedAt, seen = d.state.Load().BookedAt(id)
+		}
+		d.outcomes.PrefillDone(ctx, endedOutcome(id, now, bookedAt, seen, 0))
+		return nil
+	}
+	d.outcomes.Freed(ctx, endedOutcome(id, now, bookedAt, seen, cause))
 	return nil
 }

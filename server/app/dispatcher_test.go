@@ -65,8 +65,7 @@ func (f *fleet) dispatcher(cfg policy.Config) *Dispatcher { return f.cappedDispa
 
 // cappedDispatcher is dispatcher with a cap on what bookings hold.
 func (f *fleet) cappedDispatcher(cfg policy.Config, cap *BookingCap) *Dispatcher {
-	k := policy.NewKernel(f.state, cfg)
-	k.Rand = keepFirst{}
+	k := policy.NewKernel(policy.StateView(f.state), cfg, policy.WithRand(keepFirst{}))
 	return New(f.state, f.log, k, Options{Clock: kvstate.ClockFunc(func() time.Time { return f.now }), Cap: cap})
 }
 
@@ -269,7 +268,7 @@ func TestCallerGoneUndoesBooking(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
 	routeCtx, leave := context.WithCancel(ctx)
-	k := policy.NewKernel(f.state, policy.DefaultConfig())
+	k := policy.NewKernel(policy.StateView(f.state), policy.DefaultConfig())
 	d := New(f.state, cancelOnBook{Log: f.log, cancel: leave}, k, Options{})
 	_, err := d.Route(routeCtx, &Request{Request: policy.Request{ID: "r", Model: "m", Tokens: prompt(64)}})
 	if !errors.Is(err, context.Canceled) {

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/zeebo/xxh3"
 
@@ -33,6 +34,7 @@ type Sharded struct {
 // NewSharded returns a router over the shards source holds, deciding with cfg in each.
 func NewSharded(source kvstate.ShardSource, cfg policy.Config, opts Options) *Sharded {
 	opts.Clock = kvstate.ClockOr(opts.Clock)
+	opts.Outcomes = outcomesOr(opts.Outcomes)
 	return &Sharded{source: source, config: cfg, opts: opts, dispatchers: make(map[*kvstate.Shard]*Dispatcher)}
 }
 
@@ -45,7 +47,7 @@ func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
 	defer s.mu.Unlock()
 	d := s.dispatchers[sh]
 	if d == nil {
-		d = New(sh.State, sh.Log, policy.NewKernel(sh.State, s.config), s.opts)
+		d = New(sh.State, sh.Log, policy.NewKernel(policy.StateView(sh.State), s.config), s.opts)
 		s.dispatchers[sh] = d
 	}
 	return d
@@ -99,7 +101,7 @@ func (s *Sharded) Free(ctx context.Context, id string) error {
 // endBooking ends request id's booking with end, in the shard whose state holds it. A request names
 // no model, so when no shard here holds it yet (another replica booked it moments ago and the
 // booking is still on its way through its shard's log), every shard is asked at once: each waits
-// for the booking as its log does (redislog's watermarks), at most one holds it, and the others
+// for the booking as its log does (the replication engine's watermarks), at most one holds it, and the others
 // append nothing. When none here holds it, the shards of the models this replica does not serve
 // are asked for it (kvstate.ShardSource.EndElsewhere), with change: either may be sent to any
 // replica.
@@ -110,11 +112,27 @@ func (s *Sharded) endBooking(ctx context.Context, id string, end func(*Dispatche
 	}
 	switch elsewhere := s.source.EndElsewhere(ctx, change); {
 	case elsewhere == nil:
+		s.endedElsewhere(ctx, id, change)
 		return nil
 	case !errors.Is(elsewhere, kvstate.ErrUnknownRequest):
 		return fmt.Errorf("request_id %q: %w", id, elsewhere)
 	}
 	return err
+}
+
+// endedElsewhere reports to the outcomes a booking ended in a shard this replica does not serve:
+// its dispatcher is elsewhere, and so is the booking's time (BookingSeen false).
+func (s *Sharded) endedElsewhere(ctx context.Context, id string, change kvstate.Change) {
+	o := s.opts.Outcomes
+	if o == nil {
+		return
+	}
+	switch c := change.(type) {
+	case kvstate.PrefillDone:
+		o.PrefillDone(ctx, EndedOutcome{RequestID: id, At: time.Unix(0, c.At)})
+	case kvstate.Freed:
+		o.Freed(ctx, EndedOutcome{RequestID: id, At: time.Unix(0, c.At), Cause: FreedByCaller})
+	}
 }
 
 // endHere ends request id's booking with end in the shard of this replica that holds it.

@@ -13,8 +13,9 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redislog"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/replication"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
@@ -136,16 +137,16 @@ func TestShardedRequestIDsAreUnique(t *testing.T) {
 
 // runShards runs a log sharded by model, replica of the test's deployment on rdb, serving models
 // (all when none), until the test ends.
-func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *redislog.Shards {
+func runShards(t *testing.T, rdb redis.UniversalClient, replica string, models ...string) *replication.Shards {
 	t.Helper()
 	return runShardsPolling(t, rdb, replica, 20*time.Millisecond, models...)
 }
 
 // runShardsPolling is runShards reading the registry of shards every poll.
-func runShardsPolling(t *testing.T, rdb redis.UniversalClient, replica string, poll time.Duration, models ...string) *redislog.Shards {
+func runShardsPolling(t *testing.T, rdb redis.UniversalClient, replica string, poll time.Duration, models ...string) *replication.Shards {
 	t.Helper()
-	s := redislog.NewShards(rdb, redislog.ShardsOptions{Poll: poll, Models: models,
-		Log: redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
+	s := replication.NewShards(redisstore.New(rdb, redisstore.Options{}), replication.ShardsOptions{Poll: poll, Models: models,
+		Log: replication.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: replica, ReadBlock: 100 * time.Millisecond, Logger: slog.New(slog.DiscardHandler),
 			ReseedWindow: 300 * time.Millisecond}})
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan struct{})
@@ -158,7 +159,7 @@ func runShardsPolling(t *testing.T, rdb redis.UniversalClient, replica string, p
 }
 
 // registerModels registers worker 1 of model m1 and worker 2 of m2 on s, each caching tokens.
-func registerModels(t *testing.T, s *redislog.Shards, tokens []uint32) {
+func registerModels(t *testing.T, s *replication.Shards, tokens []uint32) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
 	defer cancel()
@@ -199,7 +200,7 @@ func TestShardedFreeOnAnotherReplica(t *testing.T) {
 			t.Fatalf("Free(%s) on b right after its Route on a = %v", id, err)
 		}
 	}
-	m1 := func(s *redislog.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
+	m1 := func(s *replication.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
 	kvtest.Eventually(t, testTimeout, "no booking left on either replica", func() bool {
 		return m1(a).Load().Bookings() == 0 && m1(b).Load().Bookings() == 0
 	})
@@ -244,7 +245,7 @@ func TestShardedFreeOnAReplicaThatHasNotPickedUpTheShard(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Free(r) once m1's shard loaded = %v, want it freed", err)
 	}
-	m1 := func(s *redislog.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
+	m1 := func(s *replication.Shards) *kvstate.State { sh, _ := s.Lookup("m1"); return sh.State }
 	kvtest.Eventually(t, testTimeout, "the booking freed on both replicas", func() bool {
 		return m1(a).Load().Bookings() == 0 && m1(late).Load().Bookings() == 0
 	})

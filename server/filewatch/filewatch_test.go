@@ -6,12 +6,17 @@ import (
 	"path/filepath"
 	"sync/atomic"
 	"testing"
+	"testing/synctest"
 	"time"
 )
 
 // TestPollSeesReplacement: replacing a file by a rename (as a secret volume or a careful operator
 // does), rewriting it in place, and removing it each trigger a reload; an unchanged file does not.
-func TestPollSeesReplacement(t *testing.T) {
+// It runs in a synctest bubble: the poller's ticks and the test's waits are on the bubble's clock,
+// so "no reload over ten polls" is exactly ten polls, however busy the machine.
+func TestPollSeesReplacement(t *testing.T) { synctest.Test(t, testPollSeesReplacement) }
+
+func testPollSeesReplacement(t *testing.T) {
 	dir := t.TempDir()
 	path := filepath.Join(dir, "cert.pem")
 	write := func(content string) {

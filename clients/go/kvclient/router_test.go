@@ -20,8 +20,9 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
-	"github.com/kvrouter/kvrouter/kvstate/redislog"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/replication"
 	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/servertest"
 )
@@ -245,12 +246,12 @@ func TestCancelledRoutesLeaveNoBooking(t *testing.T) {
 func TestFreeRetriedUntilTheBookingIsFound(t *testing.T) {
 	srv := redistest.Start(t)
 	proxy := redistest.StartProxy(t, srv.Addr)
-	replica := func(name, addr string) (*kvstate.State, *redislog.Log, *testServer) {
+	replica := func(name, addr string) (*kvstate.State, *replication.Log, *testServer) {
 		rdb := redis.NewUniversalClient(&redis.UniversalOptions{Addrs: []string{addr}, DialTimeout: 200 * time.Millisecond,
 			ReadTimeout: 300 * time.Millisecond, WriteTimeout: 300 * time.Millisecond, MaxRetries: -1, ContextTimeoutEnabled: true})
 		t.Cleanup(func() { rdb.Close() })
 		state := kvstate.NewState()
-		l := redislog.New(rdb, state, redislog.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: name, ReadBlock: 100 * time.Millisecond,
+		l := replication.New(redisstore.New(rdb, redisstore.Options{}).Log("kvr:{"+t.Name()+"}"), state, replication.Options{Prefix: "kvr:{" + t.Name() + "}", Replica: name, ReadBlock: 100 * time.Millisecond,
 			ReseedWindow: 300 * time.Millisecond, Logger: slog.New(slog.DiscardHandler)})
 		ctx, cancel := context.WithCancel(context.Background())
 		done := make(chan struct{})

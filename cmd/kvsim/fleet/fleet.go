@@ -17,7 +17,6 @@ import (
 	"slices"
 	"time"
 
-	"github.com/redis/go-redis/v9"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/proto"
@@ -28,10 +27,12 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
-	"github.com/kvrouter/kvrouter/kvstate/redislog"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
+	"github.com/kvrouter/kvrouter/kvstate/replication"
 	"github.com/kvrouter/kvrouter/policy"
-	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/app"
+	"github.com/kvrouter/kvrouter/server/config"
+	kvreplica "github.com/kvrouter/kvrouter/server/replica"
 	"github.com/kvrouter/kvrouter/server/servertest"
 )
 
@@ -133,8 +134,8 @@ type request struct {
 type replica struct {
 	state *kvstate.State
 	log   kvstate.Log
-	redis *redislog.Log // nil when the replica's log is in process
-	disp  *app.Dispatcher
+	redis *replication.Log // nil when the replica's log is in process
+	disp  *app.Sharded
 	conn  *grpc.ClientConn
 }
 
@@ -285,44 +286,42 @@ func (s *sim) startReplicas() (stop func(), err error) {
 			stops[i]()
 		}
 	}
-	var rdb *redis.Client
 	prefix := fmt.Sprintf("kvsim:{%d}", time.Now().UnixNano())
-	runCtx, cancel := context.WithCancel(context.Background())
-	stops = append(stops, cancel)
 	if s.cfg.RedisAddr != "" {
-		rdb = redis.NewClient(&redis.Options{Addr: s.cfg.RedisAddr})
 		stops = append(stops, func() {
 			// The run's keys: a stream and a few more under its prefix.
-			if keys, err := rdb.Keys(context.Background(), prefix+"*").Result(); err == nil && len(keys) > 0 {
-				rdb.Del(context.Background(), keys...)
-			}
-			rdb.Close()
+			store := redisstore.Dial(s.cfg.RedisAddr)
+			_ = store.Forget(context.Background(), prefix)
+			store.Close()
 		})
 	}
 	quiet := slog.New(slog.NewTextHandler(io.Discard, nil))
+	clock := kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })
 	for k := range s.cfg.Replicas {
-		rep := &replica{state: kvstate.NewState()}
-		if rdb != nil {
-			rep.redis = redislog.New(rdb, rep.state, redislog.Options{Prefix: prefix, Replica: fmt.Sprintf("sim-%d", k), Logger: quiet})
-			rep.log = rep.redis
+		cfg := config.New()
+		cfg.Router, cfg.MaxPromptTokens, cfg.MaxRecvMsgBytes = s.cfg.Router, 1<<22, 64<<20
+		cfg.RedisAddr, cfg.RedisPrefix, cfg.ReplicaID = s.cfg.RedisAddr, prefix, fmt.Sprintf("sim-%d", k)
+		built, err := kvreplica.Build(kvreplica.Options{Config: cfg, Logger: quiet, Clock: clock})
+		if err != nil {
+			return stop, err
+		}
+		rep := &replica{state: built.State(), log: built.Log(), disp: built.Dispatcher}
+		rep.redis, _ = rep.log.(*replication.Log)
+		if rep.redis != nil {
+			// Each replica's own context: its logs and leases stop after its server, whose streams
+			// release their leases first (a shared context would stop them under the other
+			// replicas' streams).
+			runCtx, cancel := context.WithCancel(context.Background())
 			done := make(chan struct{})
-			go func() { _ = rep.redis.Run(runCtx); close(done) }()
-			stops = append(stops, func() { cancel(); <-done })
+			go func() { _ = built.RunLogs(runCtx); close(done) }()
+			stops = append(stops, func() { cancel(); <-done; built.Close() })
 			select {
-			case <-rep.redis.Ready():
+			case <-built.Ready():
 			case <-time.After(30 * time.Second):
 				return stop, fmt.Errorf("fleet: replica %d did not join the shared log at %s", k, s.cfg.RedisAddr)
 			}
-		} else {
-			rep.log = kvstate.NewMemLog(rep.state)
 		}
-		rep.disp = app.New(rep.state, rep.log, policy.NewKernel(rep.state, s.cfg.Router),
-			app.Options{Clock: kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })})
-		srv, lis, err := servertest.Serve(rep.state, rep.log, 1<<22, func(o *server.Options) {
-			o.Dispatcher = rep.disp
-			o.MaxRecvMsgBytes = 64 << 20
-			o.Logger = quiet
-		})
+		srv, lis, err := servertest.ServeReplica(built)
 		if err != nil {
 			return stop, err
 		}

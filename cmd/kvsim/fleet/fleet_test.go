@@ -8,7 +8,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
 	"github.com/kvrouter/kvrouter/cmd/kvsim/trace"
-	"github.com/kvrouter/kvrouter/kvstate/redistest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 	"github.com/kvrouter/kvrouter/policy"
 )
 
