@@ -29,7 +29,7 @@ const (
 // routerService implements RouterService: validate, call the dispatcher, map the result.
 type routerService struct {
 	kvrouterv1.UnimplementedRouterServiceServer
-	dispatcher      app.Router
+	dispatcher      app.Routing
 	metrics         *metrics
 	logger          *slog.Logger
 	maxPromptTokens int

@@ -42,7 +42,7 @@ type Options struct {
 	Log      kvstate.Log
 	Liveness kvstate.Liveness // nil: kvstate.LocalLiveness (embedded mode)
 	// Dispatcher routes: a app.Dispatcher over the one shard, or a app.Sharded.
-	Dispatcher app.Router
+	Dispatcher app.Routing
 	Config     []config.Entry // the effective configuration, for GetConfig
 	Logger     *slog.Logger
 	Registry   *prometheus.Registry

@@ -157,7 +157,7 @@ func loadTrace(name string, limit int) ([]trace.Request, error) {
 
 // fleetConfig returns the fleet of a named router configuration.
 func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config, error) {
-	cfg := fleet.Config{Model: model, TimeScale: o.timeScale, Prefill: o.prefill, Decode: o.decode, Router: policy.DefaultConfig()}
+	cfg := fleet.Config{Model: model, TimeScale: o.timeScale, Prefill: o.prefill, Decode: o.decode, Routing: policy.DefaultConfig()}
 	switch {
 	case name == "rr-disagg":
 		cfg.RoundRobin = true
@@ -175,7 +175,7 @@ func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config,
 			busy := 1.0 // a prefill worker is busy past one batch of queued prefill tokens
 			cd.PrefillBusyThreshold = &busy
 		}
-		cfg.Router.ConditionalDisagg = cd
+		cfg.Routing.ConditionalDisagg = cd
 	default:
 		return cfg, fmt.Errorf("--configs %q: want rr-disagg, kv-disagg, kv-agg or cd:<policy>", name)
 	}

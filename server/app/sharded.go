@@ -179,9 +179,9 @@ func (s *Sharded) QueueDepth() int {
 	return n
 }
 
-// Router is what the edge routes with: a Dispatcher over one state, or Sharded over a state per
-// model.
-type Router interface {
+// Routing is the routing calls as the edge makes them: a Dispatcher over one state, or Sharded over
+// a state per model.
+type Routing interface {
 	Route(ctx context.Context, req *Request) (*policy.Decision, error)
 	PrefillComplete(ctx context.Context, id string) error
 	Free(ctx context.Context, id string) error
@@ -190,6 +190,6 @@ type Router interface {
 }
 
 var (
-	_ Router = (*Dispatcher)(nil)
-	_ Router = (*Sharded)(nil)
+	_ Routing = (*Dispatcher)(nil)
+	_ Routing = (*Sharded)(nil)
 )

@@ -135,8 +135,8 @@ type Options struct {
 	RedisShardByModel  bool          // one log (stream, snapshots, leases) per model, each under its own hash tag
 	RedisModels        string        // comma-separated models this replica serves ("" = every model)
 
-	// Routing. Router.ConditionalDisagg is derived by Validate from the two settings below it.
-	Router                  policy.Config
+	// Routing. Routing.ConditionalDisagg is derived by Validate from the two settings below it.
+	Routing                 policy.Config
 	ConditionalDisagg       bool   // --conditional-disagg
 	ConditionalDisaggConfig string // --conditional-disagg-config (JSON object, or a YAML mapping in the file)
 
@@ -146,7 +146,7 @@ type Options struct {
 	layers *layered.Layers[Options] // the settings' layers, and where each value came from
 	cdSet  []string                 // the keys conditional_disagg_config set, for provenance
 
-	// prefillBusyInherited: Router.ConditionalDisagg's prefill busy threshold is router_queue_threshold's.
+	// prefillBusyInherited: Routing.ConditionalDisagg's prefill busy threshold is router_queue_threshold's.
 	prefillBusyInherited bool
 }
 
@@ -193,7 +193,7 @@ func New() *Options {
 		SnapshotInterval:             5 * time.Minute,
 		SnapshotChunkBytes:           1 << 20,
 		RedisReseedWindow:            10 * time.Second,
-		Router:                       policy.DefaultConfig(),
+		Routing:                      policy.DefaultConfig(),
 		layers:                       layered.New(settings),
 	}
 	return o
@@ -222,7 +222,7 @@ func (o *Options) Source(key string) Source { return o.layers.Source(key) }
 // busy threshold, the default otherwise.
 func (o *Options) Entries() []Entry {
 	out := o.layers.Entries(o)
-	cd := o.Router.ConditionalDisagg
+	cd := o.Routing.ConditionalDisagg
 	source := func(key string) Source {
 		if slices.Contains(o.cdSet, key) {
 			return o.Source("conditional_disagg_config")

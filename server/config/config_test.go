@@ -78,8 +78,8 @@ func TestConfigPrecedence(t *testing.T) {
 	if want := len(settings) + len(policy.CDConfigKeys); len(got) != want {
 		t.Errorf("entries() has %d settings, want %d", len(got), want)
 	}
-	if cfg.Router.PrefillLoadScale != 1.5 || !cfg.Router.EnforceDisagg || cfg.Router.OverlapScoreCredit != 0.25 {
-		t.Errorf("router config = %+v, want scale 1.5, enforce_disagg, credit 0.25", cfg.Router)
+	if cfg.Routing.PrefillLoadScale != 1.5 || !cfg.Routing.EnforceDisagg || cfg.Routing.OverlapScoreCredit != 0.25 {
+		t.Errorf("router config = %+v, want scale 1.5, enforce_disagg, credit 0.25", cfg.Routing)
 	}
 }
 
@@ -281,7 +281,7 @@ func TestConditionalDisaggConfig(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Load() = %v", err)
 			}
-			if diff := cmp.Diff(tt.want, cfg.Router.ConditionalDisagg); diff != "" {
+			if diff := cmp.Diff(tt.want, cfg.Routing.ConditionalDisagg); diff != "" {
 				t.Errorf("conditional disagg config mismatch (-want +got):\n%s", diff)
 			}
 		})
@@ -355,8 +355,8 @@ func TestScorerSetting(t *testing.T) {
 			if err != nil {
 				t.Fatalf("Load() = %v", err)
 			}
-			if cfg.Router.Scorer != (testScorer{}) {
-				t.Errorf("Router.Scorer = %v, want flat", cfg.Router.Scorer)
+			if cfg.Routing.Scorer != (testScorer{}) {
+				t.Errorf("Router.Scorer = %v, want flat", cfg.Routing.Scorer)
 			}
 			if want := (Entry{Key: "scorer", Value: "flat", Source: tt.source}); !slices.Contains(cfg.Entries(), want) {
 				t.Errorf("Entries() lacks %+v", want)
@@ -387,7 +387,7 @@ func TestStepByStep(t *testing.T) {
 		Listen      string
 		Workers     int
 		Sources     [2]Source
-	}{o.Router.RouterTemperature, o.Listen, *own, [2]Source{o.Source("router_temperature"), o.Source("listen")}}
+	}{o.Routing.RouterTemperature, o.Listen, *own, [2]Source{o.Source("router_temperature"), o.Source("listen")}}
 	want := struct {
 		Temperature float64
 		Listen      string

@@ -22,14 +22,14 @@ func scorerSetting(key, help string) setting {
 			if err != nil {
 				return fmt.Errorf("must be one of %s (got %q)", strings.Join(policy.ScorerNames(), ", "), v)
 			}
-			o.Router.Scorer = s
+			o.Routing.Scorer = s
 			return nil
 		},
 		Get: func(o *Options) string {
-			if o.Router.Scorer == nil {
+			if o.Routing.Scorer == nil {
 				return policy.DynamoCost.String()
 			}
-			return o.Router.Scorer.String()
+			return o.Routing.Scorer.String()
 		}}
 }
 
@@ -129,23 +129,23 @@ var settings = []setting{
 	layered.String("redis_models", "with redis_shard_by_model: the models this replica serves, comma-separated (it tails their shards only and refuses workers of others with FAILED_PRECONDITION); empty: every model", func(o *Options) *string { return &o.RedisModels }),
 	layered.String("replica_id", "this replica's name in the shared log (default: hostname-pid)", func(o *Options) *string { return &o.ReplicaID }),
 	scorerSetting("scorer", "how each hop's candidate workers are costed: a registered scorer's name (dynamo is Dynamo's KV-router cost)"),
-	layered.Float("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Router.OverlapScoreCredit }),
-	layered.Float("overlap_score_credit_decay", "shrinks the credit of workers with more prefill load than the least loaded", func(o *Options) *float64 { return &o.Router.OverlapScoreCreditDecay }),
-	layered.Float("prefill_load_scale", "weight of the prefill term of the cost", func(o *Options) *float64 { return &o.Router.PrefillLoadScale }),
-	layered.OptionalFloat("overlap_score_weight", "deprecated: sets prefill_load_scale (and the credit to 0 when 0)", func(o *Options) **float64 { return &o.Router.OverlapScoreWeight }),
-	layered.Float("decode_active_request_weight", "cost per active request on a worker", func(o *Options) *float64 { return &o.Router.DecodeActiveRequestWeight }),
-	layered.Float("host_cache_hit_weight", "credit per host-memory block beyond the device prefix, in [0, 1]", func(o *Options) *float64 { return &o.Router.HostCacheHitWeight }),
-	layered.Float("disk_cache_hit_weight", "credit per disk block beyond the host prefix, in [0, 1]", func(o *Options) *float64 { return &o.Router.DiskCacheHitWeight }),
-	layered.Float("shared_cache_multiplier", "credit per external-tier block beyond the disk prefix, in [0, 1]", func(o *Options) *float64 { return &o.Router.SharedCacheMultiplier }),
-	layered.Float("router_temperature", "softmax temperature of worker selection (0 picks the cheapest)", func(o *Options) *float64 { return &o.Router.RouterTemperature }),
-	layered.Bool("use_kv_events", "score cache overlap from workers' KV events", func(o *Options) *bool { return &o.Router.UseKVEvents }),
-	layered.Bool("router_assume_kv_reuse", "count blocks shared by active requests once", func(o *Options) *bool { return &o.Router.AssumeKVReuse }),
-	layered.Bool("router_track_prefill_tokens", "charge prefill tokens in the cost and bookings", func(o *Options) *bool { return &o.Router.TrackPrefillTokens }),
-	layered.OptionalFloat("router_queue_threshold", "a worker is overloaded when its prefill tokens exceed this times its max_num_batched_tokens (unset: never)", func(o *Options) **float64 { return &o.Router.QueueThreshold }),
-	layered.String("router_queue_policy", "order of queued requests: fcfs or wspt", func(o *Options) *string { return &o.Router.QueuePolicy }),
-	layered.Int("router_queue_max_depth", "requests the router queue holds; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.Router.QueueMaxDepth }, 1),
-	layered.Duration("session_affinity_ttl", "how long a session (RouteRequest.session_id) keeps its decode worker; 0 turns session affinity off", func(o *Options) *time.Duration { return &o.Router.SessionAffinityTTL }),
+	layered.Float("overlap_score_credit", "credit per cached device block in the cost (Dynamo overlap_score_credit)", func(o *Options) *float64 { return &o.Routing.OverlapScoreCredit }),
+	layered.Float("overlap_score_credit_decay", "shrinks the credit of workers with more prefill load than the least loaded", func(o *Options) *float64 { return &o.Routing.OverlapScoreCreditDecay }),
+	layered.Float("prefill_load_scale", "weight of the prefill term of the cost", func(o *Options) *float64 { return &o.Routing.PrefillLoadScale }),
+	layered.OptionalFloat("overlap_score_weight", "deprecated: sets prefill_load_scale (and the credit to 0 when 0)", func(o *Options) **float64 { return &o.Routing.OverlapScoreWeight }),
+	layered.Float("decode_active_request_weight", "cost per active request on a worker", func(o *Options) *float64 { return &o.Routing.DecodeActiveRequestWeight }),
+	layered.Float("host_cache_hit_weight", "credit per host-memory block beyond the device prefix, in [0, 1]", func(o *Options) *float64 { return &o.Routing.HostCacheHitWeight }),
+	layered.Float("disk_cache_hit_weight", "credit per disk block beyond the host prefix, in [0, 1]", func(o *Options) *float64 { return &o.Routing.DiskCacheHitWeight }),
+	layered.Float("shared_cache_multiplier", "credit per external-tier block beyond the disk prefix, in [0, 1]", func(o *Options) *float64 { return &o.Routing.SharedCacheMultiplier }),
+	layered.Float("router_temperature", "softmax temperature of worker selection (0 picks the cheapest)", func(o *Options) *float64 { return &o.Routing.RouterTemperature }),
+	layered.Bool("use_kv_events", "score cache overlap from workers' KV events", func(o *Options) *bool { return &o.Routing.UseKVEvents }),
+	layered.Bool("router_assume_kv_reuse", "count blocks shared by active requests once", func(o *Options) *bool { return &o.Routing.AssumeKVReuse }),
+	layered.Bool("router_track_prefill_tokens", "charge prefill tokens in the cost and bookings", func(o *Options) *bool { return &o.Routing.TrackPrefillTokens }),
+	layered.OptionalFloat("router_queue_threshold", "a worker is overloaded when its prefill tokens exceed this times its max_num_batched_tokens (unset: never)", func(o *Options) **float64 { return &o.Routing.QueueThreshold }),
+	layered.String("router_queue_policy", "order of queued requests: fcfs or wspt", func(o *Options) *string { return &o.Routing.QueuePolicy }),
+	layered.Int("router_queue_max_depth", "requests the router queue holds; more are refused with RESOURCE_EXHAUSTED", func(o *Options) *int { return &o.Routing.QueueMaxDepth }, 1),
+	layered.Duration("session_affinity_ttl", "how long a session (RouteRequest.session_id) keeps its decode worker; 0 turns session affinity off", func(o *Options) *time.Duration { return &o.Routing.SessionAffinityTTL }),
 	layered.Bool("conditional_disagg", "conditional disaggregation: a decode worker that caches most of a prompt prefills it itself (bypass)", func(o *Options) *bool { return &o.ConditionalDisagg }),
 	mapping(layered.String("conditional_disagg_config", `conditional disaggregation settings as a JSON object, e.g. {"policy":"isl_bounding","eff_isl_threshold":2048,"eff_isl_ratio_threshold":0.7,"prefill_busy_threshold":null,"decode_busy_threshold":null}`, func(o *Options) *string { return &o.ConditionalDisaggConfig })),
-	layered.Bool("enforce_disagg", "fail requests for models without prefill workers instead of routing them aggregated", func(o *Options) *bool { return &o.Router.EnforceDisagg }),
+	layered.Bool("enforce_disagg", "fail requests for models without prefill workers instead of routing them aggregated", func(o *Options) *bool { return &o.Routing.EnforceDisagg }),
 }

@@ -25,7 +25,7 @@ func (o *Options) Validate() error {
 	if err := o.resolveConditionalDisagg(); err != nil {
 		return err
 	}
-	if err := o.Router.Validate(); err != nil {
+	if err := o.Routing.Validate(); err != nil {
 		var fe *policy.FieldError
 		if errors.As(err, &fe) {
 			return fmt.Errorf("%s: %s", o.describe(fe.Field), fe.Rule)
@@ -179,11 +179,11 @@ func (o *Options) resolveConditionalDisagg() error {
 		}
 		o.cdSet = set
 	}
-	resolved, err := o.Router.ResolveCD(cd, layered.FlagOf)
+	resolved, err := o.Routing.ResolveCD(cd, layered.FlagOf)
 	if err != nil {
 		return cdConfigError(err)
 	}
-	o.Router.ConditionalDisagg = resolved
+	o.Routing.ConditionalDisagg = resolved
 	o.prefillBusyInherited = cd.PrefillBusyThreshold == nil && resolved.PrefillBusyThreshold != nil
 	return nil
 }
@@ -204,7 +204,7 @@ func cdConfigError(err error) error {
 // LogDerived logs, at info, the values Validate derived that an operator may not expect: Dynamo's
 // two start-up lines of conditional disaggregation (§1.9).
 func (o *Options) LogDerived(logger *slog.Logger) {
-	cd := o.Router.ConditionalDisagg
+	cd := o.Routing.ConditionalDisagg
 	if !cd.Enabled {
 		return
 	}

@@ -77,7 +77,7 @@ func Build(o Options) (*Replica, error) {
 	if err := r.openShards(o); err != nil {
 		return nil, err
 	}
-	r.Dispatcher = app.NewSharded(r.Shards, cfg.Router, app.Options{Clock: o.Clock, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards)})
+	r.Dispatcher = app.NewSharded(r.Shards, cfg.Routing, app.Options{Clock: o.Clock, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards)})
 	r.Housekeeper = &kvstate.Housekeeper{
 		Shards: r.Shards, Presence: r.Presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry,
 		Clock: o.Clock, Logger: logger,

@@ -48,7 +48,7 @@ type Config struct {
 	Prefill, Decode, Aggregated int
 	// Router is the router's configuration (policy.DefaultConfig, with conditional
 	// disaggregation or not).
-	Router policy.Config
+	Routing policy.Config
 	// RoundRobin routes in turn, blind to caches and load, without the router: the baseline.
 	RoundRobin bool
 	// TimeScale divides the trace's arrival times: 2 replays it twice as fast (twice the load).
@@ -203,7 +203,7 @@ func Run(ctx context.Context, cfg Config, reqs []trace.Request) (*Result, error)
 	if cfg.Prefill+cfg.Decode+cfg.Aggregated == 0 || (cfg.Prefill > 0 && cfg.Decode == 0) {
 		return nil, errors.New("fleet: need aggregated workers, or decode workers (with or without prefill workers)")
 	}
-	if cfg.Router.QueueThreshold != nil {
+	if cfg.Routing.QueueThreshold != nil {
 		return nil, errors.New("fleet: router_queue_threshold must be unset: the router's queue waits in real time, the fleet runs on a virtual clock")
 	}
 	if cfg.Replicas < 1 {
@@ -299,7 +299,7 @@ func (s *sim) startReplicas() (stop func(), err error) {
 	clock := kvstate.ClockFunc(func() time.Time { return s.epoch.Add(s.now) })
 	for k := range s.cfg.Replicas {
 		cfg := config.New()
-		cfg.Router, cfg.MaxPromptTokens, cfg.MaxRecvMsgBytes = s.cfg.Router, 1<<22, 64<<20
+		cfg.Routing, cfg.MaxPromptTokens, cfg.MaxRecvMsgBytes = s.cfg.Routing, 1<<22, 64<<20
 		cfg.RedisAddr, cfg.RedisPrefix, cfg.ReplicaID = s.cfg.RedisAddr, prefix, fmt.Sprintf("sim-%d", k)
 		built, err := kvreplica.Build(kvreplica.Options{Config: cfg, Logger: quiet, Clock: clock})
 		if err != nil {

@@ -50,9 +50,9 @@ func TestReplayInvariants(t *testing.T) {
 		name string
 		cfg  Config
 	}{
-		{"aggregated, KV-aware", Config{Aggregated: 3, Router: policy.DefaultConfig()}},
-		{"disaggregated, KV-aware", Config{Prefill: 2, Decode: 2, Router: policy.DefaultConfig()}},
-		{"conditional disaggregation", Config{Prefill: 2, Decode: 2, Router: cd}},
+		{"aggregated, KV-aware", Config{Aggregated: 3, Routing: policy.DefaultConfig()}},
+		{"disaggregated, KV-aware", Config{Prefill: 2, Decode: 2, Routing: policy.DefaultConfig()}},
+		{"conditional disaggregation", Config{Prefill: 2, Decode: 2, Routing: cd}},
 		{"disaggregated, round-robin", Config{Prefill: 2, Decode: 2, RoundRobin: true}},
 	}
 	for _, tt := range tests {
@@ -120,7 +120,7 @@ func TestReplicasShareState(t *testing.T) {
 		t.Run(tt.name, func(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 			defer cancel()
-			res, err := Run(ctx, Config{Model: model, TimeScale: 1, Prefill: 2, Decode: 2, Router: policy.DefaultConfig(),
+			res, err := Run(ctx, Config{Model: model, TimeScale: 1, Prefill: 2, Decode: 2, Routing: policy.DefaultConfig(),
 				Replicas: tt.replicas, RedisAddr: tt.redisAddr}, reqs)
 			if err != nil {
 				t.Fatalf("Run() = %v", err)
