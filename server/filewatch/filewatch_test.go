@@ -44,10 +44,10 @@ func testPollSeesReplacement(t *testing.T) {
 			if time.Now().After(deadline) {
 				t.Fatalf("%s: %d reloads, want %d", what, reloads.Load(), n)
 			}
-			time.Sleep(time.Millisecond)
+			time.Sleep(time.Millisecond) // the bubble's clock: no real time passes
 		}
 	}
-	time.Sleep(50 * time.Millisecond)
+	time.Sleep(50 * time.Millisecond) // ten polls on the bubble's clock, not real time
 	if n := reloads.Load(); n != 0 {
 		t.Fatalf("%d reloads of an unchanged file, want 0", n)
 	}
@@ -61,7 +61,7 @@ func testPollSeesReplacement(t *testing.T) {
 		t.Fatal(err)
 	}
 	waitFor(3, "after a removal")
-	time.Sleep(50 * time.Millisecond)
+	time.Sleep(50 * time.Millisecond) // ten polls on the bubble's clock, not real time
 	if n := reloads.Load(); n != 3 {
 		t.Errorf("%d reloads once nothing changes any more, want 3", n)
 	}
