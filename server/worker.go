@@ -102,7 +102,10 @@ func (ps *publishStream) next(tick <-chan time.Time) (*kvrouterv1.PublishRequest
 		case <-tick:
 			return nil, nil
 		case <-ps.ended:
-			return nil, toStatus(ps.session.Lost())
+			if err := ps.session.Lost(); err != nil {
+				return nil, toStatus(err)
+			}
+			ps.ended = nil // closed, yet the rank is held: nothing more to wait for
 		case <-ps.replaced:
 			// The stream's caller is checked again (still: the worker it registered).
 			if err := ps.caller.MayStillPublishFor(ps.session.Info().Key.ID, ps.session.Info().Model); err != nil {
