@@ -3,9 +3,6 @@ package kvstate
 import (
 	"context"
 	"errors"
-	"slices"
-	"strings"
-	"sync"
 )
 
 // Shard is one state machine: a State and the Log every change to it goes through. A deployment
@@ -104,63 +101,6 @@ func (o OneShard) Observe(obs Observers) {
 	}
 }
 
-// MemShards is an in-process ShardSource with a shard (a State and a MemLog) per model, made when
-// a worker of the model first registers: the layout of a sharded shared log, in one process.
-type MemShards struct {
-	mu     sync.Mutex
-	shards map[string]*Shard
-}
-
-// Open returns model's shard, making it on first use.
-func (m *MemShards) Open(_ context.Context, model string) (*Shard, error) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	if sh := m.shards[model]; sh != nil {
-		return sh, nil
-	}
-	st := NewState()
-	sh := &Shard{Model: model, State: st, Log: NewMemLog(st)}
-	if m.shards == nil {
-		m.shards = make(map[string]*Shard)
-	}
-	m.shards[model] = sh
-	return sh, nil
-}
-
-// Lookup returns model's shard, if one was made.
-func (m *MemShards) Lookup(model string) (*Shard, bool) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	sh, ok := m.shards[model]
-	return sh, ok
-}
-
-// Find returns model's shard, or nil if none was made.
-func (m *MemShards) Find(_ context.Context, model string) (*Shard, error) {
-	sh, _ := m.Lookup(model)
-	return sh, nil
-}
-
-// Shards returns every shard, in model order.
-func (m *MemShards) Shards() []*Shard {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	out := make([]*Shard, 0, len(m.shards))
-	for _, sh := range m.shards {
-		out = append(out, sh)
-	}
-	slices.SortFunc(out, func(a, b *Shard) int { return strings.Compare(a.Model, b.Model) })
-	return out
-}
-
-// EndElsewhere has nowhere else to look: every shard is in this process.
-func (m *MemShards) EndElsewhere(context.Context, Change) error { return ErrUnknownRequest }
-
-// RegisteredElsewhere returns the shard of another model whose state holds the worker rank.
-func (m *MemShards) RegisteredElsewhere(_ context.Context, key WorkerKey, model string) (*Shard, string, error) {
-	return HeldElsewhere(m.Shards(), key, model)
-}
-
 // HeldElsewhere returns the first of shards, other than model's, whose state holds the worker rank,
 // and its model.
 func HeldElsewhere(shards []*Shard, key WorkerKey, model string) (*Shard, string, error) {
@@ -171,9 +111,3 @@ func HeldElsewhere(shards []*Shard, key WorkerKey, model string) (*Shard, string
 	}
 	return nil, "", nil
 }
-
-// Ready is nil: an in-process log has nothing to catch up with.
-func (m *MemShards) Ready() <-chan struct{} { return nil }
-
-// Observe does nothing: an in-process log has no timings to report.
-func (m *MemShards) Observe(Observers) {}

@@ -12,13 +12,14 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // servedShards is an in-process shard per model, for the models of served only: as a replica
 // configured with redis_models refuses the others.
 type servedShards struct {
-	*kvstate.MemShards
+	*kvtest.MemShards
 	served []string
 }
 
@@ -57,7 +58,7 @@ func (e *testEnv) connectModel(id uint64, model string, n int) *publisher {
 // ListWorkers and the metrics cover every shard, and a model this replica does not serve is refused
 // at the hello.
 func TestShardedServer(t *testing.T) {
-	src := servedShards{MemShards: &kvstate.MemShards{}, served: []string{"a", "b"}}
+	src := servedShards{MemShards: &kvtest.MemShards{}, served: []string{"a", "b"}}
 	e := newTestEnv(t, withShards(src))
 	pa, pb := e.connectModel(1, "a", 3), e.connectModel(2, "b", 2)
 	defer pa.stream.CloseSend()
@@ -141,7 +142,7 @@ func TestOneModelPerWorker(t *testing.T) {
 		opts []func(*Options)
 	}{
 		{"one state", nil},
-		{"a shard per model", []func(*Options){withShards(servedShards{MemShards: &kvstate.MemShards{}, served: []string{"a", "b"}})}},
+		{"a shard per model", []func(*Options){withShards(servedShards{MemShards: &kvtest.MemShards{}, served: []string{"a", "b"}})}},
 	} {
 		t.Run(layout.name, func(t *testing.T) {
 			e := newTestEnv(t, layout.opts...)

@@ -44,7 +44,7 @@ func register(t *testing.T, sh *kvstate.Shard, id uint64, tokens []uint32, block
 // booking finds the shard that holds it; a model with no shard here is unknown, as is a request
 // no shard holds.
 func TestShardedRoutesInTheModelsShard(t *testing.T) {
-	source := &kvstate.MemShards{}
+	source := &kvtest.MemShards{}
 	shard := func(model string) *kvstate.Shard { sh, _ := source.Lookup(model); return sh }
 	tokens := prompt(4 * testBlockSize)
 	for i, m := range []string{"a", "b"} {
@@ -89,7 +89,7 @@ func TestShardedRoutesInTheModelsShard(t *testing.T) {
 // its Free ends that booking, never another model's. Before, each shard checked only its own
 // bookings, and the later Free could end model a's booking when model b's was meant.
 func TestShardedRequestIDsAreUnique(t *testing.T) {
-	source := &kvstate.MemShards{}
+	source := &kvtest.MemShards{}
 	tokens := prompt(4 * testBlockSize)
 	for i, m := range []string{"a", "b"} {
 		sh, _ := source.Open(context.Background(), m)

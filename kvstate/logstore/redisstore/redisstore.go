@@ -20,7 +20,6 @@ import (
 	"fmt"
 	"net/url"
 	"strings"
-	"time"
 
 	"github.com/redis/go-redis/v9"
 
@@ -271,8 +270,3 @@ func (d *Deployment) PlaceShard(ctx context.Context, model string) (string, erro
 }
 
 var _ logstore.Deployment = (*Deployment)(nil)
-
-// now reads Redis's clock.
-func now(ctx context.Context, rdb redis.UniversalClient) (time.Time, error) {
-	return rdb.Time(ctx).Result()
-}
