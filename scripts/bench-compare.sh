@@ -5,7 +5,10 @@
 # benchmark and metric, the median [min – max] of each commit. docs/BENCHMARKS.md quotes these.
 #
 # Usage: scripts/bench-compare.sh OLD [NEW]     (commits; NEW defaults to HEAD)
-# Environment: ROUNDS [3], ONLY (a regexp of benchmark names below: apply, route, cd, ingest).
+# Environment: ROUNDS [3], ONLY (a regexp of benchmark names below: apply, route, cd, ingest),
+#   SETS (sets of scripts/bench.sh, such as "go peer curves grpc redis": then every set runs
+#   once per commit, alternating, with the settings of `scripts/bench.sh all`, instead of the
+#   benchmarks below; the comparison covers every metric those sets report).
 #
 # The benchmarks (each found in whichever package of the commit defines it):
 #   apply   BenchmarkApply on one P                                   (block events/s)
@@ -45,6 +48,7 @@ mkdir -p "$out"
 for rev in "$old" "$new"; do
   tree=$out/tree-$rev
   git worktree add -q --detach "$tree" "$rev"
+  [ -z "${SETS:-}" ] || continue
   for spec in "${benchmarks[@]}"; do
     IFS='|' read -r name fn _ _ <<<"$spec"
     echo "$name" | grep -qE "$ONLY" || continue
@@ -54,6 +58,22 @@ for rev in "$old" "$new"; do
     echo "$pkg" >"$out/$name.$rev.pkg"
   done
 done
+
+# With SETS, each set of scripts/bench.sh runs in both trees in turn, as `bench.sh all` sets them.
+for set in ${SETS:-}; do
+  for rev in "$old" "$new"; do
+    echo "== $set at $rev" >&2
+    mkdir -p "$out/tree-$rev/.tmp" && cp -r .tmp/bin "$out/tree-$rev/.tmp/" 2>/dev/null || true
+    (cd "$out/tree-$rev" && COUNT=${COUNT:-3} RUNS=${RUNS:-1} CURVE_TIME=${CURVE_TIME:-300ms} scripts/bench.sh "$set") \
+      >"$out/$set.$rev.log" 2>&1 || { tail -20 "$out/$set.$rev.log" >&2; exit 1; }
+    run=$(ls -d "$out/tree-$rev"/.tmp/bench/2*/ | sort | tail -1)
+    for f in go.txt gomaxprocs1.txt peer.txt curves-policy.txt curves-kvstate.txt grpc.txt redis.txt; do
+      [ -f "$run/$f" ] && cat "$run/$f" >>"$out/$rev.txt"
+    done
+    mv "$run" "$out/$set.$rev.run"
+  done
+done
+[ -n "${SETS:-}" ] && ROUNDS=0
 
 for round in $(seq "$ROUNDS"); do
   for spec in "${benchmarks[@]}"; do
@@ -76,7 +96,7 @@ done
 # One line per benchmark and metric: old median [min – max], new median [min – max].
 awk -v tsv=1 -f scripts/summarize.awk "$out/$old.txt" >"$out/$old.summary.tsv"
 awk -v tsv=1 -f scripts/summarize.awk "$out/$new.txt" >"$out/$new.summary.tsv"
-echo "== median [min – max] over $ROUNDS rounds: $old | $new"
+echo "== median [min – max]${SETS:+ of sets $SETS}: $old | $new"
 awk -F'\t' -v old="$out/$old.summary.tsv" '
   BEGIN { while ((getline line < old) > 0) { split(line, f, "\t"); o[f[1] "\t" f[3]] = f[2] " " f[4] } }
   { k = $1 "\t" $3; printf "%-66s %-22s %-30s | %s %s\n", $1, $3, (k in o ? o[k] : "-"), $2, $4 }
