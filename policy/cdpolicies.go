@@ -1,7 +1,6 @@
 package policy
 
 import (
-	"fmt"
 	"strings"
 )
 
@@ -50,16 +49,6 @@ func RegisterCDPolicy(p CDPolicy) (unregister func()) { return cdPolicies.regist
 // CDPolicyNames returns the registered policy names, quoted, in registration order: the list the
 // validation messages give.
 func CDPolicyNames() []string { return cdPolicies.quotedNames() }
-
-// ParseCDPolicy returns the policy registered under s, exactly (case-sensitive), with Dynamo's
-// error text: unknown conditional_disagg_policy: "x", expected 'isl_bounding', 'prefill_load', or
-// 'isl_or_load'.
-func ParseCDPolicy(s string) (CDPolicy, error) {
-	if p, ok := cdPolicies.lookup(s); ok {
-		return p, nil
-	}
-	return nil, fmt.Errorf("unknown conditional_disagg_policy: %q, expected %s", s, orList(CDPolicyNames()))
-}
 
 // orList joins names as "a, b, or c" ("a or b", "a").
 func orList(names []string) string {

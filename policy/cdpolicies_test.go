@@ -20,12 +20,12 @@ func (smallPrompts) Bypass(s CDSignals) bool { return s.EffectiveISL <= 4096 }
 // whole prompt is uncached: ratio 1), bypasses under the new policy.
 func TestAddingACDPolicy(t *testing.T) {
 	t.Cleanup(RegisterCDPolicy(smallPrompts{}))
-	p, err := ParseCDPolicy("small_prompts")
+	p, err := LookupCDPolicy("small_prompts")
 	if err != nil {
-		t.Fatalf("ParseCDPolicy(small_prompts) = %v", err)
+		t.Fatalf("LookupCDPolicy(small_prompts) = %v", err)
 	}
-	if _, err := ParseCDPolicy("nope"); err == nil || !strings.HasSuffix(err.Error(), "'isl_or_load', or 'small_prompts'") {
-		t.Errorf("ParseCDPolicy(nope) = %v, want the registered names listed, small_prompts last", err)
+	if _, err := LookupCDPolicy("nope"); err == nil || !strings.HasSuffix(err.Error(), "'isl_or_load', 'small_prompts'") {
+		t.Errorf("LookupCDPolicy(nope) = %v, want the registered names listed, small_prompts last", err)
 	}
 
 	f, _ := cdFleet(t)

@@ -178,20 +178,6 @@ func TestPrefillBusy(t *testing.T) {
 	}
 }
 
-func TestParseCDPolicy(t *testing.T) {
-	for _, name := range []string{"isl_bounding", "prefill_load", "isl_or_load"} {
-		p, err := ParseCDPolicy(name)
-		if err != nil || p.String() != name {
-			t.Errorf("ParseCDPolicy(%q) = %v, %v", name, p, err)
-		}
-	}
-	_, err := ParseCDPolicy("ISL_BOUNDING")
-	want := `unknown conditional_disagg_policy: "ISL_BOUNDING", expected 'isl_bounding', 'prefill_load', or 'isl_or_load'`
-	if err == nil || err.Error() != want {
-		t.Errorf("ParseCDPolicy(upper case) = %v, want %q", err, want)
-	}
-}
-
 func TestCDConfigValidate(t *testing.T) {
 	nan, over, neg, inf, negInf := math.NaN(), 1.0000001, -0.1, math.Inf(1), math.Inf(-1)
 	tests := []struct {
