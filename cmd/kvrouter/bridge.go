@@ -49,6 +49,7 @@ type bridgeOptions struct {
 	ExtraKeys            string
 	ReplayTimeout        time.Duration
 	MaxUnacked           int
+	StateDir             string
 	MetricsListen        string
 	LogLevel             string
 	ShutdownDrain        time.Duration
@@ -80,6 +81,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.String("extra_keys", "stored blocks with extra hash keys (multimodal inputs, cache salts): skip (no false hits) or ignore (text-only models)", func(o *bridgeOptions) *string { return &o.ExtraKeys }),
 	layered.Duration("replay_timeout", "longest wait for one answer of the engine's replay endpoint", func(o *bridgeOptions) *time.Duration { return &o.ReplayTimeout }),
 	layered.Int("max_unacked", "events per rank kept until the router acks them; reading from the engine pauses past it", func(o *bridgeOptions) *int { return &o.MaxUnacked }, 1),
+	layered.String("state_dir", "directory of the bridge's checkpoints (a small file per rank), so that a bridge restarted within the worker's grace period resumes where it stopped (needs engine_replay_endpoint; on Kubernetes an emptyDir volume); empty: a restart starts afresh", func(o *bridgeOptions) *string { return &o.StateDir }),
 	layered.String("metrics_listen", "HTTP address of /metrics, /healthz and /readyz (empty turns it off)", func(o *bridgeOptions) *string { return &o.MetricsListen }),
 	layered.String("log_level", "log level: debug, info, warn or error", func(o *bridgeOptions) *string { return &o.LogLevel }),
 	layered.Duration("shutdown_drain", "on SIGTERM, how long to wait for the router's acks of what was forwarded", func(o *bridgeOptions) *time.Duration { return &o.ShutdownDrain }),
@@ -118,6 +120,8 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 		return fmt.Errorf("%s: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got %q)", l.Describe("engine_endpoint"), o.EngineEndpoint)
 	case o.EngineReplayEndpoint != "" && !strings.Contains(o.EngineReplayEndpoint, "://"):
 		return fmt.Errorf("%s: must be a ZMQ endpoint such as tcp://127.0.0.1:5657 (got %q)", l.Describe("engine_replay_endpoint"), o.EngineReplayEndpoint)
+	case o.StateDir != "" && o.EngineReplayEndpoint == "":
+		return fmt.Errorf("%s: a checkpoint is resumed from the engine's replay buffer: set %s too, or leave the state directory out", l.Describe("state_dir"), layered.FlagOf("engine_replay_endpoint"))
 	}
 	var level slog.Level
 	if err := level.UnmarshalText([]byte(o.LogLevel)); err != nil {
@@ -252,7 +256,7 @@ func serveBridge(ctx context.Context, o *bridgeOptions, creds []grpc.DialOption,
 		},
 		Conns: conns, Endpoint: o.EngineEndpoint, ReplayEndpoint: o.EngineReplayEndpoint, Topic: o.EngineTopic,
 		FirstDPRank: o.FirstDPRank, DPRanks: o.DPRanks, KVGroup: int64(o.KVGroup), ExtraKeys: extra,
-		ReplayTimeout: o.ReplayTimeout, MaxUnacked: o.MaxUnacked, Registerer: registry, Logger: logger,
+		ReplayTimeout: o.ReplayTimeout, MaxUnacked: o.MaxUnacked, StateDir: o.StateDir, Registerer: registry, Logger: logger,
 	})
 	if err != nil {
 		return err

@@ -10,6 +10,7 @@ import (
 	"net/http"
 	"os"
 	"os/exec"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"syscall"
@@ -91,36 +92,31 @@ func (e *pythonEngine) do(cmd map[string]any) int {
 // bridgeProcess is a running `kvrouter bridge`.
 type bridgeProcess struct {
 	metrics string
-	logs    *bytes.Buffer
+	logs    *lockedBuffer
+	cmd     *exec.Cmd
+	exited  chan error
+	stopped bool
 }
 
-// startBridge runs `kvrouter bridge` and waits until /readyz says it is subscribed; at cleanup it
-// gets SIGTERM and must exit 0.
+// startBridge runs `kvrouter bridge` and waits until /readyz says it is subscribed; at cleanup,
+// unless stopped before, it gets SIGTERM and must exit 0.
 func startBridge(t *testing.T, bin string, args ...string) *bridgeProcess {
 	t.Helper()
-	p := &bridgeProcess{metrics: freePort(t), logs: &bytes.Buffer{}}
-	cmd := exec.Command(bin, append([]string{"bridge", "--metrics-listen", p.metrics, "--log-level", "debug"}, args...)...)
-	cmd.Stderr = p.logs
-	if err := cmd.Start(); err != nil {
+	p := &bridgeProcess{metrics: freePort(t), logs: &lockedBuffer{}, exited: make(chan error, 1)}
+	p.cmd = exec.Command(bin, append([]string{"bridge", "--metrics-listen", p.metrics, "--log-level", "debug"}, args...)...)
+	p.cmd.Stderr = p.logs
+	if err := p.cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	exited := make(chan error, 1)
-	go func() { exited <- cmd.Wait() }()
+	go func() { p.exited <- p.cmd.Wait() }()
 	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		select {
-		case err := <-exited:
-			if err != nil {
-				t.Errorf("kvrouter bridge exited with %v after SIGTERM, want 0\n%s", err, p.logs)
-			}
-		case <-time.After(defaultTestTimeout):
-			_ = cmd.Process.Kill()
-			t.Errorf("kvrouter bridge did not stop within %v of SIGTERM", defaultTestTimeout)
+		if !p.stopped {
+			p.stop(t)
 		}
 	})
 	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
 		select {
-		case err := <-exited:
+		case err := <-p.exited:
 			t.Fatalf("kvrouter bridge exited early: %v\n%s", err, p.logs)
 		default:
 		}
@@ -134,6 +130,29 @@ func startBridge(t *testing.T, bin string, args ...string) *bridgeProcess {
 		t.Fatalf("kvrouter bridge not ready after %v\n%s", defaultTestTimeout, p.logs)
 	}
 	return p
+}
+
+// stop sends SIGTERM, after which the bridge must exit 0.
+func (p *bridgeProcess) stop(t *testing.T) {
+	t.Helper()
+	p.stopped = true
+	_ = p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-p.exited:
+		if err != nil {
+			t.Errorf("kvrouter bridge exited with %v after SIGTERM, want 0\n%s", err, p.logs)
+		}
+	case <-time.After(defaultTestTimeout):
+		_ = p.cmd.Process.Kill()
+		t.Errorf("kvrouter bridge did not stop within %v of SIGTERM", defaultTestTimeout)
+	}
+}
+
+// kill ends the bridge abruptly, as a crash or an OOM kill would.
+func (p *bridgeProcess) kill() {
+	p.stopped = true
+	_ = p.cmd.Process.Kill()
+	<-p.exited
 }
 
 // metric returns the value of one series of the bridge's /metrics ("name{labels}"), 0 when absent.
@@ -152,6 +171,19 @@ func (p *bridgeProcess) metric(t *testing.T, series string) float64 {
 		}
 	}
 	return 0
+}
+
+// blocks returns what the engine holds: its GPU and CPU blocks.
+func (e *pythonEngine) blocks() (device, host uint64) {
+	e.t.Helper()
+	line, _ := json.Marshal(map[string]any{"op": "blocks"})
+	if _, err := fmt.Fprintf(e.stdin, "%s\n", line); err != nil || !e.stdout.Scan() {
+		e.t.Fatalf("engine blocks: %v\n%s", err, e.stderr)
+	}
+	if _, err := fmt.Sscanf(e.stdout.Text(), "blocks %d %d", &device, &host); err != nil {
+		e.t.Fatalf("engine blocks answered %q", e.stdout.Text())
+	}
+	return device, host
 }
 
 // waitForFeed pings the engine until the bridge counts a batch: a SUB socket misses what was
@@ -232,16 +264,23 @@ func TestBridgeFromVLLMFeed(t *testing.T) {
 			t.Errorf("resets = %v, want 0: the replay had every batch", got)
 		}
 
-		// Not msgpack, then an unknown event: counted, skipped, and the feed goes on.
-		engine.do(map[string]any{"op": "raw", "hex": "c1c1"})
+		// An unknown event: counted and skipped, and the feed goes on.
 		engine.do(map[string]any{"op": "raw", "hex": "93cb41daa8dbe02000009191aa426c6f636b4d6f76656400"}) // [ts, [["BlockMoved"]], 0]
 		engine.do(map[string]any{"op": "store", "first": 10, "n": 1, "parent": true})
 		waitOverlap("m", 1, 11, 11, b)
-		if got := b.metric(t, `kvrouter_bridge_batches_total{dp_rank="0",result="malformed"}`); got != 1 {
-			t.Errorf("malformed batches = %v, want 1", got)
-		}
 		if got := b.metric(t, `kvrouter_bridge_events_dropped_total{dp_rank="0",reason="unknown_tag"}`); got != 1 {
 			t.Errorf("events dropped as unknown_tag = %v, want 1", got)
+		}
+		// Not msgpack, live and in the replay buffer: nothing can say what that batch changed, so
+		// the worker is cleared (counted as a gap) and the batches after it are applied.
+		engine.do(map[string]any{"op": "raw", "hex": "c1c1"})
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 2})
+		waitOverlap("m", 1, 11, 2, b)
+		if got := b.metric(t, `kvrouter_bridge_batches_total{dp_rank="0",result="malformed"}`); got != 2 {
+			t.Errorf("malformed batches = %v, want 2 (live, then the replay's copy)", got)
+		}
+		if got := b.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="gap"}`); got != 1 {
+			t.Errorf("resets = %v, want 1 for the unreadable batch", got)
 		}
 	})
 
@@ -275,4 +314,209 @@ func TestBridgeFromVLLMFeed(t *testing.T) {
 		engine.do(map[string]any{"op": "store", "first": 0, "n": 1})
 		waitOverlap("m2", 2, 4, 1, b)
 	})
+}
+
+// fleetView reads what a `kvrouter serve` holds of one worker, beside the engine stand-in that
+// says what the engine holds.
+type fleetView struct {
+	t      *testing.T
+	ctx    context.Context
+	admin  kvrouterv1.AdminServiceClient
+	router kvrouterv1.RouterServiceClient
+	model  string
+	id     uint64
+}
+
+// blocks returns the device and host blocks the router holds for the worker, and whether it
+// lists the worker at all.
+func (v *fleetView) blocks() (device, host uint64, listed bool) {
+	v.t.Helper()
+	resp, err := v.admin.ListWorkers(v.ctx, &kvrouterv1.ListWorkersRequest{Model: v.model})
+	if err != nil {
+		v.t.Fatalf("ListWorkers() = %v", err)
+	}
+	for _, w := range resp.GetWorkers() {
+		if w.GetWorker().GetWorkerId() == v.id {
+			return w.GetCachedBlocks().GetDevice(), w.GetCachedBlocks().GetHost(), true
+		}
+	}
+	return 0, 0, false
+}
+
+// waitEqual waits until the router holds, per tier, as many blocks of the worker as the engine
+// holds, and the prompt of blocks 0..n-1 finds all n of them on the device.
+func (v *fleetView) waitEqual(e *pythonEngine, b *bridgeProcess, n int) {
+	v.t.Helper()
+	wantDevice, wantHost := e.blocks()
+	var device, host, overlap uint64
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		device, host, _ = v.blocks()
+		overlap = v.overlap(n)
+		return device == wantDevice && host == wantHost && overlap == uint64(n)
+	}) {
+		v.t.Fatalf("router holds %d device + %d host blocks, overlap %d of %d; the engine holds %d + %d\n%s",
+			device, host, overlap, n, wantDevice, wantHost, b.logs)
+	}
+}
+
+// overlap is how many device blocks of the prompt of blocks 0..n-1 Route finds on the worker.
+func (v *fleetView) overlap(n int) uint64 {
+	v.t.Helper()
+	tokens := make([]uint32, 4*n)
+	for i := range tokens {
+		tokens[i] = uint32(i + 1)
+	}
+	resp, err := v.router.Route(v.ctx, &kvrouterv1.RouteRequest{Model: v.model, TokenIds: tokens, QueryOnly: true})
+	if err != nil {
+		return 0 // no worker yet
+	}
+	if resp.GetDecode().GetWorkerId() != v.id {
+		return 0
+	}
+	return resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice()
+}
+
+// TestBridgeRecovery drives real `kvrouter bridge` and `kvrouter serve` processes with the vLLM
+// stand-in through what breaks a bridge in production, and checks after each that the router
+// holds what the engine holds: a payload damaged on the way, a bridge restarted beside an idle
+// engine, a bridge killed and restarted with its checkpoint while a long-running engine goes on
+// (its replay buffer no longer starts at 0), and the same after the buffer moved past the
+// checkpoint, when the worker is cleared and rebuilt from what the buffer holds.
+func TestBridgeRecovery(t *testing.T) {
+	bin := buildBinary(t)
+	addr, _ := startServer(t, bin)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
+	defer cancel()
+	view := func(model string, id uint64) *fleetView {
+		return &fleetView{t: t, ctx: ctx, admin: kvrouterv1.NewAdminServiceClient(conn), router: kvrouterv1.NewRouterServiceClient(conn), model: model, id: id}
+	}
+	bridgeArgs := func(model string, id int, endpoint, replay string, extra ...string) []string {
+		return append([]string{"--router-addrs", addr, "--engine-endpoint", endpoint, "--engine-replay-endpoint", replay,
+			"--worker-id", strconv.Itoa(id), "--model", model, "--block-size", "4", "--total-kv-blocks", "100000",
+			"--worker-endpoint", "10.0.0.1:8000", "--replay-timeout", "5s"}, extra...)
+	}
+	// storeChain stores blocks from..to-1 of the test prompt, per blocks in a batch.
+	storeChain := func(e *pythonEngine, from, to, per int) {
+		for first := from; first < to; first += per {
+			e.do(map[string]any{"op": "store", "first": first, "n": min(per, to-first), "parent": first > 0})
+		}
+	}
+
+	t.Run("a damaged payload is fetched again from the replay buffer", func(t *testing.T) {
+		endpoint, replay := "tcp://"+freePort(t), "tcp://"+freePort(t)
+		engine := startPythonEngine(t, "--endpoint", endpoint, "--replay-endpoint", replay)
+		b := startBridge(t, bin, bridgeArgs("damaged", 21, endpoint, replay)...)
+		waitForFeed(t, engine, b)
+		v := view("damaged", 21)
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 2})
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 2, "medium": "CPU", "garbled": true})
+		engine.do(map[string]any{"op": "store", "first": 2, "n": 1, "parent": true})
+		v.waitEqual(engine, b, 3)
+		if _, host, _ := v.blocks(); host != 2 {
+			t.Errorf("host blocks = %d, want 2 (the damaged batch's, from the replay)", host)
+		}
+		if got := b.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="gap"}`); got != 0 {
+			t.Errorf("resets = %v, want 0: the replay buffer had the damaged batch whole", got)
+		}
+		if got := b.metric(t, `kvrouter_bridge_batches_total{dp_rank="0",result="malformed"}`); got != 1 {
+			t.Errorf("malformed batches = %v, want 1", got)
+		}
+	})
+
+	t.Run("a bridge restarted beside an idle engine rebuilds at once", func(t *testing.T) {
+		endpoint, replay := "tcp://"+freePort(t), "tcp://"+freePort(t)
+		engine := startPythonEngine(t, "--endpoint", endpoint, "--replay-endpoint", replay)
+		// The engine stores before any bridge runs: the first bridge, too, gets it from the replay.
+		storeChain(engine, 0, 8, 4)
+		first := startBridge(t, bin, bridgeArgs("idle", 22, endpoint, replay)...)
+		v := view("idle", 22)
+		v.waitEqual(engine, first, 8)
+		first.stop(t)
+		// No state directory: the new bridge registers afresh, so the router drops the worker's
+		// blocks, and the engine publishes nothing from here on.
+		second := startBridge(t, bin, bridgeArgs("idle", 22, endpoint, replay)...)
+		v.waitEqual(engine, second, 8)
+		if got := second.metric(t, `kvrouter_bridge_replays_total{dp_rank="0",result="complete"}`); got != 1 {
+			t.Errorf("complete replays = %v, want 1", got)
+		}
+	})
+
+	t.Run("a killed bridge resumes from its checkpoint on a long-running engine", func(t *testing.T) {
+		endpoint, replay := "tcp://"+freePort(t), "tcp://"+freePort(t)
+		engine := startPythonEngine(t, "--endpoint", endpoint, "--replay-endpoint", replay, "--buffer-steps", "8")
+		state := t.TempDir()
+		args := bridgeArgs("resumed", 23, endpoint, replay, "--state-dir", state)
+		first := startBridge(t, bin, args...)
+		v := view("resumed", 23)
+		storeChain(engine, 0, 200, 4) // 50 batches: the buffer holds the last 8
+		v.waitEqual(engine, first, 200)
+		waitCheckpoint(t, state, engine.do(map[string]any{"op": "store", "first": 0, "n": 1}), first)
+		first.kill()
+
+		// While no bridge runs, the engine goes on: stores, an eviction, a CPU copy.
+		engine.do(map[string]any{"op": "store", "first": 200, "n": 4, "parent": true})
+		engine.do(map[string]any{"op": "remove", "blocks": []int{202, 203}})
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 3, "medium": "CPU"})
+		second := startBridge(t, bin, args...)
+		v.waitEqual(engine, second, 202)
+		if got := second.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="reconnect"}`) +
+			second.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="router_state_lost"}`); got != 0 {
+			t.Errorf("resets = %v, want 0: the router held the worker and the buffer held what changed\n%s", got, second.logs)
+		}
+
+		// Past the buffer: more batches than it keeps while the bridge is down. The bridge cannot
+		// know what the lost ones removed, so it clears the worker and rebuilds it from the
+		// buffer: blocks stored before the buffer's first batch stay unknown (the router holds
+		// less than the engine, never more) until the engine stores them again, and so do the
+		// buffer's blocks whose parent is one of them (the router drops a block of an unknown parent).
+		waitCheckpoint(t, state, engine.do(map[string]any{"op": "store", "first": 0, "n": 1}), second)
+		second.kill()
+		for first := 300; first < 340; first += 4 { // 10 batches, each a chain of its own
+			engine.do(map[string]any{"op": "store", "first": first, "n": 4})
+		}
+		third := startBridge(t, bin, args...)
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+			return third.metric(t, `kvrouter_bridge_resets_total{dp_rank="0",reason="reconnect"}`) == 1
+		}) {
+			t.Fatalf("the bridge did not clear the worker\n%s", third.logs)
+		}
+		wantDevice, _ := engine.blocks()
+		var device uint64
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { device, _, _ = v.blocks(); return device == 32 }) {
+			t.Fatalf("router holds %d device blocks, want 32 (the buffer's 8 batches of 4; the engine holds %d)\n%s", device, wantDevice, third.logs)
+		}
+		storeChain(engine, 0, 202, 101) // the engine stores the prefix again
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { return v.overlap(202) == 202 }) {
+			t.Fatalf("Route overlap = %d after the engine stored the prefix again, want 202", v.overlap(202))
+		}
+	})
+}
+
+// waitCheckpoint waits until the bridge's checkpoint names engine batch seq: the router acked it
+// and the bridge wrote it down.
+func waitCheckpoint(t *testing.T, dir string, seq int, b *bridgeProcess) {
+	t.Helper()
+	path := filepath.Join(dir, "bridge-worker-"+b.arg("--worker-id")+"-dp-0.json")
+	var got struct{ Seq int }
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		data, err := os.ReadFile(path)
+		return err == nil && json.Unmarshal(data, &got) == nil && got.Seq == seq
+	}) {
+		t.Fatalf("checkpoint %s at seq %d, want %d\n%s", path, got.Seq, seq, b.logs)
+	}
+}
+
+// arg returns the value given to flag on the bridge's command line.
+func (p *bridgeProcess) arg(flag string) string {
+	for i, a := range p.cmd.Args[:len(p.cmd.Args)-1] {
+		if a == flag {
+			return p.cmd.Args[i+1]
+		}
+	}
+	return ""
 }

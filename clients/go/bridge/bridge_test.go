@@ -539,3 +539,50 @@ func (s *droppingStream) SendMsg(m any) error {
 	}
 	return s.ClientStream.SendMsg(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: kept}}})
 }
+
+// TestResubscribeToTheSameEngine: the link to the engine breaks and comes back while the engine
+// process lives on (its numbers and replay buffer go on). The bridge finds the last batch it
+// forwarded in the replay buffer, unchanged, and goes on after it without clearing the worker,
+// taking what the engine published meanwhile.
+func TestResubscribeToTheSameEngine(t *testing.T) {
+	f := newFixture(t, fixtureOptions{replay: true})
+	f.engine.send(false, stored(0, 4))
+	f.waitCached(0, 4)
+	f.engine.pub.Close() // the link breaks
+	poll(t, "the bridge to notice", func() bool { return f.counter("kvrouter_bridge_subscriber_connected") == 0 })
+	f.engine.send(true, stored(4, 2)) // published while no subscriber was there
+	f.engine.pub = zmq4.NewPub(f.ctx)
+	if err := f.engine.pub.Listen(f.engine.endpoint); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.engine.pub.Close() })
+	f.waitCached(0, 6)
+	if got := f.overlap(6); got != 6 {
+		t.Errorf("Route overlap = %d, want 6", got)
+	}
+	if got := f.counter("kvrouter_bridge_resets_total"); got != 0 {
+		t.Errorf("resets = %v, want 0: the engine is the same process", got)
+	}
+}
+
+// TestResubscribeToANewEngine: the engine process is replaced on the same endpoint (numbers back
+// at 0, a new replay buffer). The bridge does not find its last batch there, clears the worker and
+// rebuilds it from the new engine's buffer, before that engine publishes anything more.
+func TestResubscribeToANewEngine(t *testing.T) {
+	f := newFixture(t, fixtureOptions{replay: true})
+	f.engine.send(false, stored(0, 4))
+	f.waitCached(0, 4)
+	f.engine.pub.Close()
+	poll(t, "the bridge to notice", func() bool { return f.counter("kvrouter_bridge_subscriber_connected") == 0 })
+	f.engine.mu.Lock()
+	f.engine.seq, f.engine.buffer = 0, nil // a new process: an empty cache and history
+	f.engine.mu.Unlock()
+	f.engine.send(true, fresh(20, 2)) // its first batch, before the bridge is back
+	f.engine.pub = zmq4.NewPub(f.ctx)
+	if err := f.engine.pub.Listen(f.engine.endpoint); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.engine.pub.Close() })
+	poll(t, "the reset", func() bool { return f.counter("kvrouter_bridge_resets_total", "reason", "reconnect") == 1 })
+	f.waitCached(0, 2)
+}

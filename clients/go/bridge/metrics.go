@@ -15,7 +15,7 @@ type metrics struct {
 	droppedBlocks *prometheus.CounterVec   // dp_rank, reason: blocks not forwarded
 	gaps          *prometheus.CounterVec   // dp_rank
 	replays       *prometheus.CounterVec   // dp_rank, result: complete, incomplete, failed
-	resets        *prometheus.CounterVec   // dp_rank, reason: gap, engine_restart, reconnect, resync_request
+	resets        *prometheus.CounterVec   // dp_rank, reason: gap, engine_restart, reconnect, router_state_lost, resync_request
 	ackLag        *prometheus.HistogramVec // dp_rank: engine timestamp to the router's ack
 	engineSeq     *prometheus.GaugeVec     // dp_rank: last sequence number received
 	ackedSeq      *prometheus.GaugeVec     // dp_rank: last sequence number the router acked whole

@@ -77,7 +77,10 @@ type Publisher struct {
 	dumping bool // Publish waits while the cache is dumped
 	closing bool
 	err     error // why the publisher stopped
-	batch   int   // events per message now: MaxBatchEvents, less after RESOURCE_EXHAUSTED
+	// The router's answer to the first registration: its last event id for the rank (-1: none).
+	registered bool
+	firstLast  int64
+	batch      int // events per message now: MaxBatchEvents, less after RESOURCE_EXHAUSTED
 }
 
 // NewPublisher starts publishing for opts.Hello's worker rank.
@@ -178,6 +181,25 @@ func (p *Publisher) LastAcked() (uint64, bool) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	return uint64(max(p.acked, 0)), p.acked >= 0
+}
+
+// Registration waits for the router's first registration of the worker rank and returns the last
+// event id the router held for the rank then, and whether it held any (a rank it did not know, or
+// one registered with fresh_start, has none). A worker that resumes without fresh_start (a restarted
+// process that kept its own record, such as the engine bridge's checkpoint) learns from it whether
+// the router still holds what it last acked, before it decides what to send.
+func (p *Publisher) Registration(ctx context.Context) (lastEventID uint64, held bool, err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for !p.registered {
+		if p.err != nil {
+			return 0, false, p.err
+		}
+		if err := p.waitLocked(ctx); err != nil {
+			return 0, false, err
+		}
+	}
+	return uint64(max(p.firstLast, 0)), p.firstLast >= 0, nil
 }
 
 // Err returns why the publisher stopped, or nil while it runs.
@@ -488,6 +510,13 @@ func (p *Publisher) resume(reg *kvrouterv1.Registered, first, freshStart bool) (
 	defer p.mu.Unlock()
 	p.sent = 0
 	p.load = cloneLoad(p.load) // sent again on the new stream
+	if !p.registered {
+		p.registered, p.firstLast = true, -1
+		if reg.LastEventId != nil {
+			p.firstLast = int64(reg.GetLastEventId())
+		}
+		p.notifyLocked()
+	}
 	if reg.LastEventId == nil {
 		return p.acked >= 0 && !freshStart
 	}

@@ -357,3 +357,58 @@ func TestResyncRequestIsAnsweredWithADump(t *testing.T) {
 		t.Errorf("the router holds %d blocks after %d dumps, want %d after 1", got, dumps.Load(), n)
 	}
 }
+
+// TestRegistration: Registration says what the router held of the rank at the first registration:
+// nothing for a fresh start or a rank it does not know, the last event id for a rank resumed
+// without fresh_start, which then numbers its events after it.
+func TestRegistration(t *testing.T) {
+	s := startServer(t, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	registration := func(p *kvclient.Publisher) (uint64, bool) {
+		t.Helper()
+		last, held, err := p.Registration(ctx)
+		if err != nil {
+			t.Fatalf("Registration() = %v", err)
+		}
+		return last, held
+	}
+	first := newPublisher(t, kvclient.PublisherOptions{Hello: hello(11), Conns: []grpc.ClientConnInterface{s.conn}})
+	if last, held := registration(first); held {
+		t.Errorf("fresh start: Registration() = %d, held; want nothing held", last)
+	}
+	for i := range 3 {
+		if err := first.Publish(ctx, storedEvent(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := first.Close(ctx); err != nil {
+		t.Fatal(err)
+	}
+
+	resumed := hello(11)
+	resumed.FreshStart = false
+	second := newPublisher(t, kvclient.PublisherOptions{Hello: resumed, Conns: []grpc.ClientConnInterface{s.conn}})
+	if last, held := registration(second); !held || last != 2 {
+		t.Errorf("resumed: Registration() = %d, %v; want 2, held", last, held)
+	}
+	if err := second.Publish(ctx, storedEvent(3)); err != nil {
+		t.Fatal(err)
+	}
+	if err := second.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if last, _ := second.LastAcked(); last != 3 {
+		t.Errorf("LastAcked() = %d after resuming at 2, want 3", last)
+	}
+	if got := s.cachedBlocks(t, 11); got != 4 {
+		t.Errorf("the router holds %d blocks, want 4: the resumed rank kept its blocks", got)
+	}
+
+	unknown := hello(12)
+	unknown.FreshStart = false
+	third := newPublisher(t, kvclient.PublisherOptions{Hello: unknown, Conns: []grpc.ClientConnInterface{s.conn}})
+	if last, held := registration(third); held {
+		t.Errorf("a rank the router never saw: Registration() = %d, held; want nothing held", last)
+	}
+}

@@ -11,17 +11,26 @@ end-to-end test. It is not vLLM's code: it writes what vLLM writes.
 - Events are positional arrays with the tag first (--style arrays, vLLM before June 2026, every
   field up to kv_cache_spec_sliding_window) or maps with the tag under "type" (--style maps).
 
+- The replay buffer keeps the last --buffer-steps batches (vLLM's buffer_steps, 10,000 by default).
+- --health-port serves GET /health (200), as vLLM's API server does while its engine runs.
+
 Commands come on stdin, one JSON object a line; after each, one line "ok <last seq>" on stdout:
   {"op": "store", "first": 0, "n": 4, "parent": true}   blocks first..first+n-1 of the test prompt
-  {"op": "remove", "blocks": [6, 7]}
+      ("medium": "CPU" stores them in the CPU tier, as vLLM's CPU offloading does; default GPU)
+  {"op": "remove", "blocks": [6, 7]}                      ("medium" as for store)
   {"op": "clear"}
   {"op": "ping"}                                           a batch without events
   {"op": "raw", "hex": "c1"}                               a payload as given (malformed input)
   {"op": "restart"}                                        the sequence starts again at 0
-Any command with "lost": true is kept for replay but not sent, as if the PUB socket had dropped it.
+  {"op": "blocks"}                                         answers "blocks <GPU> <CPU>": what the engine holds
+Any command with "lost": true is kept for replay but not sent, as if the PUB socket had dropped it;
+with "garbled": true it is sent with its payload cut short (damaged on the way) and kept whole for
+replay.
 """
 
 import argparse
+import collections
+import http.server
 import json
 import sys
 import threading
@@ -50,10 +59,25 @@ class Engine:
         self.pub.bind(args.endpoint)
         self.topic = args.topic.encode()
         self.seq = 0
-        self.buffer = []  # (seq, payload): every batch, sent or lost
+        self.buffer = collections.deque(maxlen=args.buffer_steps)  # (seq, payload): sent or lost
         self.lock = threading.Lock()
+        self.cache = {"GPU": set(), "CPU": set()}  # what the engine holds, by medium
         if args.replay_endpoint:
             threading.Thread(target=self.serve_replay, daemon=True).start()
+        if args.health_port:
+            threading.Thread(target=self.serve_health, daemon=True).start()
+
+    def serve_health(self):
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200 if self.path == "/health" else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        http.server.HTTPServer(("127.0.0.1", self.args.health_port), Health).serve_forever()
 
     def serve_replay(self):
         router = self.ctx.socket(zmq.ROUTER)
@@ -74,19 +98,25 @@ class Engine:
     def event(self, cmd):
         bs = self.args.block_size
         op = cmd["op"]
+        medium = cmd.get("medium", "GPU")
         if op == "store":
             first, n = cmd["first"], cmd["n"]
             hashes = [block_hash(i) for i in range(first, first + n)]
             parent = block_hash(first - 1) if cmd.get("parent") and first > 0 else None
             toks = [t for i in range(first, first + n) for t in tokens(i, bs)]
             fields = dict(block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=bs, lora_id=None,
-                          medium="GPU", lora_name=None, extra_keys=[None] * n, group_idx=0,
+                          medium=medium, lora_name=None, extra_keys=[None] * n, group_idx=0,
                           kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+            self.cache[medium].update(hashes)
             return self.encode("BlockStored", fields)
         if op == "remove":
-            fields = dict(block_hashes=[block_hash(i) for i in cmd["blocks"]], medium="GPU", group_idx=0)
+            hashes = [block_hash(i) for i in cmd["blocks"]]
+            self.cache[medium].difference_update(hashes)
+            fields = dict(block_hashes=hashes, medium=medium, group_idx=0)
             return self.encode("BlockRemoved", fields)
         if op == "clear":
+            for blocks in self.cache.values():
+                blocks.clear()
             return self.encode("AllBlocksCleared", {})
         raise ValueError(f"unknown op {op}")
 
@@ -100,8 +130,13 @@ class Engine:
         op = cmd["op"]
         if op == "restart":
             with self.lock:
-                self.seq, self.buffer = 0, []
+                self.seq = 0
+                self.buffer.clear()
+            for blocks in self.cache.values():
+                blocks.clear()
             return
+        if op == "blocks":
+            return f"blocks {len(self.cache['GPU'])} {len(self.cache['CPU'])}"
         if op == "raw":
             payload = bytes.fromhex(cmd["hex"])
         else:
@@ -111,6 +146,8 @@ class Engine:
             seq = self.seq
             self.seq += 1
             self.buffer.append((seq, payload))
+        if cmd.get("garbled"):
+            payload = payload[: len(payload) // 2]
         if not cmd.get("lost"):
             self.pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload))
 
@@ -123,6 +160,8 @@ def main():
     ap.add_argument("--dp-rank", type=int, default=0)
     ap.add_argument("--block-size", type=int, default=4)
     ap.add_argument("--style", choices=("arrays", "maps"), default="arrays")
+    ap.add_argument("--buffer-steps", type=int, default=10_000)
+    ap.add_argument("--health-port", type=int, default=0)
     args = ap.parse_args()
     engine = Engine(args)
     print("ready", flush=True)
@@ -130,8 +169,8 @@ def main():
         line = line.strip()
         if not line:
             continue
-        engine.handle(json.loads(line))
-        print(f"ok {engine.seq - 1}", flush=True)
+        answer = engine.handle(json.loads(line))
+        print(answer or f"ok {engine.seq - 1}", flush=True)
 
 
 if __name__ == "__main__":
