@@ -3,6 +3,7 @@ package server
 import (
 	"context"
 	"errors"
+	"io"
 	"testing"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -55,6 +56,9 @@ func (c *grpcConn) Send(_ *testing.T, m publishtest.Message) {
 func (c *grpcConn) Recv(t *testing.T) (publishtest.Reply, *publishtest.Outcome) {
 	t.Helper()
 	m, err := c.stream.Recv() // bounded by the test server's context (defaultTestTimeout)
+	if errors.Is(err, io.EOF) {
+		return publishtest.Reply{}, &publishtest.Outcome{Code: "OK"}
+	}
 	if err != nil {
 		st, _ := status.FromError(err)
 		o := &publishtest.Outcome{Code: st.Code().String()}
@@ -101,6 +105,8 @@ func publishRequest(m publishtest.Message) *kvrouterv1.PublishRequest {
 	case m.Load != nil:
 		return &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Load{Load: &kvrouterv1.LoadReport{
 			DpRank: m.Load.Rank, KvUsedBlocks: m.Load.KVUsedBlocks, WaitingRequests: m.Load.WaitingRequests}}}
+	case m.Leave != nil:
+		return &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Leave{Leave: &kvrouterv1.WorkerLeave{Reason: *m.Leave}}}
 	}
 	panic(errors.New("publishtest: a message with nothing set"))
 }

@@ -14,6 +14,7 @@ import (
 	"google.golang.org/protobuf/proto"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/server/app"
 )
 
 // publishLimits bound one Publish message, so that receiving it costs a bounded amount of memory
@@ -134,6 +135,8 @@ func (f *publishFrame) check() error {
 			"holds %d events, more than max_batch_blocks %d: split the batch", f.counts.events, f.limits.maxBlocks)
 	case f.counts.helloBytes > maxHelloBytes:
 		return invalidArgumentf("hello", "must be at most %d bytes encoded (got %d): its model at most %d bytes, its endpoint at most %d", maxHelloBytes, f.counts.helloBytes, maxModelBytes, maxEndpointBytes)
+	case f.counts.leaveBytes > maxLeaveBytes:
+		return invalidArgumentf("leave.reason", "must be at most %d bytes (the leave is %d bytes encoded)", app.MaxLeaveReasonBytes, f.counts.leaveBytes)
 	case f.counts.blocks > f.limits.maxBlocks:
 		return limitExceeded("PUBLISH_BATCH_TOO_LARGE", f.counts.field+".events", "max_batch_blocks", f.limits.maxBlocks, f.counts.blocks,
 			"holds %d blocks (stored blocks plus removed hashes), more than max_batch_blocks %d: split the batch", f.counts.blocks, f.limits.maxBlocks)
@@ -157,7 +160,11 @@ type publishCounts struct {
 	field          string // "events" or "dump"
 	events, blocks int
 	helloBytes     int // the encoded hello's size, when the message is one
+	leaveBytes     int // the encoded leave's size, when the message is one
 }
+
+// maxLeaveBytes is the largest encoded leave that can be valid: its reason at its limit.
+const maxLeaveBytes = app.MaxLeaveReasonBytes + 8
 
 // maxHelloBytes is the largest encoded hello that can be valid: its model and endpoint at their
 // limits and every other field at its largest, with room to spare. A larger one is refused before
@@ -170,6 +177,7 @@ const (
 	fieldPublishHello  = 1 // PublishRequest.hello
 	fieldPublishEvents = 2 // PublishRequest.events
 	fieldPublishDump   = 3 // PublishRequest.dump
+	fieldPublishLeave  = 5 // PublishRequest.leave
 	fieldBatchEvents   = 1 // EventBatch.events
 	fieldDumpEvents    = 2 // KvDump.events
 	fieldEventStored   = 4 // KvEvent.stored
@@ -187,6 +195,9 @@ func countPublish(b []byte) (publishCounts, bool) {
 		switch {
 		case num == fieldPublishHello && typ == protowire.BytesType:
 			c.helloBytes = len(v)
+			return true
+		case num == fieldPublishLeave && typ == protowire.BytesType:
+			c.leaveBytes = len(v)
 			return true
 		case num == fieldPublishEvents && typ == protowire.BytesType:
 			c.field, eventsField = "events", fieldBatchEvents

@@ -170,7 +170,9 @@ func (ps *publishStream) serve() error {
 			return err
 		}
 		if msg != nil {
-			if err := ps.handle(msg); err != nil {
+			if err := ps.handle(msg); errors.Is(err, errLeft) {
+				return nil
+			} else if err != nil {
 				err = toStatus(err)
 				sess.Logger().Warn("worker stream ended by error", "err", err)
 				return err
@@ -181,6 +183,9 @@ func (ps *publishStream) serve() error {
 		}
 	}
 }
+
+// errLeft ends a stream whose worker left: the stream ends with OK.
+var errLeft = errors.New("the worker left")
 
 // handle maps one message to the session.
 func (ps *publishStream) handle(msg *kvrouterv1.PublishRequest) error {
@@ -209,8 +214,13 @@ func (ps *publishStream) handle(msg *kvrouterv1.PublishRequest) error {
 		return sess.Dump(ctx, app.DumpPart{ThroughEventID: m.Dump.GetThroughEventId(), Events: events, MoreFollows: m.Dump.GetMoreFollows()})
 	case *kvrouterv1.PublishRequest_Load:
 		return sess.Load(ctx, app.LoadReport{Rank: m.Load.GetDpRank(), KVUsedBlocks: m.Load.GetKvUsedBlocks(), WaitingRequests: m.Load.GetWaitingRequests()})
+	case *kvrouterv1.PublishRequest_Leave:
+		if err := sess.Leave(ctx, m.Leave.GetReason()); err != nil {
+			return err
+		}
+		return errLeft
 	}
-	return invalidArgument("message", "must set one of hello, events, dump, load")
+	return invalidArgument("message", "must set one of hello, events, dump, load, leave")
 }
 
 // streamReplies sends a session's replies on its Publish stream.
@@ -245,6 +255,8 @@ func kindOf(m *kvrouterv1.PublishRequest) app.MessageKind {
 		return app.MessageDump
 	case *kvrouterv1.PublishRequest_Load:
 		return app.MessageLoad
+	case *kvrouterv1.PublishRequest_Leave:
+		return app.MessageLeave
 	}
 	return 0
 }

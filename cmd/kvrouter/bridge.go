@@ -48,6 +48,9 @@ type bridgeOptions struct {
 	KVGroup              int
 	ExtraKeys            string
 	ReplayTimeout        time.Duration
+	EngineHealthURL      string
+	EngineCheckInterval  time.Duration
+	EngineDownAfter      time.Duration
 	MaxUnacked           int
 	StateDir             string
 	MetricsListen        string
@@ -80,6 +83,9 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.Int("kv_group", "the KV-cache group whose events are forwarded, for hybrid models (vLLM group_idx)", func(o *bridgeOptions) *int { return &o.KVGroup }, 0),
 	layered.String("extra_keys", "stored blocks with extra hash keys (multimodal inputs, cache salts): skip (no false hits) or ignore (text-only models)", func(o *bridgeOptions) *string { return &o.ExtraKeys }),
 	layered.Duration("replay_timeout", "longest wait for one answer of the engine's replay endpoint", func(o *bridgeOptions) *time.Duration { return &o.ReplayTimeout }),
+	layered.String("engine_health_url", "the engine's HTTP health endpoint, checked with the replay endpoint (vLLM, SGLang, TensorRT-LLM: http://127.0.0.1:8000/health); empty: not checked", func(o *bridgeOptions) *string { return &o.EngineHealthURL }),
+	layered.Duration("engine_check_interval", "how often the engine's health endpoint and replay endpoint are checked", func(o *bridgeOptions) *time.Duration { return &o.EngineCheckInterval }),
+	layered.Duration("engine_down_after", "how long the engine's checks may fail, or the bridge be unsubscribed, before the engine counts as down and the worker leaves the router", func(o *bridgeOptions) *time.Duration { return &o.EngineDownAfter }),
 	layered.Int("max_unacked", "events per rank kept until the router acks them; reading from the engine pauses past it", func(o *bridgeOptions) *int { return &o.MaxUnacked }, 1),
 	layered.String("state_dir", "directory of the bridge's checkpoints (a small file per rank), so that a bridge restarted within the worker's grace period resumes where it stopped (needs engine_replay_endpoint; on Kubernetes an emptyDir volume); empty: a restart starts afresh", func(o *bridgeOptions) *string { return &o.StateDir }),
 	layered.String("metrics_listen", "HTTP address of /metrics, /healthz and /readyz (empty turns it off)", func(o *bridgeOptions) *string { return &o.MetricsListen }),
@@ -90,7 +96,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 func defaultBridgeOptions() *bridgeOptions {
 	return &bridgeOptions{
 		EngineEndpoint: "tcp://127.0.0.1:5557", DPRanks: 1, Role: "aggregated", ExtraKeys: "skip",
-		ReplayTimeout: 10 * time.Second, MaxUnacked: 65_536, MetricsListen: ":9091", LogLevel: "info", ShutdownDrain: 10 * time.Second,
+		ReplayTimeout: 10 * time.Second, EngineCheckInterval: time.Second, EngineDownAfter: 5 * time.Second, MaxUnacked: 65_536, MetricsListen: ":9091", LogLevel: "info", ShutdownDrain: 10 * time.Second,
 	}
 }
 
@@ -120,6 +126,12 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 		return fmt.Errorf("%s: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got %q)", l.Describe("engine_endpoint"), o.EngineEndpoint)
 	case o.EngineReplayEndpoint != "" && !strings.Contains(o.EngineReplayEndpoint, "://"):
 		return fmt.Errorf("%s: must be a ZMQ endpoint such as tcp://127.0.0.1:5657 (got %q)", l.Describe("engine_replay_endpoint"), o.EngineReplayEndpoint)
+	case o.EngineHealthURL != "" && !strings.HasPrefix(o.EngineHealthURL, "http://") && !strings.HasPrefix(o.EngineHealthURL, "https://"):
+		return fmt.Errorf("%s: must be an http:// or https:// URL such as http://127.0.0.1:8000/health (got %q)", l.Describe("engine_health_url"), o.EngineHealthURL)
+	case o.EngineCheckInterval <= 0:
+		return fmt.Errorf("%s: must be > 0", l.Describe("engine_check_interval"))
+	case o.EngineDownAfter < o.EngineCheckInterval:
+		return fmt.Errorf("%s: must be at least %s (%v), or one failed check would count as down", l.Describe("engine_down_after"), layered.FlagOf("engine_check_interval"), o.EngineCheckInterval)
 	case o.StateDir != "" && o.EngineReplayEndpoint == "":
 		return fmt.Errorf("%s: a checkpoint is resumed from the engine's replay buffer: set %s too, or leave the state directory out", l.Describe("state_dir"), layered.FlagOf("engine_replay_endpoint"))
 	}
@@ -256,7 +268,8 @@ func serveBridge(ctx context.Context, o *bridgeOptions, creds []grpc.DialOption,
 		},
 		Conns: conns, Endpoint: o.EngineEndpoint, ReplayEndpoint: o.EngineReplayEndpoint, Topic: o.EngineTopic,
 		FirstDPRank: o.FirstDPRank, DPRanks: o.DPRanks, KVGroup: int64(o.KVGroup), ExtraKeys: extra,
-		ReplayTimeout: o.ReplayTimeout, MaxUnacked: o.MaxUnacked, StateDir: o.StateDir, Registerer: registry, Logger: logger,
+		ReplayTimeout: o.ReplayTimeout, MaxUnacked: o.MaxUnacked, StateDir: o.StateDir,
+		HealthURL: o.EngineHealthURL, CheckInterval: o.EngineCheckInterval, DownAfter: o.EngineDownAfter, Registerer: registry, Logger: logger,
 	})
 	if err != nil {
 		return err

@@ -18,7 +18,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
@@ -519,4 +521,73 @@ func (p *bridgeProcess) arg(flag string) string {
 		}
 	}
 	return ""
+}
+
+// signal sends sig to the engine process: SIGSTOP hangs it (the TCP connections stay up, nothing
+// answers), SIGCONT resumes it.
+func (e *pythonEngine) signal(sig syscall.Signal) {
+	e.t.Helper()
+	if err := e.cmd.Process.Signal(sig); err != nil {
+		e.t.Fatalf("signal %v: %v", sig, err)
+	}
+}
+
+// TestBridgeEngineDown: an engine that hangs or dies must stop getting requests. The bridge checks
+// the engine's health endpoint and replay endpoint; when they fail for --engine-down-after, the
+// worker leaves the router (removed at once, not after the grace period), and when the engine is
+// back, it registers afresh and the router again holds what the engine holds.
+func TestBridgeEngineDown(t *testing.T) {
+	bin := buildBinary(t)
+	addr, _ := startServer(t, bin)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
+	defer cancel()
+	v := &fleetView{t: t, ctx: ctx, admin: kvrouterv1.NewAdminServiceClient(conn), router: kvrouterv1.NewRouterServiceClient(conn), model: "down", id: 31}
+	endpoint, replay := "tcp://"+freePort(t), "tcp://"+freePort(t)
+	_, healthPort, _ := strings.Cut(freePort(t), ":")
+	engineArgs := []string{"--endpoint", endpoint, "--replay-endpoint", replay, "--health-port", healthPort}
+	engine := startPythonEngine(t, engineArgs...)
+	const downAfter = 2 * time.Second
+	b := startBridge(t, bin, "--router-addrs", addr, "--engine-endpoint", endpoint, "--engine-replay-endpoint", replay,
+		"--engine-health-url", "http://127.0.0.1:"+healthPort+"/health", "--engine-check-interval", "250ms", "--engine-down-after", downAfter.String(),
+		"--worker-id", "31", "--model", "down", "--block-size", "4", "--total-kv-blocks", "100000", "--worker-endpoint", "10.0.0.1:8000", "--replay-timeout", "5s")
+	engine.do(map[string]any{"op": "store", "first": 0, "n": 4})
+	v.waitEqual(engine, b, 4)
+
+	// waitGone waits until the router no longer lists the worker and Route finds no worker for
+	// its model, and says how long that took.
+	waitGone := func(what string, since time.Time) {
+		t.Helper()
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+			_, _, listed := v.blocks()
+			return !listed
+		}) {
+			t.Fatalf("%s: the router still lists the worker after %v\n%s", what, defaultTestTimeout, b.logs)
+		}
+		t.Logf("%s: the worker left the router %v after (--engine-down-after %v)", what, time.Since(since).Round(10*time.Millisecond), downAfter)
+		_, err := v.router.Route(ctx, &kvrouterv1.RouteRequest{Model: "down", TokenIds: []uint32{1, 2, 3, 4}, QueryOnly: true})
+		if status.Code(err) != codes.NotFound {
+			t.Errorf("%s: Route() = %v, want NOT_FOUND: no worker may get the request", what, err)
+		}
+	}
+
+	hung := time.Now()
+	engine.signal(syscall.SIGSTOP)
+	waitGone("engine hung", hung)
+	if got := b.metric(t, `kvrouter_bridge_leaves_total{dp_rank="0"}`); got != 1 {
+		t.Errorf("leaves = %v, want 1", got)
+	}
+	engine.signal(syscall.SIGCONT)
+	v.waitEqual(engine, b, 4) // registered afresh, rebuilt from the replay buffer
+
+	killed := time.Now()
+	engine.kill()
+	waitGone("engine killed", killed)
+	engine = startPythonEngine(t, engineArgs...) // a new process: an empty cache
+	engine.do(map[string]any{"op": "store", "first": 0, "n": 2})
+	v.waitEqual(engine, b, 2)
 }

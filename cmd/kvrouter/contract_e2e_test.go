@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"math"
 	"strings"
 	"testing"
@@ -148,6 +150,44 @@ var contractRows = []struct {
 			return routeOutcome(r.b.Route(ctx, &kvrouterv1.RouteRequest{Model: "ma", TokenIds: contractP1, QueryOnly: true,
 				ConfigOverride: &kvrouterv1.RouterConfigOverride{ConditionalDisagg: &kvrouterv1.ConditionalDisaggOverride{DecodeBusyThreshold: &inf}}}))
 		}},
+	{name: "a worker that left gets no more requests, on any replica", want: contractOutcome{Code: "NotFound", Reason: "UNKNOWN_MODEL"},
+		call: contractLeave},
+}
+
+// contractLeave registers worker 31, the only one of model mc, on A, waits until B routes to it,
+// has it leave, and returns what B answers for mc once the removal reached it (or after
+// defaultTestTimeout): the leave's stream must end with OK.
+func contractLeave(ctx context.Context, r *contractReplicas) contractOutcome {
+	sctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stream, err := r.workersA.Publish(sctx)
+	if err != nil {
+		return statusOutcome(err)
+	}
+	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+		WorkerId: 31, Model: "mc", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 1000,
+		KvEventsEnabled: true, Endpoint: "w31"}}}); err != nil {
+		return statusOutcome(err)
+	}
+	if _, err := stream.Recv(); err != nil {
+		return statusOutcome(err)
+	}
+	query := &kvrouterv1.RouteRequest{Model: "mc", TokenIds: contractP1, QueryOnly: true}
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { _, err := r.b.Route(ctx, query); return err == nil }) {
+		return contractOutcome{Code: "B never routed to worker 31 before its leave"}
+	}
+	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Leave{Leave: &kvrouterv1.WorkerLeave{Reason: "contract"}}}); err != nil {
+		return statusOutcome(err)
+	}
+	if _, err := stream.Recv(); !errors.Is(err, io.EOF) {
+		return contractOutcome{Code: fmt.Sprintf("the leave's stream ended with %v, want OK", err)}
+	}
+	var out contractOutcome
+	kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		out = routeOutcome(r.b.Route(ctx, query))
+		return out.Code != "OK"
+	})
+	return out
 }
 
 // TestContractInEveryLayout runs contractRows on every layout.

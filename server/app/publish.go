@@ -214,6 +214,7 @@ const (
 	MessageEvents
 	MessageDump
 	MessageLoad
+	MessageLeave
 )
 
 // String returns the kind's name, as the protocol's field names it.
@@ -227,6 +228,8 @@ func (k MessageKind) String() string {
 		return "dump"
 	case MessageLoad:
 		return "load"
+	case MessageLeave:
+		return "leave"
 	}
 	return "an empty message"
 }
@@ -235,7 +238,7 @@ func (k MessageKind) String() string {
 // dump in parts takes only its parts and load reports until its last part. Hello, Events, Dump and
 // Load check it again.
 func (s *PublishSession) Expect(kind MessageKind) error {
-	if kind == MessageDump || kind == MessageLoad {
+	if kind == MessageDump || kind == MessageLoad || kind == MessageLeave {
 		return nil
 	}
 	return s.noDumpInProgress(kind)
@@ -316,6 +319,33 @@ func (s *PublishSession) Load(ctx context.Context, r LoadReport) error {
 	if err != nil {
 		return s.appendError(err)
 	}
+	return nil
+}
+
+// MaxLeaveReasonBytes bounds a leave's reason, which goes to the router's log.
+const MaxLeaveReasonBytes = 256
+
+// Leave removes the session's worker rank now, with its blocks and its share of bookings, on every
+// replica: the worker stopped serving, and a grace period (meant for a worker that reconnects)
+// would keep routing requests to it. The removal names the session's epoch, so it is skipped if a
+// newer stream registered the rank meanwhile. The transport ends the stream once it returns nil.
+// A leave may come during a dump in parts, which it drops.
+func (s *PublishSession) Leave(ctx context.Context, reason string) error {
+	if len(reason) > MaxLeaveReasonBytes {
+		return invalidField("leave.reason", "must be at most %d bytes (got %d)", MaxLeaveReasonBytes, len(reason))
+	}
+	res, err := s.p.append(ctx, s.shard, s.info, kvstate.WorkerRemoved{Key: s.info.Key, Epoch: s.epoch})
+	if err != nil {
+		return s.appendError(err)
+	}
+	if res.Skipped {
+		// A newer stream holds the rank: this one's leave is not the worker's any more.
+		if lost := s.Lost(); lost != nil {
+			return lost
+		}
+	}
+	s.dropDump()
+	s.logger.Info("worker left: removed with its blocks", "reason", reason)
 	return nil
 }
 

@@ -81,6 +81,10 @@ func (c *sessionConn) Send(t *testing.T, m publishtest.Message) {
 		err = c.s.Dump(ctx, *m.Dump)
 	case m.Load != nil:
 		err = c.s.Load(ctx, *m.Load)
+	case m.Leave != nil:
+		if err = c.s.Leave(ctx, *m.Leave); err == nil {
+			err = errLeft // the transport ends the stream with OK
+		}
 	}
 	if err != nil {
 		c.end(err)
@@ -121,6 +125,9 @@ func (c *sessionConn) Close() {
 	}
 }
 
+// errLeft ends a session stream after a leave, as the gRPC edge ends it with OK.
+var errLeft = errors.New("the worker left")
+
 // outcome classifies a session's error as the suite compares it.
 func outcome(t *testing.T, err error) *publishtest.Outcome {
 	t.Helper()
@@ -135,6 +142,8 @@ func outcome(t *testing.T, err error) *publishtest.Outcome {
 		return &publishtest.Outcome{Code: code, Reason: r.Reason, Field: r.Metadata["field"]}
 	case errors.Is(err, context.Canceled):
 		return &publishtest.Outcome{Code: "Canceled"}
+	case errors.Is(err, errLeft):
+		return &publishtest.Outcome{Code: "OK"}
 	}
 	t.Fatalf("session error %v is neither a field error nor a refusal", err)
 	return nil

@@ -59,6 +59,12 @@ type Options struct {
 	ReplayTimeout time.Duration
 	// DialRetry is the pause between attempts to subscribe to an engine that is not there (default 500 ms).
 	DialRetry time.Duration
+	// HealthURL is the engine's HTTP health endpoint ("http://127.0.0.1:8000/health"; "" when not
+	// checked). Every CheckInterval (default 1 s) the bridge checks it and the replay endpoint;
+	// when they fail, or the rank is not subscribed, for DownAfter (default 5 s), the engine is
+	// down: the worker leaves the router (no more requests go to it) until the engine is up again.
+	HealthURL                string
+	CheckInterval, DownAfter time.Duration
 	// StateDir, when set, keeps one checkpoint file per rank (the last engine batch the router
 	// acked), written at most every CheckpointInterval (default 1 s) and when Run returns: a
 	// bridge restarted within the worker's grace period resumes from it instead of starting afresh.
@@ -99,6 +105,12 @@ func New(opts Options) (*Bridge, error) {
 	}
 	if opts.DialRetry <= 0 {
 		opts.DialRetry = 500 * time.Millisecond
+	}
+	if opts.CheckInterval <= 0 {
+		opts.CheckInterval = time.Second
+	}
+	if opts.DownAfter <= 0 {
+		opts.DownAfter = 5 * time.Second
 	}
 	if opts.CheckpointInterval <= 0 {
 		opts.CheckpointInterval = time.Second
@@ -161,7 +173,10 @@ func (b *Bridge) Run(ctx context.Context, drain time.Duration) error {
 	ctx, cancel := context.WithCancelCause(ctx)
 	defer cancel(nil)
 	var wg sync.WaitGroup
+	watchCtx, stopWatching := context.WithCancel(ctx)
+	var watchers sync.WaitGroup
 	for _, r := range b.ranks {
+		watchers.Go(func() { r.watch(watchCtx) })
 		wg.Go(func() {
 			if err := r.run(ctx); err != nil {
 				cancel(err)
@@ -183,6 +198,8 @@ func (b *Bridge) Run(ctx context.Context, drain time.Duration) error {
 		})
 	}
 	wg.Wait()
+	stopWatching()
+	watchers.Wait()
 	err := context.Cause(ctx)
 	if errors.Is(err, context.Canceled) {
 		err = nil // stopped by the caller
@@ -190,6 +207,9 @@ func (b *Bridge) Run(ctx context.Context, drain time.Duration) error {
 	dctx, dcancel := context.WithTimeout(context.Background(), drain)
 	defer dcancel()
 	for _, r := range b.ranks {
+		if r.pub == nil {
+			continue // the engine was down: the worker left the router
+		}
 		if cerr := r.pub.Close(dctx); cerr != nil && err == nil && !errors.Is(cerr, kvclient.ErrPublisherClosed) {
 			err = fmt.Errorf("dp rank %d: flushing: %w", r.dp, cerr)
 		}
@@ -214,7 +234,14 @@ func (b *Bridge) saveCheckpoints() {
 // Ready returns nil when every rank is subscribed to the engine and its publisher runs, else why not.
 func (b *Bridge) Ready() error {
 	for _, r := range b.ranks {
-		if err := r.pub.Err(); err != nil {
+		pub := r.pubRef.Load()
+		if pub == nil {
+			if reason := r.health.downReason(); reason != "" {
+				return fmt.Errorf("dp rank %d: the engine is down (%s)", r.dp, reason)
+			}
+			return fmt.Errorf("dp rank %d: waiting for the engine to be up", r.dp)
+		}
+		if err := pub.Err(); err != nil {
 			return fmt.Errorf("dp rank %d: %w", r.dp, err)
 		}
 		if !r.connected.Load() {

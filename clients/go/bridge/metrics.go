@@ -21,6 +21,8 @@ type metrics struct {
 	ackedSeq      *prometheus.GaugeVec     // dp_rank: last sequence number the router acked whole
 	connected     *prometheus.GaugeVec     // dp_rank: 1 while subscribed to the engine
 	mirrored      *prometheus.GaugeVec     // dp_rank: blocks the bridge holds for dumps
+	engineUp      *prometheus.GaugeVec     // dp_rank: 1 while the engine's checks pass
+	leaves        *prometheus.CounterVec   // dp_rank: times the worker left the router, its engine down
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
@@ -47,10 +49,12 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		ackedSeq:  gauge("acked_seq", "The last engine sequence number whose every event the router acked."),
 		connected: gauge("subscriber_connected", "1 while the bridge is subscribed to the engine's endpoint."),
 		mirrored:  gauge("mirrored_blocks", "Blocks the bridge keeps to answer the router's resync requests."),
+		engineUp:  gauge("engine_up", "1 while the engine is up (its checks pass), 0 once it is down and the worker left the router."),
+		leaves:    counter("leaves_total", "Times the worker left the router because its engine was down."),
 	}
 	if reg != nil {
 		reg.MustRegister(m.batches, m.blocksIn, m.blocksOut, m.eventsOut, m.dropped, m.droppedBlocks, m.gaps, m.replays,
-			m.resets, m.ackLag, m.engineSeq, m.ackedSeq, m.connected, m.mirrored)
+			m.resets, m.ackLag, m.engineSeq, m.ackedSeq, m.connected, m.mirrored, m.engineUp, m.leaves)
 	}
 	return m
 }

@@ -12,6 +12,8 @@ import (
 
 	"github.com/cespare/xxhash/v2"
 	"github.com/go-zeromq/zmq4"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrouter/kvrouter/clients/go/enginefeed"
@@ -32,7 +34,10 @@ type rank struct {
 	dp               int32
 	label            string // dp as a metric label
 	endpoint, replay string
-	pub              *kvclient.Publisher
+	hello            *kvrouterv1.WorkerHello // the rank's registration
+	pub              *kvclient.Publisher     // owned by the run goroutine; nil while the engine is down
+	pubRef           atomic.Pointer[kvclient.Publisher]
+	health           *health
 	mirror           *mirror
 	tr               translator
 	log              *slog.Logger
@@ -89,11 +94,12 @@ func newRank(b *Bridge, dp int32, endpoint, replay string) (*rank, error) {
 		logged:     make(map[string]*logState),
 		dec:        enginefeed.NewDecoder(),
 		fromReplay: make(map[uint64]uint64),
+		health:     newHealth(),
 	}
-	hello := proto.Clone(b.opts.Hello).(*kvrouterv1.WorkerHello)
-	hello.DpRank, hello.FreshStart = uint32(dp), true
+	r.hello = proto.Clone(b.opts.Hello).(*kvrouterv1.WorkerHello)
+	r.hello.DpRank, r.hello.FreshStart = uint32(dp), true
 	if b.opts.StateDir != "" {
-		r.checkpoints = newCheckpointFile(b.opts.StateDir, hello, endpoint)
+		r.checkpoints = newCheckpointFile(b.opts.StateDir, r.hello, endpoint)
 		cp, err := r.checkpoints.load()
 		switch {
 		case err != nil:
@@ -101,48 +107,111 @@ func newRank(b *Bridge, dp int32, endpoint, replay string) (*rank, error) {
 		case cp != nil:
 			// A bridge that restarts while the router still holds the worker's blocks resumes where it
 			// stopped: the router keeps what it has, and the engine's replay buffer brings what changed since.
-			hello.FreshStart = false
 			r.resumeCheckpoint = cp
 			r.log.Info("resuming from the bridge's checkpoint", "file", r.checkpoints.path, "seq", cp.Seq, "event_id", cp.EventID)
 		}
 	}
+	return r, nil
+}
+
+// startPublisher registers the worker rank at the router: from the checkpoint, the first time, when
+// there is one; afresh otherwise.
+func (r *rank) startPublisher(ctx context.Context) error {
+	hello := proto.Clone(r.hello).(*kvrouterv1.WorkerHello)
+	hello.FreshStart = r.resumeCheckpoint == nil
 	pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{
 		Hello:      hello,
-		Conns:      b.opts.Conns,
-		MaxUnacked: b.opts.MaxUnacked,
+		Conns:      r.b.opts.Conns,
+		MaxUnacked: r.b.opts.MaxUnacked,
 		Dump: func(context.Context) ([]*kvrouterv1.KvEvent, error) {
-			b.metrics.resets.WithLabelValues(r.label, "resync_request").Inc()
+			r.b.metrics.resets.WithLabelValues(r.label, "resync_request").Inc()
 			return r.mirror.dump(), nil
 		},
 		OnAck:  r.acked,
 		Logger: r.log,
 	})
 	if err != nil {
-		return nil, fmt.Errorf("bridge: dp rank %d: %w", dp, err)
+		return fmt.Errorf("bridge: dp rank %d: %w", r.dp, err)
 	}
 	r.pub = pub
-	return r, nil
+	r.pubRef.Store(pub)
+	return r.resumeFromCheckpoint(ctx)
 }
 
-// run subscribes to the engine and forwards its batches until ctx ends or the publisher stops.
+// run forwards the engine's batches until ctx ends or the publisher stops. It subscribes, and once
+// the engine is up registers the worker; when the engine goes down, it removes the worker from the
+// router and subscribes again, to register afresh once the engine is back.
 func (r *rank) run(ctx context.Context) error {
-	if err := r.resumeFromCheckpoint(ctx); err != nil {
-		return r.stopped(ctx, err)
-	}
 	for ctx.Err() == nil {
-		if err := r.subscribe(ctx); err != nil {
+		sctx, cancel := context.WithCancel(ctx)
+		r.health.subscribing(cancel)
+		err := r.subscribe(sctx)
+		r.health.subscribing(nil)
+		cancel()
+		if r.pub != nil {
 			if perr := r.pub.Err(); perr != nil {
 				return fmt.Errorf("dp rank %d: %w", r.dp, perr)
 			}
-			if ctx.Err() == nil {
-				r.logLimited("subscribe", "subscription to the engine failed; retrying", "endpoint", r.endpoint, "error", err)
+		}
+		if ctx.Err() != nil {
+			return nil
+		}
+		if r.pub != nil && !r.health.isUp() {
+			if err := r.leave(ctx); err != nil {
+				return fmt.Errorf("dp rank %d: %w", r.dp, err)
 			}
+			continue
+		}
+		if err != nil && !errors.Is(err, context.Canceled) {
+			r.logLimited("subscribe", "subscription to the engine failed; retrying", "endpoint", r.endpoint, "error", err)
 		}
 		select {
 		case <-ctx.Done():
 		case <-time.After(r.b.opts.DialRetry):
 		}
 	}
+	return nil
+}
+
+// register waits, once subscribed, until the engine is up, and registers the worker rank if it is
+// not registered.
+func (r *rank) register(ctx context.Context) error {
+	if r.pub != nil {
+		return nil
+	}
+	if err := r.health.waitUp(ctx); err != nil {
+		return err
+	}
+	return r.startPublisher(ctx)
+}
+
+// leave removes the worker rank from the router now that the engine is down, so that no request is
+// routed to it any more, and forgets what was forwarded: when the engine is up again, the rank
+// registers afresh and rebuilds from the engine's replay buffer. It returns an error only when the
+// router says another process holds the worker rank.
+func (r *rank) leave(ctx context.Context) error {
+	reason := r.health.downReason()
+	r.log.Warn("the engine is down: removing the worker from the router until it is up again", "reason", reason,
+		"down_after", r.b.opts.DownAfter)
+	r.b.metrics.leaves.WithLabelValues(r.label).Inc()
+	lctx, cancel := context.WithTimeout(ctx, r.b.opts.ReplayTimeout)
+	defer cancel()
+	if err := r.pub.Leave(lctx, "kvrouter bridge: engine down: "+reason); err != nil {
+		if status.Code(err) == codes.FailedPrecondition {
+			return err
+		}
+		r.log.Warn("the router did not confirm the removal; it removes the worker a grace period after its stream closed", "error", err)
+	}
+	r.pub = nil
+	r.pubRef.Store(nil)
+	r.resumeCheckpoint = nil
+	r.mirror.clear()
+	r.b.metrics.mirrored.WithLabelValues(r.label).Set(0)
+	r.haveLast, r.next, r.inherited, r.started = false, 0, false, false
+	clear(r.fromReplay)
+	r.lagMu.Lock()
+	r.inflight, r.acks = nil, batchAck{}
+	r.lagMu.Unlock()
 	return nil
 }
 
@@ -192,6 +261,7 @@ func (r *rank) subscribe(ctx context.Context) error {
 		return err
 	}
 	r.connected.Store(true)
+	r.health.connected()
 	r.started = false
 	r.b.metrics.connected.WithLabelValues(r.label).Set(1)
 	defer func() {
@@ -199,6 +269,9 @@ func (r *rank) subscribe(ctx context.Context) error {
 		r.b.metrics.connected.WithLabelValues(r.label).Set(0)
 	}()
 	r.log.Info("subscribed to the engine", "endpoint", r.endpoint, "replay", r.replay)
+	if err := r.register(ctx); err != nil {
+		return err
+	}
 	if r.replay != "" {
 		// Subscribed first, so that nothing published during the replay is missed for good.
 		if err := r.rejoin(ctx); err != nil {

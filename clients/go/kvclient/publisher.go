@@ -76,7 +76,9 @@ type Publisher struct {
 	load    *kvrouterv1.LoadReport
 	dumping bool // Publish waits while the cache is dumped
 	closing bool
-	err     error // why the publisher stopped
+	leave   *kvrouterv1.WorkerLeave // set by Leave: sent in place of anything else
+	left    bool                    // the router removed the worker rank after the leave
+	err     error                   // why the publisher stopped
 	// The router's answer to the first registration: its last event id for the rank (-1: none).
 	registered bool
 	firstLast  int64
@@ -247,6 +249,43 @@ func (p *Publisher) Close(ctx context.Context) error {
 	return err
 }
 
+// Leave removes the worker rank at the router now, with its blocks, instead of a grace period
+// after the stream ends: for a worker that stopped serving (its engine is down) and must get no
+// more requests. Events not acked yet are dropped, since the worker's blocks go with it. It waits
+// until the router confirmed the removal (reconnecting if need be) or ctx ends, and closes the
+// publisher either way. If ctx ends first, the worker is removed a grace period after its stream
+// closed, as after Close.
+func (p *Publisher) Leave(ctx context.Context, reason string) error {
+	select {
+	case <-p.done:
+		if err := p.Err(); err != nil {
+			return err
+		}
+		return ErrPublisherClosed
+	default:
+	}
+	p.mu.Lock()
+	p.closing = true
+	if p.leave == nil {
+		p.leave = &kvrouterv1.WorkerLeave{Reason: reason}
+	}
+	p.pending, p.sent = nil, 0
+	p.notifyLocked()
+	for !p.left && p.err == nil {
+		if err := p.waitLocked(ctx); err != nil {
+			break
+		}
+	}
+	err := p.err
+	if !p.left && err == nil {
+		err = ctx.Err()
+	}
+	p.mu.Unlock()
+	p.cancel()
+	<-p.done
+	return err
+}
+
 func (p *Publisher) notifyLocked() {
 	close(p.changed)
 	p.changed = make(chan struct{})
@@ -364,11 +403,12 @@ func (p *Publisher) smallerBatches(err error) bool {
 	return true
 }
 
-// closed reports whether the publisher closed and the router acked everything.
+// closed reports whether the publisher closed and the router acked everything (after a leave:
+// removed the worker).
 func (p *Publisher) closed() bool {
 	p.mu.Lock()
 	defer p.mu.Unlock()
-	return p.closing && len(p.pending) == 0
+	return p.closing && len(p.pending) == 0 && (p.leave == nil || p.left)
 }
 
 // fatal returns the error that stops the publisher, or nil when a reconnect may mend err. A
@@ -460,8 +500,10 @@ func (p *Publisher) stream(ctx context.Context, cc grpc.ClientConnInterface, fir
 			}
 			needDump = false
 		}
-		batch, load, closed, changed := p.next()
+		batch, load, leave, closed, changed := p.next()
 		switch {
+		case leave != nil:
+			return true, p.sendLeave(ctx, s, leave, failed)
 		case batch != nil:
 			err = s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: batch}}})
 		case load != nil:
@@ -567,21 +609,48 @@ func (p *Publisher) dropThroughLocked(id int64) {
 	p.notifyLocked()
 }
 
-// next returns what to send now: a batch of unsent events, else the load report; closed when the
-// publisher closed and everything is acked; otherwise the channel that announces the next change.
-func (p *Publisher) next() (batch []*kvrouterv1.KvEvent, load *kvrouterv1.LoadReport, closed bool, changed <-chan struct{}) {
+// next returns what to send now: the leave, else a batch of unsent events, else the load report;
+// closed when the publisher closed and everything is acked; otherwise the channel that announces
+// the next change.
+func (p *Publisher) next() (batch []*kvrouterv1.KvEvent, load *kvrouterv1.LoadReport, leave *kvrouterv1.WorkerLeave, closed bool, changed <-chan struct{}) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	if p.leave != nil {
+		return nil, nil, p.leave, false, nil
+	}
 	if unsent := p.pending[p.sent:]; len(unsent) > 0 {
 		batch = unsent[:min(len(unsent), p.batch)]
 		p.sent += len(batch)
-		return batch, nil, false, nil
+		return batch, nil, nil, false, nil
 	}
 	if p.load != nil {
 		load, p.load = p.load, nil
-		return nil, load, false, nil
+		return nil, load, nil, false, nil
 	}
-	return nil, nil, p.closing && len(p.pending) == 0, p.changed
+	return nil, nil, nil, p.closing && len(p.pending) == 0, p.changed
+}
+
+// sendLeave sends the leave and waits for the router to end the stream: with OK, the worker rank
+// is removed.
+func (p *Publisher) sendLeave(ctx context.Context, s grpc.BidiStreamingClient[kvrouterv1.PublishRequest, kvrouterv1.PublishResponse], leave *kvrouterv1.WorkerLeave, failed <-chan error) error {
+	if err := s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Leave{Leave: leave}}); err != nil && !errors.Is(err, io.EOF) {
+		return err
+	}
+	_ = s.CloseSend()
+	var err error
+	select {
+	case err = <-failed:
+	case <-ctx.Done():
+		return ctx.Err()
+	}
+	if !errors.Is(err, io.EOF) {
+		return err
+	}
+	p.mu.Lock()
+	p.left = true
+	p.notifyLocked()
+	p.mu.Unlock()
+	return nil
 }
 
 // waitForBatch lets a batch fill for up to FlushInterval once an event arrived, unless it is full.

@@ -412,3 +412,41 @@ func TestRegistration(t *testing.T) {
 		t.Errorf("a rank the router never saw: Registration() = %d, held; want nothing held", last)
 	}
 }
+
+// TestLeave: a worker that leaves is removed at once, blocks and all, rather than a grace period
+// after its stream closed; the publisher is closed after it.
+func TestLeave(t *testing.T) {
+	s := startServer(t, 1<<20)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(13), Conns: []grpc.ClientConnInterface{s.conn}})
+	for i := range 3 {
+		if err := p.Publish(ctx, storedEvent(i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := p.Flush(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.cachedBlocks(t, 13); got != 3 {
+		t.Fatalf("the router holds %d blocks before the leave, want 3", got)
+	}
+	if err := p.Leave(ctx, "engine down"); err != nil {
+		t.Fatalf("Leave() = %v", err)
+	}
+	resp, err := s.admin.ListWorkers(ctx, &kvrouterv1.ListWorkersRequest{Model: "m"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, w := range resp.GetWorkers() {
+		if w.GetWorker().GetWorkerId() == 13 {
+			t.Errorf("the router still lists worker 13 after its leave: %v", w)
+		}
+	}
+	if err := p.Publish(ctx, storedEvent(3)); err != kvclient.ErrPublisherClosed {
+		t.Errorf("Publish() after Leave = %v, want ErrPublisherClosed", err)
+	}
+	if err := p.Leave(ctx, "again"); err != kvclient.ErrPublisherClosed {
+		t.Errorf("a second Leave() = %v, want ErrPublisherClosed", err)
+	}
+}

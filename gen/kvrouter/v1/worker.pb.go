@@ -32,6 +32,7 @@ type PublishRequest struct {
 	//	*PublishRequest_Events
 	//	*PublishRequest_Dump
 	//	*PublishRequest_Load
+	//	*PublishRequest_Leave
 	Message       isPublishRequest_Message `protobuf_oneof:"message"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -110,6 +111,15 @@ func (x *PublishRequest) GetLoad() *LoadReport {
 	return nil
 }
 
+func (x *PublishRequest) GetLeave() *WorkerLeave {
+	if x != nil {
+		if x, ok := x.Message.(*PublishRequest_Leave); ok {
+			return x.Leave
+		}
+	}
+	return nil
+}
+
 type isPublishRequest_Message interface {
 	isPublishRequest_Message()
 }
@@ -134,6 +144,13 @@ type PublishRequest_Load struct {
 	Load *LoadReport `protobuf:"bytes,4,opt,name=load,proto3,oneof"`
 }
 
+type PublishRequest_Leave struct {
+	// leave removes the worker rank now, with its blocks, instead of a grace period after its stream
+	// closes: the worker stopped serving (its engine is down) and must get no more requests. It is
+	// the last message of the stream; the router ends the stream with OK once the removal is applied.
+	Leave *WorkerLeave `protobuf:"bytes,5,opt,name=leave,proto3,oneof"`
+}
+
 func (*PublishRequest_Hello) isPublishRequest_Message() {}
 
 func (*PublishRequest_Events) isPublishRequest_Message() {}
@@ -141,6 +158,55 @@ func (*PublishRequest_Events) isPublishRequest_Message() {}
 func (*PublishRequest_Dump) isPublishRequest_Message() {}
 
 func (*PublishRequest_Load) isPublishRequest_Message() {}
+
+func (*PublishRequest_Leave) isPublishRequest_Message() {}
+
+// WorkerLeave says that the stream's worker rank leaves the fleet now.
+type WorkerLeave struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// reason says why, for the router's log (for example "engine health check failing for 5s"); at
+	// most 256 bytes.
+	Reason        string `protobuf:"bytes,1,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WorkerLeave) Reset() {
+	*x = WorkerLeave{}
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WorkerLeave) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WorkerLeave) ProtoMessage() {}
+
+func (x *WorkerLeave) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WorkerLeave.ProtoReflect.Descriptor instead.
+func (*WorkerLeave) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *WorkerLeave) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
 
 // WorkerHello registers one worker rank with the router.
 type WorkerHello struct {
@@ -180,7 +246,7 @@ type WorkerHello struct {
 
 func (x *WorkerHello) Reset() {
 	*x = WorkerHello{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -192,7 +258,7 @@ func (x *WorkerHello) String() string {
 func (*WorkerHello) ProtoMessage() {}
 
 func (x *WorkerHello) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -205,7 +271,7 @@ func (x *WorkerHello) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WorkerHello.ProtoReflect.Descriptor instead.
 func (*WorkerHello) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{1}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *WorkerHello) GetWorkerId() uint64 {
@@ -297,7 +363,7 @@ type EventBatch struct {
 
 func (x *EventBatch) Reset() {
 	*x = EventBatch{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -309,7 +375,7 @@ func (x *EventBatch) String() string {
 func (*EventBatch) ProtoMessage() {}
 
 func (x *EventBatch) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -322,7 +388,7 @@ func (x *EventBatch) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use EventBatch.ProtoReflect.Descriptor instead.
 func (*EventBatch) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{2}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *EventBatch) GetEvents() []*KvEvent {
@@ -355,7 +421,7 @@ type KvEvent struct {
 
 func (x *KvEvent) Reset() {
 	*x = KvEvent{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -367,7 +433,7 @@ func (x *KvEvent) String() string {
 func (*KvEvent) ProtoMessage() {}
 
 func (x *KvEvent) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -380,7 +446,7 @@ func (x *KvEvent) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvEvent.ProtoReflect.Descriptor instead.
 func (*KvEvent) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{3}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *KvEvent) GetEventId() uint64 {
@@ -482,7 +548,7 @@ type BlocksStored struct {
 
 func (x *BlocksStored) Reset() {
 	*x = BlocksStored{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -494,7 +560,7 @@ func (x *BlocksStored) String() string {
 func (*BlocksStored) ProtoMessage() {}
 
 func (x *BlocksStored) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -507,7 +573,7 @@ func (x *BlocksStored) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlocksStored.ProtoReflect.Descriptor instead.
 func (*BlocksStored) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{4}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *BlocksStored) GetParentHash() uint64 {
@@ -553,7 +619,7 @@ type StoredBlock struct {
 
 func (x *StoredBlock) Reset() {
 	*x = StoredBlock{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -565,7 +631,7 @@ func (x *StoredBlock) String() string {
 func (*StoredBlock) ProtoMessage() {}
 
 func (x *StoredBlock) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -578,7 +644,7 @@ func (x *StoredBlock) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StoredBlock.ProtoReflect.Descriptor instead.
 func (*StoredBlock) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{5}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *StoredBlock) GetBlockHash() uint64 {
@@ -613,7 +679,7 @@ type BlocksRemoved struct {
 
 func (x *BlocksRemoved) Reset() {
 	*x = BlocksRemoved{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -625,7 +691,7 @@ func (x *BlocksRemoved) String() string {
 func (*BlocksRemoved) ProtoMessage() {}
 
 func (x *BlocksRemoved) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -638,7 +704,7 @@ func (x *BlocksRemoved) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use BlocksRemoved.ProtoReflect.Descriptor instead.
 func (*BlocksRemoved) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{6}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *BlocksRemoved) GetBlockHashes() []uint64 {
@@ -657,7 +723,7 @@ type CacheCleared struct {
 
 func (x *CacheCleared) Reset() {
 	*x = CacheCleared{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -669,7 +735,7 @@ func (x *CacheCleared) String() string {
 func (*CacheCleared) ProtoMessage() {}
 
 func (x *CacheCleared) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -682,7 +748,7 @@ func (x *CacheCleared) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CacheCleared.ProtoReflect.Descriptor instead.
 func (*CacheCleared) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{7}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{8}
 }
 
 // KvDump is a worker rank's full cache, sent after the router asked for a resync. A cache too large
@@ -705,7 +771,7 @@ type KvDump struct {
 
 func (x *KvDump) Reset() {
 	*x = KvDump{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -717,7 +783,7 @@ func (x *KvDump) String() string {
 func (*KvDump) ProtoMessage() {}
 
 func (x *KvDump) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -730,7 +796,7 @@ func (x *KvDump) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use KvDump.ProtoReflect.Descriptor instead.
 func (*KvDump) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{8}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *KvDump) GetThroughEventId() uint64 {
@@ -769,7 +835,7 @@ type LoadReport struct {
 
 func (x *LoadReport) Reset() {
 	*x = LoadReport{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -781,7 +847,7 @@ func (x *LoadReport) String() string {
 func (*LoadReport) ProtoMessage() {}
 
 func (x *LoadReport) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -794,7 +860,7 @@ func (x *LoadReport) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use LoadReport.ProtoReflect.Descriptor instead.
 func (*LoadReport) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{9}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *LoadReport) GetDpRank() uint32 {
@@ -835,7 +901,7 @@ type PublishResponse struct {
 
 func (x *PublishResponse) Reset() {
 	*x = PublishResponse{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -847,7 +913,7 @@ func (x *PublishResponse) String() string {
 func (*PublishResponse) ProtoMessage() {}
 
 func (x *PublishResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -860,7 +926,7 @@ func (x *PublishResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use PublishResponse.ProtoReflect.Descriptor instead.
 func (*PublishResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{10}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *PublishResponse) GetMessage() isPublishResponse_Message {
@@ -934,7 +1000,7 @@ type Registered struct {
 
 func (x *Registered) Reset() {
 	*x = Registered{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[11]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -946,7 +1012,7 @@ func (x *Registered) String() string {
 func (*Registered) ProtoMessage() {}
 
 func (x *Registered) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[11]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -959,7 +1025,7 @@ func (x *Registered) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Registered.ProtoReflect.Descriptor instead.
 func (*Registered) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{11}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *Registered) GetLastEventId() uint64 {
@@ -980,7 +1046,7 @@ type Ack struct {
 
 func (x *Ack) Reset() {
 	*x = Ack{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[12]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -992,7 +1058,7 @@ func (x *Ack) String() string {
 func (*Ack) ProtoMessage() {}
 
 func (x *Ack) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[12]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1005,7 +1071,7 @@ func (x *Ack) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Ack.ProtoReflect.Descriptor instead.
 func (*Ack) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{12}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *Ack) GetEventId() uint64 {
@@ -1028,7 +1094,7 @@ type ResyncRequest struct {
 
 func (x *ResyncRequest) Reset() {
 	*x = ResyncRequest{}
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[13]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1040,7 +1106,7 @@ func (x *ResyncRequest) String() string {
 func (*ResyncRequest) ProtoMessage() {}
 
 func (x *ResyncRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_worker_proto_msgTypes[13]
+	mi := &file_kvrouter_v1_worker_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1053,7 +1119,7 @@ func (x *ResyncRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ResyncRequest.ProtoReflect.Descriptor instead.
 func (*ResyncRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{13}
+	return file_kvrouter_v1_worker_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ResyncRequest) GetReason() string {
@@ -1074,13 +1140,16 @@ var File_kvrouter_v1_worker_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_worker_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvrouter/v1/worker.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xda\x01\n" +
+	"\x18kvrouter/v1/worker.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x8c\x02\n" +
 	"\x0ePublishRequest\x120\n" +
 	"\x05hello\x18\x01 \x01(\v2\x18.kvrouter.v1.WorkerHelloH\x00R\x05hello\x121\n" +
 	"\x06events\x18\x02 \x01(\v2\x17.kvrouter.v1.EventBatchH\x00R\x06events\x12)\n" +
 	"\x04dump\x18\x03 \x01(\v2\x13.kvrouter.v1.KvDumpH\x00R\x04dump\x12-\n" +
-	"\x04load\x18\x04 \x01(\v2\x17.kvrouter.v1.LoadReportH\x00R\x04loadB\t\n" +
-	"\amessage\"\x94\x03\n" +
+	"\x04load\x18\x04 \x01(\v2\x17.kvrouter.v1.LoadReportH\x00R\x04load\x120\n" +
+	"\x05leave\x18\x05 \x01(\v2\x18.kvrouter.v1.WorkerLeaveH\x00R\x05leaveB\t\n" +
+	"\amessage\"%\n" +
+	"\vWorkerLeave\x12\x16\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\"\x94\x03\n" +
 	"\vWorkerHello\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\x04R\bworkerId\x12\x17\n" +
 	"\adp_rank\x18\x02 \x01(\rR\x06dpRank\x12\x14\n" +
@@ -1165,48 +1234,50 @@ func file_kvrouter_v1_worker_proto_rawDescGZIP() []byte {
 	return file_kvrouter_v1_worker_proto_rawDescData
 }
 
-var file_kvrouter_v1_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_kvrouter_v1_worker_proto_msgTypes = make([]protoimpl.MessageInfo, 15)
 var file_kvrouter_v1_worker_proto_goTypes = []any{
 	(*PublishRequest)(nil),  // 0: kvrouter.v1.PublishRequest
-	(*WorkerHello)(nil),     // 1: kvrouter.v1.WorkerHello
-	(*EventBatch)(nil),      // 2: kvrouter.v1.EventBatch
-	(*KvEvent)(nil),         // 3: kvrouter.v1.KvEvent
-	(*BlocksStored)(nil),    // 4: kvrouter.v1.BlocksStored
-	(*StoredBlock)(nil),     // 5: kvrouter.v1.StoredBlock
-	(*BlocksRemoved)(nil),   // 6: kvrouter.v1.BlocksRemoved
-	(*CacheCleared)(nil),    // 7: kvrouter.v1.CacheCleared
-	(*KvDump)(nil),          // 8: kvrouter.v1.KvDump
-	(*LoadReport)(nil),      // 9: kvrouter.v1.LoadReport
-	(*PublishResponse)(nil), // 10: kvrouter.v1.PublishResponse
-	(*Registered)(nil),      // 11: kvrouter.v1.Registered
-	(*Ack)(nil),             // 12: kvrouter.v1.Ack
-	(*ResyncRequest)(nil),   // 13: kvrouter.v1.ResyncRequest
-	(WorkerRole)(0),         // 14: kvrouter.v1.WorkerRole
-	(StorageTier)(0),        // 15: kvrouter.v1.StorageTier
+	(*WorkerLeave)(nil),     // 1: kvrouter.v1.WorkerLeave
+	(*WorkerHello)(nil),     // 2: kvrouter.v1.WorkerHello
+	(*EventBatch)(nil),      // 3: kvrouter.v1.EventBatch
+	(*KvEvent)(nil),         // 4: kvrouter.v1.KvEvent
+	(*BlocksStored)(nil),    // 5: kvrouter.v1.BlocksStored
+	(*StoredBlock)(nil),     // 6: kvrouter.v1.StoredBlock
+	(*BlocksRemoved)(nil),   // 7: kvrouter.v1.BlocksRemoved
+	(*CacheCleared)(nil),    // 8: kvrouter.v1.CacheCleared
+	(*KvDump)(nil),          // 9: kvrouter.v1.KvDump
+	(*LoadReport)(nil),      // 10: kvrouter.v1.LoadReport
+	(*PublishResponse)(nil), // 11: kvrouter.v1.PublishResponse
+	(*Registered)(nil),      // 12: kvrouter.v1.Registered
+	(*Ack)(nil),             // 13: kvrouter.v1.Ack
+	(*ResyncRequest)(nil),   // 14: kvrouter.v1.ResyncRequest
+	(WorkerRole)(0),         // 15: kvrouter.v1.WorkerRole
+	(StorageTier)(0),        // 16: kvrouter.v1.StorageTier
 }
 var file_kvrouter_v1_worker_proto_depIdxs = []int32{
-	1,  // 0: kvrouter.v1.PublishRequest.hello:type_name -> kvrouter.v1.WorkerHello
-	2,  // 1: kvrouter.v1.PublishRequest.events:type_name -> kvrouter.v1.EventBatch
-	8,  // 2: kvrouter.v1.PublishRequest.dump:type_name -> kvrouter.v1.KvDump
-	9,  // 3: kvrouter.v1.PublishRequest.load:type_name -> kvrouter.v1.LoadReport
-	14, // 4: kvrouter.v1.WorkerHello.role:type_name -> kvrouter.v1.WorkerRole
-	3,  // 5: kvrouter.v1.EventBatch.events:type_name -> kvrouter.v1.KvEvent
-	15, // 6: kvrouter.v1.KvEvent.storage_tier:type_name -> kvrouter.v1.StorageTier
-	4,  // 7: kvrouter.v1.KvEvent.stored:type_name -> kvrouter.v1.BlocksStored
-	6,  // 8: kvrouter.v1.KvEvent.removed:type_name -> kvrouter.v1.BlocksRemoved
-	7,  // 9: kvrouter.v1.KvEvent.cleared:type_name -> kvrouter.v1.CacheCleared
-	5,  // 10: kvrouter.v1.BlocksStored.blocks:type_name -> kvrouter.v1.StoredBlock
-	3,  // 11: kvrouter.v1.KvDump.events:type_name -> kvrouter.v1.KvEvent
-	11, // 12: kvrouter.v1.PublishResponse.registered:type_name -> kvrouter.v1.Registered
-	12, // 13: kvrouter.v1.PublishResponse.ack:type_name -> kvrouter.v1.Ack
-	13, // 14: kvrouter.v1.PublishResponse.resync:type_name -> kvrouter.v1.ResyncRequest
-	0,  // 15: kvrouter.v1.WorkerService.Publish:input_type -> kvrouter.v1.PublishRequest
-	10, // 16: kvrouter.v1.WorkerService.Publish:output_type -> kvrouter.v1.PublishResponse
-	16, // [16:17] is the sub-list for method output_type
-	15, // [15:16] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	2,  // 0: kvrouter.v1.PublishRequest.hello:type_name -> kvrouter.v1.WorkerHello
+	3,  // 1: kvrouter.v1.PublishRequest.events:type_name -> kvrouter.v1.EventBatch
+	9,  // 2: kvrouter.v1.PublishRequest.dump:type_name -> kvrouter.v1.KvDump
+	10, // 3: kvrouter.v1.PublishRequest.load:type_name -> kvrouter.v1.LoadReport
+	1,  // 4: kvrouter.v1.PublishRequest.leave:type_name -> kvrouter.v1.WorkerLeave
+	15, // 5: kvrouter.v1.WorkerHello.role:type_name -> kvrouter.v1.WorkerRole
+	4,  // 6: kvrouter.v1.EventBatch.events:type_name -> kvrouter.v1.KvEvent
+	16, // 7: kvrouter.v1.KvEvent.storage_tier:type_name -> kvrouter.v1.StorageTier
+	5,  // 8: kvrouter.v1.KvEvent.stored:type_name -> kvrouter.v1.BlocksStored
+	7,  // 9: kvrouter.v1.KvEvent.removed:type_name -> kvrouter.v1.BlocksRemoved
+	8,  // 10: kvrouter.v1.KvEvent.cleared:type_name -> kvrouter.v1.CacheCleared
+	6,  // 11: kvrouter.v1.BlocksStored.blocks:type_name -> kvrouter.v1.StoredBlock
+	4,  // 12: kvrouter.v1.KvDump.events:type_name -> kvrouter.v1.KvEvent
+	12, // 13: kvrouter.v1.PublishResponse.registered:type_name -> kvrouter.v1.Registered
+	13, // 14: kvrouter.v1.PublishResponse.ack:type_name -> kvrouter.v1.Ack
+	14, // 15: kvrouter.v1.PublishResponse.resync:type_name -> kvrouter.v1.ResyncRequest
+	0,  // 16: kvrouter.v1.WorkerService.Publish:input_type -> kvrouter.v1.PublishRequest
+	11, // 17: kvrouter.v1.WorkerService.Publish:output_type -> kvrouter.v1.PublishResponse
+	17, // [17:18] is the sub-list for method output_type
+	16, // [16:17] is the sub-list for method input_type
+	16, // [16:16] is the sub-list for extension type_name
+	16, // [16:16] is the sub-list for extension extendee
+	0,  // [0:16] is the sub-list for field type_name
 }
 
 func init() { file_kvrouter_v1_worker_proto_init() }
@@ -1220,27 +1291,28 @@ func file_kvrouter_v1_worker_proto_init() {
 		(*PublishRequest_Events)(nil),
 		(*PublishRequest_Dump)(nil),
 		(*PublishRequest_Load)(nil),
+		(*PublishRequest_Leave)(nil),
 	}
-	file_kvrouter_v1_worker_proto_msgTypes[3].OneofWrappers = []any{
+	file_kvrouter_v1_worker_proto_msgTypes[4].OneofWrappers = []any{
 		(*KvEvent_Stored)(nil),
 		(*KvEvent_Removed)(nil),
 		(*KvEvent_Cleared)(nil),
 	}
-	file_kvrouter_v1_worker_proto_msgTypes[4].OneofWrappers = []any{}
 	file_kvrouter_v1_worker_proto_msgTypes[5].OneofWrappers = []any{}
-	file_kvrouter_v1_worker_proto_msgTypes[10].OneofWrappers = []any{
+	file_kvrouter_v1_worker_proto_msgTypes[6].OneofWrappers = []any{}
+	file_kvrouter_v1_worker_proto_msgTypes[11].OneofWrappers = []any{
 		(*PublishResponse_Registered)(nil),
 		(*PublishResponse_Ack)(nil),
 		(*PublishResponse_Resync)(nil),
 	}
-	file_kvrouter_v1_worker_proto_msgTypes[11].OneofWrappers = []any{}
+	file_kvrouter_v1_worker_proto_msgTypes[12].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrouter_v1_worker_proto_rawDesc), len(file_kvrouter_v1_worker_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   14,
+			NumMessages:   15,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

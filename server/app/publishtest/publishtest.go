@@ -6,6 +6,7 @@
 package publishtest
 
 import (
+	"strings"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
@@ -21,6 +22,8 @@ type Message struct {
 	Events []kvstate.Event
 	Dump   *app.DumpPart
 	Load   *app.LoadReport
+	// Leave, when set, is the reason of a leave.
+	Leave *string
 }
 
 // Hello registers (first on a stream) or repeats the registration of a worker rank.
@@ -38,9 +41,10 @@ type Reply struct {
 	HasLast bool
 }
 
-// Outcome is a refusal as the suite compares it: the status code's name as gRPC spells it
-// ("InvalidArgument", "FailedPrecondition", "ResourceExhausted", "Unavailable"), the stable reason
-// (none for a bad field) and the field it names.
+// Outcome is how a stream ended, as the suite compares it: the status code's name as gRPC spells
+// it ("OK" for a stream the router ended after a leave; "InvalidArgument", "FailedPrecondition",
+// "ResourceExhausted", "Unavailable" for a refusal), the stable reason (none for a bad field) and
+// the field it names.
 type Outcome struct {
 	Code, Reason, Field string
 }
@@ -250,6 +254,41 @@ var cases = []struct {
 		bigger.TotalKVBlocks++
 		c.Send(t, Message{Hello: &Hello{Info: bigger}})
 		expectRefused(t, c, Outcome{Code: "FailedPrecondition", Reason: "HELLO_CHANGED"})
+	}},
+	{name: "a leave removes the worker now and ends the stream with OK", run: func(t *testing.T, env Env) {
+		c := open(t, env, 1, registered)
+		defer c.Close()
+		c.Send(t, Message{Events: []kvstate.Event{stored(0, 1, 2)}})
+		expect(t, c, ack(0))
+		reason := "engine health check failing"
+		c.Send(t, Message{Leave: &reason})
+		expectRefused(t, c, Outcome{Code: "OK"})
+		if w := env.State().Worker(kvstate.WorkerKey{ID: 1}); w != nil {
+			t.Errorf("worker after its leave = %+v, want it removed", w)
+		}
+		open(t, env, 1, registered).Close() // it may come back, afresh
+	}},
+	{name: "a leave's reason is at most 256 bytes", run: func(t *testing.T, env Env) {
+		c := open(t, env, 1, registered)
+		defer c.Close()
+		reason := strings.Repeat("x", 300)
+		c.Send(t, Message{Leave: &reason})
+		expectRefused(t, c, Outcome{Code: "InvalidArgument", Field: "leave.reason"})
+		if w := env.State().Worker(kvstate.WorkerKey{ID: 1}); w == nil {
+			t.Error("the worker was removed by a refused leave")
+		}
+	}},
+	{name: "a superseded stream's leave removes nothing", run: func(t *testing.T, env Env) {
+		old := open(t, env, 1, registered)
+		defer old.Close()
+		c := open(t, env, 1, registered)
+		defer c.Close()
+		reason := "old process shutting down"
+		old.Send(t, Message{Leave: &reason})
+		expectRefused(t, old, Outcome{Code: "FailedPrecondition", Reason: "WORKER_SUPERSEDED"})
+		if w := env.State().Worker(kvstate.WorkerKey{ID: 1}); w == nil {
+			t.Error("the newer stream's worker was removed by the older stream's leave")
+		}
 	}},
 	{name: "a model holds at most max_workers_per_model ranks", limits: Limits{MaxWorkersPerModel: 1}, run: func(t *testing.T, env Env) {
 		first := open(t, env, 1, registered)

@@ -77,16 +77,18 @@ class LoadReport(_message.Message):
     def __init__(self, dp_rank: _Optional[int] = ..., kv_used_blocks: _Optional[int] = ..., waiting_requests: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ["dump", "events", "hello", "load"]
+    __slots__ = ["dump", "events", "hello", "leave", "load"]
     DUMP_FIELD_NUMBER: _ClassVar[int]
     EVENTS_FIELD_NUMBER: _ClassVar[int]
     HELLO_FIELD_NUMBER: _ClassVar[int]
+    LEAVE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     dump: KvDump
     events: EventBatch
     hello: WorkerHello
+    leave: WorkerLeave
     load: LoadReport
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., dump: _Optional[_Union[KvDump, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ...) -> None: ...
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., events: _Optional[_Union[EventBatch, _Mapping]] = ..., dump: _Optional[_Union[KvDump, _Mapping]] = ..., load: _Optional[_Union[LoadReport, _Mapping]] = ..., leave: _Optional[_Union[WorkerLeave, _Mapping]] = ...) -> None: ...
 
 class PublishResponse(_message.Message):
     __slots__ = ["ack", "registered", "resync"]
@@ -147,3 +149,9 @@ class WorkerHello(_message.Message):
     total_kv_blocks: int
     worker_id: int
     def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., supports_bypass: bool = ..., kv_events_enabled: bool = ..., fresh_start: bool = ...) -> None: ...
+
+class WorkerLeave(_message.Message):
+    __slots__ = ["reason"]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvrouter/v1/worker.proto.
  */
 export const file_kvrouter_v1_worker: GenFile = /*@__PURE__*/
-  fileDesc("ChhrdnJvdXRlci92MS93b3JrZXIucHJvdG8SC2t2cm91dGVyLnYxIr8BCg5QdWJsaXNoUmVxdWVzdBIpCgVoZWxsbxgBIAEoCzIYLmt2cm91dGVyLnYxLldvcmtlckhlbGxvSAASKQoGZXZlbnRzGAIgASgLMhcua3Zyb3V0ZXIudjEuRXZlbnRCYXRjaEgAEiMKBGR1bXAYAyABKAsyEy5rdnJvdXRlci52MS5LdkR1bXBIABInCgRsb2FkGAQgASgLMhcua3Zyb3V0ZXIudjEuTG9hZFJlcG9ydEgAQgkKB21lc3NhZ2UijwIKC1dvcmtlckhlbGxvEhEKCXdvcmtlcl9pZBgBIAEoBBIPCgdkcF9yYW5rGAIgASgNEg0KBW1vZGVsGAMgASgJEiUKBHJvbGUYBCABKA4yFy5rdnJvdXRlci52MS5Xb3JrZXJSb2xlEhIKCmJsb2NrX3NpemUYBSABKA0SFwoPdG90YWxfa3ZfYmxvY2tzGAYgASgEEh4KFm1heF9udW1fYmF0Y2hlZF90b2tlbnMYByABKAQSEAoIZW5kcG9pbnQYCCABKAkSFwoPc3VwcG9ydHNfYnlwYXNzGAkgASgIEhkKEWt2X2V2ZW50c19lbmFibGVkGAogASgIEhMKC2ZyZXNoX3N0YXJ0GAsgASgIIjIKCkV2ZW50QmF0Y2gSJAoGZXZlbnRzGAEgAygLMhQua3Zyb3V0ZXIudjEuS3ZFdmVudCLuAQoHS3ZFdmVudBIQCghldmVudF9pZBgBIAEoBBIPCgdkcF9yYW5rGAIgASgNEi4KDHN0b3JhZ2VfdGllchgDIAEoDjIYLmt2cm91dGVyLnYxLlN0b3JhZ2VUaWVyEisKBnN0b3JlZBgEIAEoCzIZLmt2cm91dGVyLnYxLkJsb2Nrc1N0b3JlZEgAEi0KB3JlbW92ZWQYBSABKAsyGi5rdnJvdXRlci52MS5CbG9ja3NSZW1vdmVkSAASLAoHY2xlYXJlZBgGIAEoCzIZLmt2cm91dGVyLnYxLkNhY2hlQ2xlYXJlZEgAQgYKBGRhdGEijgEKDEJsb2Nrc1N0b3JlZBIYCgtwYXJlbnRfaGFzaBgBIAEoBEgAiAEBEigKBmJsb2NrcxgCIAMoCzIYLmt2cm91dGVyLnYxLlN0b3JlZEJsb2NrEhEKCWxvcmFfbmFtZRgDIAEoCRIXCg9jYWNoZV9uYW1lc3BhY2UYBCABKAlCDgoMX3BhcmVudF9oYXNoIl4KC1N0b3JlZEJsb2NrEhIKCmJsb2NrX2hhc2gYASABKAQSEQoJdG9rZW5faWRzGAIgAygNEhgKC3Rva2Vuc19oYXNoGAMgASgESACIAQFCDgoMX3Rva2Vuc19oYXNoIiUKDUJsb2Nrc1JlbW92ZWQSFAoMYmxvY2tfaGFzaGVzGAEgAygEIg4KDENhY2hlQ2xlYXJlZCJeCgZLdkR1bXASGAoQdGhyb3VnaF9ldmVudF9pZBgBIAEoBBIkCgZldmVudHMYAiADKAsyFC5rdnJvdXRlci52MS5LdkV2ZW50EhQKDG1vcmVfZm9sbG93cxgDIAEoCCJPCgpMb2FkUmVwb3J0Eg8KB2RwX3JhbmsYASABKA0SFgoOa3ZfdXNlZF9ibG9ja3MYAiABKAQSGAoQd2FpdGluZ19yZXF1ZXN0cxgDIAEoBCKaAQoPUHVibGlzaFJlc3BvbnNlEi0KCnJlZ2lzdGVyZWQYASABKAsyFy5rdnJvdXRlci52MS5SZWdpc3RlcmVkSAASHwoDYWNrGAIgASgLMhAua3Zyb3V0ZXIudjEuQWNrSAASLAoGcmVzeW5jGAMgASgLMhoua3Zyb3V0ZXIudjEuUmVzeW5jUmVxdWVzdEgAQgkKB21lc3NhZ2UiOgoKUmVnaXN0ZXJlZBIaCg1sYXN0X2V2ZW50X2lkGAEgASgESACIAQFCEAoOX2xhc3RfZXZlbnRfaWQiFwoDQWNrEhAKCGV2ZW50X2lkGAEgASgEIjoKDVJlc3luY1JlcXVlc3QSDgoGcmVhc29uGAEgASgJEhkKEWV4cGVjdGVkX2V2ZW50X2lkGAIgASgEMlkKDVdvcmtlclNlcnZpY2USSAoHUHVibGlzaBIbLmt2cm91dGVyLnYxLlB1Ymxpc2hSZXF1ZXN0Ghwua3Zyb3V0ZXIudjEuUHVibGlzaFJlc3BvbnNlKAEwAWIGcHJvdG8z", [file_kvrouter_v1_types]);
+  fileDesc("ChhrdnJvdXRlci92MS93b3JrZXIucHJvdG8SC2t2cm91dGVyLnYxIuoBCg5QdWJsaXNoUmVxdWVzdBIpCgVoZWxsbxgBIAEoCzIYLmt2cm91dGVyLnYxLldvcmtlckhlbGxvSAASKQoGZXZlbnRzGAIgASgLMhcua3Zyb3V0ZXIudjEuRXZlbnRCYXRjaEgAEiMKBGR1bXAYAyABKAsyEy5rdnJvdXRlci52MS5LdkR1bXBIABInCgRsb2FkGAQgASgLMhcua3Zyb3V0ZXIudjEuTG9hZFJlcG9ydEgAEikKBWxlYXZlGAUgASgLMhgua3Zyb3V0ZXIudjEuV29ya2VyTGVhdmVIAEIJCgdtZXNzYWdlIh0KC1dvcmtlckxlYXZlEg4KBnJlYXNvbhgBIAEoCSKPAgoLV29ya2VySGVsbG8SEQoJd29ya2VyX2lkGAEgASgEEg8KB2RwX3JhbmsYAiABKA0SDQoFbW9kZWwYAyABKAkSJQoEcm9sZRgEIAEoDjIXLmt2cm91dGVyLnYxLldvcmtlclJvbGUSEgoKYmxvY2tfc2l6ZRgFIAEoDRIXCg90b3RhbF9rdl9ibG9ja3MYBiABKAQSHgoWbWF4X251bV9iYXRjaGVkX3Rva2VucxgHIAEoBBIQCghlbmRwb2ludBgIIAEoCRIXCg9zdXBwb3J0c19ieXBhc3MYCSABKAgSGQoRa3ZfZXZlbnRzX2VuYWJsZWQYCiABKAgSEwoLZnJlc2hfc3RhcnQYCyABKAgiMgoKRXZlbnRCYXRjaBIkCgZldmVudHMYASADKAsyFC5rdnJvdXRlci52MS5LdkV2ZW50Iu4BCgdLdkV2ZW50EhAKCGV2ZW50X2lkGAEgASgEEg8KB2RwX3JhbmsYAiABKA0SLgoMc3RvcmFnZV90aWVyGAMgASgOMhgua3Zyb3V0ZXIudjEuU3RvcmFnZVRpZXISKwoGc3RvcmVkGAQgASgLMhkua3Zyb3V0ZXIudjEuQmxvY2tzU3RvcmVkSAASLQoHcmVtb3ZlZBgFIAEoCzIaLmt2cm91dGVyLnYxLkJsb2Nrc1JlbW92ZWRIABIsCgdjbGVhcmVkGAYgASgLMhkua3Zyb3V0ZXIudjEuQ2FjaGVDbGVhcmVkSABCBgoEZGF0YSKOAQoMQmxvY2tzU3RvcmVkEhgKC3BhcmVudF9oYXNoGAEgASgESACIAQESKAoGYmxvY2tzGAIgAygLMhgua3Zyb3V0ZXIudjEuU3RvcmVkQmxvY2sSEQoJbG9yYV9uYW1lGAMgASgJEhcKD2NhY2hlX25hbWVzcGFjZRgEIAEoCUIOCgxfcGFyZW50X2hhc2giXgoLU3RvcmVkQmxvY2sSEgoKYmxvY2tfaGFzaBgBIAEoBBIRCgl0b2tlbl9pZHMYAiADKA0SGAoLdG9rZW5zX2hhc2gYAyABKARIAIgBAUIOCgxfdG9rZW5zX2hhc2giJQoNQmxvY2tzUmVtb3ZlZBIUCgxibG9ja19oYXNoZXMYASADKAQiDgoMQ2FjaGVDbGVhcmVkIl4KBkt2RHVtcBIYChB0aHJvdWdoX2V2ZW50X2lkGAEgASgEEiQKBmV2ZW50cxgCIAMoCzIULmt2cm91dGVyLnYxLkt2RXZlbnQSFAoMbW9yZV9mb2xsb3dzGAMgASgIIk8KCkxvYWRSZXBvcnQSDwoHZHBfcmFuaxgBIAEoDRIWCg5rdl91c2VkX2Jsb2NrcxgCIAEoBBIYChB3YWl0aW5nX3JlcXVlc3RzGAMgASgEIpoBCg9QdWJsaXNoUmVzcG9uc2USLQoKcmVnaXN0ZXJlZBgBIAEoCzIXLmt2cm91dGVyLnYxLlJlZ2lzdGVyZWRIABIfCgNhY2sYAiABKAsyEC5rdnJvdXRlci52MS5BY2tIABIsCgZyZXN5bmMYAyABKAsyGi5rdnJvdXRlci52MS5SZXN5bmNSZXF1ZXN0SABCCQoHbWVzc2FnZSI6CgpSZWdpc3RlcmVkEhoKDWxhc3RfZXZlbnRfaWQYASABKARIAIgBAUIQCg5fbGFzdF9ldmVudF9pZCIXCgNBY2sSEAoIZXZlbnRfaWQYASABKAQiOgoNUmVzeW5jUmVxdWVzdBIOCgZyZWFzb24YASABKAkSGQoRZXhwZWN0ZWRfZXZlbnRfaWQYAiABKAQyWQoNV29ya2VyU2VydmljZRJICgdQdWJsaXNoEhsua3Zyb3V0ZXIudjEuUHVibGlzaFJlcXVlc3QaHC5rdnJvdXRlci52MS5QdWJsaXNoUmVzcG9uc2UoATABYgZwcm90bzM", [file_kvrouter_v1_types]);
 
 /**
  * PublishRequest is one message a worker sends on its Publish stream.
@@ -57,6 +57,16 @@ export type PublishRequest = Message<"kvrouter.v1.PublishRequest"> & {
      */
     value: LoadReport;
     case: "load";
+  } | {
+    /**
+     * leave removes the worker rank now, with its blocks, instead of a grace period after its stream
+     * closes: the worker stopped serving (its engine is down) and must get no more requests. It is
+     * the last message of the stream; the router ends the stream with OK once the removal is applied.
+     *
+     * @generated from field: kvrouter.v1.WorkerLeave leave = 5;
+     */
+    value: WorkerLeave;
+    case: "leave";
   } | { case: undefined; value?: undefined };
 };
 
@@ -66,6 +76,28 @@ export type PublishRequest = Message<"kvrouter.v1.PublishRequest"> & {
  */
 export const PublishRequestSchema: GenMessage<PublishRequest> = /*@__PURE__*/
   messageDesc(file_kvrouter_v1_worker, 0);
+
+/**
+ * WorkerLeave says that the stream's worker rank leaves the fleet now.
+ *
+ * @generated from message kvrouter.v1.WorkerLeave
+ */
+export type WorkerLeave = Message<"kvrouter.v1.WorkerLeave"> & {
+  /**
+   * reason says why, for the router's log (for example "engine health check failing for 5s"); at
+   * most 256 bytes.
+   *
+   * @generated from field: string reason = 1;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message kvrouter.v1.WorkerLeave.
+ * Use `create(WorkerLeaveSchema)` to create a new message.
+ */
+export const WorkerLeaveSchema: GenMessage<WorkerLeave> = /*@__PURE__*/
+  messageDesc(file_kvrouter_v1_worker, 1);
 
 /**
  * WorkerHello registers one worker rank with the router.
@@ -163,7 +195,7 @@ export type WorkerHello = Message<"kvrouter.v1.WorkerHello"> & {
  * Use `create(WorkerHelloSchema)` to create a new message.
  */
 export const WorkerHelloSchema: GenMessage<WorkerHello> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 1);
+  messageDesc(file_kvrouter_v1_worker, 2);
 
 /**
  * EventBatch is a batch of KV-cache events of one worker rank.
@@ -185,7 +217,7 @@ export type EventBatch = Message<"kvrouter.v1.EventBatch"> & {
  * Use `create(EventBatchSchema)` to create a new message.
  */
 export const EventBatchSchema: GenMessage<EventBatch> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 2);
+  messageDesc(file_kvrouter_v1_worker, 3);
 
 /**
  * KvEvent is one change to a worker's KV cache, numbered by the worker.
@@ -252,7 +284,7 @@ export type KvEvent = Message<"kvrouter.v1.KvEvent"> & {
  * Use `create(KvEventSchema)` to create a new message.
  */
 export const KvEventSchema: GenMessage<KvEvent> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 3);
+  messageDesc(file_kvrouter_v1_worker, 4);
 
 /**
  * BlocksStored says a chain of consecutive blocks was stored, continuing the parent's chain if given.
@@ -295,7 +327,7 @@ export type BlocksStored = Message<"kvrouter.v1.BlocksStored"> & {
  * Use `create(BlocksStoredSchema)` to create a new message.
  */
 export const BlocksStoredSchema: GenMessage<BlocksStored> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 4);
+  messageDesc(file_kvrouter_v1_worker, 5);
 
 /**
  * StoredBlock is one stored KV block. Exactly one of token_ids and tokens_hash must be set.
@@ -330,7 +362,7 @@ export type StoredBlock = Message<"kvrouter.v1.StoredBlock"> & {
  * Use `create(StoredBlockSchema)` to create a new message.
  */
 export const StoredBlockSchema: GenMessage<StoredBlock> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 5);
+  messageDesc(file_kvrouter_v1_worker, 6);
 
 /**
  * BlocksRemoved says blocks were evicted from the worker's cache.
@@ -351,7 +383,7 @@ export type BlocksRemoved = Message<"kvrouter.v1.BlocksRemoved"> & {
  * Use `create(BlocksRemovedSchema)` to create a new message.
  */
 export const BlocksRemovedSchema: GenMessage<BlocksRemoved> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 6);
+  messageDesc(file_kvrouter_v1_worker, 7);
 
 /**
  * CacheCleared says the worker rank dropped every block it held, in every tier.
@@ -366,7 +398,7 @@ export type CacheCleared = Message<"kvrouter.v1.CacheCleared"> & {
  * Use `create(CacheClearedSchema)` to create a new message.
  */
 export const CacheClearedSchema: GenMessage<CacheCleared> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 7);
+  messageDesc(file_kvrouter_v1_worker, 8);
 
 /**
  * KvDump is a worker rank's full cache, sent after the router asked for a resync. A cache too large
@@ -406,7 +438,7 @@ export type KvDump = Message<"kvrouter.v1.KvDump"> & {
  * Use `create(KvDumpSchema)` to create a new message.
  */
 export const KvDumpSchema: GenMessage<KvDump> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 8);
+  messageDesc(file_kvrouter_v1_worker, 9);
 
 /**
  * LoadReport is the worker's own view of its load.
@@ -441,7 +473,7 @@ export type LoadReport = Message<"kvrouter.v1.LoadReport"> & {
  * Use `create(LoadReportSchema)` to create a new message.
  */
 export const LoadReportSchema: GenMessage<LoadReport> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 9);
+  messageDesc(file_kvrouter_v1_worker, 10);
 
 /**
  * PublishResponse is one message the router sends on a Publish stream.
@@ -486,7 +518,7 @@ export type PublishResponse = Message<"kvrouter.v1.PublishResponse"> & {
  * Use `create(PublishResponseSchema)` to create a new message.
  */
 export const PublishResponseSchema: GenMessage<PublishResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 10);
+  messageDesc(file_kvrouter_v1_worker, 11);
 
 /**
  * Registered answers a hello.
@@ -508,7 +540,7 @@ export type Registered = Message<"kvrouter.v1.Registered"> & {
  * Use `create(RegisteredSchema)` to create a new message.
  */
 export const RegisteredSchema: GenMessage<Registered> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 11);
+  messageDesc(file_kvrouter_v1_worker, 12);
 
 /**
  * Ack is a cumulative acknowledgement.
@@ -529,7 +561,7 @@ export type Ack = Message<"kvrouter.v1.Ack"> & {
  * Use `create(AckSchema)` to create a new message.
  */
 export const AckSchema: GenMessage<Ack> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 12);
+  messageDesc(file_kvrouter_v1_worker, 13);
 
 /**
  * ResyncRequest asks the worker for a full dump of its cache.
@@ -557,7 +589,7 @@ export type ResyncRequest = Message<"kvrouter.v1.ResyncRequest"> & {
  * Use `create(ResyncRequestSchema)` to create a new message.
  */
 export const ResyncRequestSchema: GenMessage<ResyncRequest> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_worker, 13);
+  messageDesc(file_kvrouter_v1_worker, 14);
 
 /**
  * WorkerService is how inference workers feed the router: registration, KV-cache events and load.
