@@ -76,7 +76,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.String("model", "the model the engine serves (required)", func(o *bridgeOptions) *string { return &o.Model }),
 	layered.String("role", "the engine's role: prefill, decode or aggregated", func(o *bridgeOptions) *string { return &o.Role }),
 	layered.Int("block_size", "the engine's KV block size in tokens (vLLM --block-size); every model's workers must agree (required)", func(o *bridgeOptions) *int { return &o.BlockSize }, 0),
-	layered.Uint64("total_kv_blocks", "the engine's KV cache capacity in blocks (vLLM logs it as 'GPU KV cache size') (required)", func(o *bridgeOptions) *uint64 { return &o.TotalKVBlocks }, 0),
+	layered.Uint64("total_kv_blocks", "the engine's KV cache capacity in blocks: vLLM logs 'GPU KV cache size: N tokens', which is N / block_size blocks (required)", func(o *bridgeOptions) *uint64 { return &o.TotalKVBlocks }, 0),
 	layered.Uint64("max_num_batched_tokens", "the engine's max_num_batched_tokens (0: unknown)", func(o *bridgeOptions) *uint64 { return &o.MaxNumBatchedTokens }, 0),
 	layered.String("worker_endpoint", "where frontends send the engine's requests, as Route returns it (host:port)", func(o *bridgeOptions) *string { return &o.WorkerEndpoint }),
 	layered.Bool("supports_bypass", "the engine (a decode worker) may prefill a request itself (conditional disaggregation)", func(o *bridgeOptions) *bool { return &o.SupportsBypass }),
@@ -88,7 +88,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.Duration("engine_down_after", "how long the engine's checks may fail, or the bridge be unsubscribed, before the engine counts as down and the worker leaves the router", func(o *bridgeOptions) *time.Duration { return &o.EngineDownAfter }),
 	layered.Int("max_unacked", "events per rank kept until the router acks them; reading from the engine pauses past it", func(o *bridgeOptions) *int { return &o.MaxUnacked }, 1),
 	layered.String("state_dir", "directory of the bridge's checkpoints (a small file per rank), so that a bridge restarted within the worker's grace period resumes where it stopped (needs engine_replay_endpoint; on Kubernetes an emptyDir volume); empty: a restart starts afresh", func(o *bridgeOptions) *string { return &o.StateDir }),
-	layered.String("metrics_listen", "HTTP address of /metrics, /healthz and /readyz (empty turns it off)", func(o *bridgeOptions) *string { return &o.MetricsListen }),
+	layered.String("metrics_listen", "HTTP address of /metrics, /healthz and /readyz (empty turns it off); on loopback by default: set :9091 for a Kubernetes probe", func(o *bridgeOptions) *string { return &o.MetricsListen }),
 	layered.String("log_level", "log level: debug, info, warn or error", func(o *bridgeOptions) *string { return &o.LogLevel }),
 	layered.Duration("shutdown_drain", "on SIGTERM, how long to wait for the router's acks of what was forwarded", func(o *bridgeOptions) *time.Duration { return &o.ShutdownDrain }),
 }
@@ -96,7 +96,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 func defaultBridgeOptions() *bridgeOptions {
 	return &bridgeOptions{
 		EngineEndpoint: "tcp://127.0.0.1:5557", DPRanks: 1, Role: "aggregated", ExtraKeys: "skip",
-		ReplayTimeout: 10 * time.Second, EngineCheckInterval: time.Second, EngineDownAfter: 5 * time.Second, MaxUnacked: 65_536, MetricsListen: ":9091", LogLevel: "info", ShutdownDrain: 10 * time.Second,
+		ReplayTimeout: 10 * time.Second, EngineCheckInterval: time.Second, EngineDownAfter: 5 * time.Second, MaxUnacked: 65_536, MetricsListen: "127.0.0.1:9091", LogLevel: "info", ShutdownDrain: 10 * time.Second,
 	}
 }
 

@@ -586,3 +586,18 @@ func TestResubscribeToANewEngine(t *testing.T) {
 	poll(t, "the reset", func() bool { return f.counter("kvrouter_bridge_resets_total", "reason", "reconnect") == 1 })
 	f.waitCached(0, 2)
 }
+
+// TestAckedSeqFollowsBatchesWithoutEvents: a batch that sends the router nothing (no events, or
+// every block dropped) counts as acked once what came before it is, so the acked sequence number
+// does not stay behind the engine's and show a lag that is not there.
+func TestAckedSeqFollowsBatchesWithoutEvents(t *testing.T) {
+	f := newFixture(t, fixtureOptions{})
+	f.engine.send(false, stored(0, 2))
+	withImage := stored(2, 1)
+	withImage.ExtraKeys, withImage.FirstExtraKey = true, 0 // every block dropped (extra keys)
+	f.engine.send(false, withImage)
+	last := f.engine.send(false) // no events
+	poll(t, "the acked sequence number to reach the last batch", func() bool {
+		return f.counter("kvrouter_bridge_acked_seq") == float64(last)
+	})
+}

@@ -61,6 +61,9 @@ type rank struct {
 	lagMu    sync.Mutex
 	inflight []inflightBatch // published, not acked yet, in event id order
 	acks     batchAck        // the newest batch the router acked whole
+	// The id of the last event published, when any was (owned by the run goroutine).
+	lastPublished uint64
+	published     bool
 }
 
 // batchRef names one engine batch: its sequence number and a digest of its payload, which tells
@@ -211,6 +214,7 @@ func (r *rank) leave(ctx context.Context) error {
 	clear(r.fromReplay)
 	r.lagMu.Lock()
 	r.inflight, r.acks = nil, batchAck{}
+	r.lastPublished, r.published = 0, false
 	r.lagMu.Unlock()
 	return nil
 }
@@ -242,6 +246,7 @@ func (r *rank) resumeFromCheckpoint(ctx context.Context) error {
 	}
 	if held && last >= cp.EventID {
 		r.next, r.last, r.haveLast, r.inherited = cp.Seq+1, batchRef{cp.Seq, cp.Digest}, true, true
+		r.lastPublished, r.published = last, true
 		r.setAcked(batchAck{batch: r.last, eventID: last, ok: true})
 		return nil
 	}
@@ -560,7 +565,7 @@ func (r *rank) reset(ctx context.Context, reason string) error {
 	events, _ := r.tr.translate(&clearAll, nil)
 	r.mirror.clear()
 	r.inherited = false
-	return r.pub.Publish(ctx, events...)
+	return r.publish(ctx, events)
 }
 
 // forward publishes the events a decoded batch maps to.
@@ -569,6 +574,7 @@ func (r *rank) forward(ctx context.Context, m enginefeed.Message, b *enginefeed.
 	if b.HasDPRank && b.DPRank != int64(r.dp) {
 		met.batches.WithLabelValues(r.label, ReasonDPRankMismatch).Inc()
 		r.logLimited(ReasonDPRankMismatch, "dropped a batch of another data-parallel rank", "seq", m.Seq, "batch_dp_rank", b.DPRank)
+		r.noEvents()
 		return nil
 	}
 	met.batches.WithLabelValues(r.label, "ok").Inc()
@@ -595,20 +601,47 @@ func (r *rank) forward(ctx context.Context, m enginefeed.Message, b *enginefeed.
 	}
 	r.out = out[:0]
 	if len(out) == 0 {
+		r.noEvents()
 		return nil
 	}
 	r.mirror.apply(out)
-	if err := r.pub.Publish(ctx, out...); err != nil {
+	if err := r.publish(ctx, out); err != nil {
 		return err
 	}
 	r.lagMu.Lock()
-	r.inflight = append(r.inflight, inflightBatch{lastEventID: out[len(out)-1].GetEventId(), batch: r.last, ts: b.TS})
+	r.inflight = append(r.inflight, inflightBatch{lastEventID: r.lastPublished, batch: r.last, ts: b.TS})
 	r.lagMu.Unlock()
 	met.eventsOut.WithLabelValues(r.label).Add(float64(len(out)))
 	met.blocksOut.WithLabelValues(r.label).Add(float64(forwarded))
 	met.mirrored.WithLabelValues(r.label).Set(float64(r.mirror.blocks()))
 	clear(out) // the publisher owns the events now
 	return nil
+}
+
+// publish hands events to the publisher and records the id of the last one.
+func (r *rank) publish(ctx context.Context, events []*kvrouterv1.KvEvent) error {
+	if err := r.pub.Publish(ctx, events...); err != nil {
+		return err
+	}
+	r.lastPublished, r.published = events[len(events)-1].GetEventId(), true
+	return nil
+}
+
+// noEvents records that the batch just taken sent the router nothing (no events, or all dropped):
+// it is done once what was published before it is acked, at once when nothing waits, so that the
+// acked sequence number (and the checkpoint) does not stay behind on a batch the router never had
+// to ack.
+func (r *rank) noEvents() {
+	r.lagMu.Lock()
+	defer r.lagMu.Unlock()
+	if len(r.inflight) > 0 {
+		r.inflight = append(r.inflight, inflightBatch{lastEventID: r.lastPublished, batch: r.last})
+		return
+	}
+	r.b.metrics.ackedSeq.WithLabelValues(r.label).Set(float64(r.last.seq))
+	if r.published {
+		r.acks = batchAck{batch: r.last, eventID: r.lastPublished, ok: true}
+	}
 }
 
 // acked is the publisher's OnAck: every batch whose last event is acked is done.
