@@ -73,6 +73,9 @@ type Request struct {
 	Tokens         []uint32
 	LoraName       string
 	CacheNamespace string
+	// Multimodal are the prompt's multimodal inputs, sorted by Start and not overlapping; the blocks
+	// holding their tokens are keyed with their hashes (blockhash.LocalsMultimodal).
+	Multimodal     []blockhash.MultimodalObject
 	QueryOnly      bool
 	Annotations    []string
 	PrefillPin     *Pin

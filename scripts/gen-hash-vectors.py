@@ -36,6 +36,17 @@ XXH3(data, seed) means the 64-bit XXH3 hash (XXH3_64bits_withSeed).
 * sequence (chained) hash: seq_0 = local_0;
   seq_i = XXH3(LE_u64(seq_{i-1}) || LE_u64(local_i), seed = 1337)
   (16 input bytes). The seed here is always the constant 1337, never the salt.
+* multimodal objects: a prompt may carry objects {hash, start, end}, each a
+  multimodal input (an image, an audio clip) named by a uint64 hash whose
+  placeholder tokens are tokens[start:end]. Block i (tokens [i*B, (i+1)*B))
+  carries every object with start < (i+1)*B and end > i*B (and start < end).
+  A block that carries objects is hashed over its token bytes followed by the
+  objects' hashes, sorted ascending (duplicates kept), each as a little-endian
+  uint64: 4*B + 8*k bytes, same salt. Blocks without objects hash as above.
+* multimodal identifier -> hash: an identifier of exactly 64 hex digits (the
+  engine's own digest of the item, as vLLM computes it) maps to its first 16
+  hex digits read as an unsigned integer; any other identifier (one the
+  frontend chose) maps to XXH3(UTF-8 bytes of the identifier, seed 2).
 
 Output format (JSON, indent 1, trailing newline)
 ------------------------------------------------
@@ -51,6 +62,13 @@ them.
              seed 0, with small seeds, and with seeds above 2^63.
   cases      block-hash cases: {name, block_size, lora_name, cache_namespace,
              tokens, salt, local_hashes, sequence_hashes}
+  multimodal_ids
+             identifier -> hash: {identifier, mm_hash}
+  multimodal_cases
+             block-hash cases with multimodal objects: the fields of cases,
+             plus objects [{hash, start, end}] (in the order a caller sends
+             them, not always sorted) and block_mm_hashes (per block, the
+             sorted hashes the block carries)
 
 Test inputs
 -----------
@@ -79,6 +97,7 @@ BASE_SALT = 1337
 SEQ_SEED = 1337
 LORA_SEED = 0
 NAMESPACE_SEED = 1
+MULTIMODAL_ID_SEED = 2
 KNUTH = 2654435761
 
 SCRIPT = "scripts/gen-hash-vectors.py"
@@ -94,7 +113,11 @@ SPEC = (
     "uint32, seed = salt). "
     "seq_0 = local_0; seq_i = XXH3(LE_u64(seq_{i-1}) || LE_u64(local_i), "
     "seed = 1337) over 16 bytes, the seed always the constant 1337, never the "
-    "salt. All uint64 values in this file are decimal strings."
+    "salt. A block carrying multimodal objects (start < block end, end > "
+    "block start) appends their hashes, sorted ascending, as little-endian "
+    "uint64 after its tokens. A multimodal identifier of 64 hex digits hashes "
+    "to its first 16 digits as an integer, any other to XXH3(UTF-8, seed 2). "
+    "All uint64 values in this file are decimal strings."
 )
 
 
@@ -135,6 +158,34 @@ def local_hashes(tokens, block_size, salt):
         xxh3(block_bytes(tokens[i * block_size:(i + 1) * block_size]), salt)
         for i in range(n)
     ]
+
+
+def block_objects(objects, block_size, i):
+    """The sorted hashes of the objects block i carries."""
+    lo, hi = i * block_size, (i + 1) * block_size
+    return sorted(h for h, start, end in objects
+                  if start < end and start < hi and end > lo)
+
+
+def local_hashes_mm(tokens, block_size, salt, objects):
+    if block_size == 0:
+        return [], []
+    out, per_block = [], []
+    for i in range(len(tokens) // block_size):
+        hashes = block_objects(objects, block_size, i)
+        for h in hashes:
+            assert 0 <= h <= MASK64, h
+        data = block_bytes(tokens[i * block_size:(i + 1) * block_size])
+        data += struct.pack("<%dQ" % len(hashes), *hashes)
+        out.append(xxh3(data, salt))
+        per_block.append(hashes)
+    return out, per_block
+
+
+def multimodal_hash(identifier):
+    if re.fullmatch(r"[0-9a-fA-F]{64}", identifier):
+        return int(identifier[:16], 16)
+    return xxh3(identifier.encode("utf-8"), MULTIMODAL_ID_SEED)
 
 
 def sequence_hashes(local):
@@ -459,10 +510,124 @@ def build_cases():
     return cases
 
 
+def build_multimodal_ids():
+    ids = [
+        "0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8",
+        "FFEEDDCCBBAA99887766554433221100ffeeddccbbaa99887766554433221100",
+        "8000000000000000000000000000000000000000000000000000000000000001",
+        "0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e",   # 63 digits
+        "0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8f",  # 65 digits
+        "0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7eg",   # not hex
+        "cat.png",
+        "user-image-42",
+        "my-lora:0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8",
+        "",
+        "bild-\u00e4\u00f6\u00fc-\u56fe\u7247",
+    ]
+    out = []
+    for ident in ids:
+        h = multimodal_hash(ident)
+        out.append({"identifier": ident, "mm_hash": str(h)})
+    assert int(out[0]["mm_hash"]) == 0x0f3a9c2b7d4e5f60
+    assert int(out[1]["mm_hash"]) == 0xFFEEDDCCBBAA9988
+    assert int(out[2]["mm_hash"]) == 1 << 63
+    assert int(out[3]["mm_hash"]) == xxh3(ids[3].encode(), MULTIMODAL_ID_SEED)
+    assert int(out[9]["mm_hash"]) == xxh3(b"", MULTIMODAL_ID_SEED)
+    return out
+
+
+def make_mm_case(name, block_size, tokens, objects, lora_name="", cache_namespace=""):
+    salt = compute_salt(lora_name, cache_namespace)
+    local, per_block = local_hashes_mm(tokens, block_size, salt, objects)
+    seq = sequence_hashes(local)
+    return {
+        "name": name,
+        "block_size": block_size,
+        "lora_name": lora_name,
+        "cache_namespace": cache_namespace,
+        "tokens": list(tokens),
+        "objects": [{"hash": str(h), "start": s, "end": e} for h, s, e in objects],
+        "salt": str(salt),
+        "block_mm_hashes": [[str(h) for h in b] for b in per_block],
+        "local_hashes": [str(h) for h in local],
+        "sequence_hashes": [str(h) for h in seq],
+        "_local": local,
+        "_seq": seq,
+        "_blocks": per_block,
+    }
+
+
+def build_multimodal_cases():
+    cases = []
+
+    def add(*args, **kwargs):
+        c = make_mm_case(*args, **kwargs)
+        assert all(c["name"] != o["name"] for o in cases), c["name"]
+        cases.append(c)
+        return c
+
+    cat, dog = multimodal_hash("cat.png"), multimodal_hash("user-image-42")
+    high = 0xFFFFFFFFFFFFFF01
+    t = gen_tokens(96, 21)                                      # k = 21, 6 blocks of 16
+    plain = local_hashes(t, 16, BASE_SALT)
+    # No objects: the same hashes as a plain prompt.
+    c = add("mm-none-b16", 16, t, [])
+    assert c["_local"] == plain
+    # One image over tokens [20, 52): blocks 1, 2, 3 carry it; 0, 4, 5 do not.
+    c = add("mm-one-image-b16", 16, t, [(cat, 20, 52)])
+    assert c["_blocks"] == [[], [cat], [cat], [cat], [], []]
+    assert c["_local"][0] == plain[0] and c["_local"][4:] == plain[4:]
+    assert all(c["_local"][i] != plain[i] for i in (1, 2, 3))
+    assert c["_seq"][0] == sequence_hashes(plain)[0]
+    assert all(c["_seq"][i] != sequence_hashes(plain)[i] for i in range(1, 6))
+    # The same tokens with another image: the blocks that carry it differ.
+    d = add("mm-other-image-b16", 16, t, [(dog, 20, 52)])
+    assert all(c["_local"][i] != d["_local"][i] for i in (1, 2, 3))
+    assert c["_local"][0] == d["_local"][0] and c["_local"][4:] == d["_local"][4:]
+    # An image ending exactly on a block boundary: the next block does not carry it;
+    # one starting exactly on a boundary: the block before does not.
+    c = add("mm-aligned-b16", 16, t, [(cat, 16, 32), (dog, 48, 64)])
+    assert c["_blocks"] == [[], [cat], [], [dog], [], []]
+    # Two images in one block, sent in prompt order whose hashes are not sorted.
+    objs = [(high, 66, 70), (dog, 72, 75), (cat, 76, 80)]
+    c = add("mm-three-in-one-block-b16", 16, t, objs)
+    assert c["_blocks"][4] == sorted([high, dog, cat])
+    assert c["_blocks"][4][-1] == high
+    # The same objects sent in another order hash alike.
+    c2 = make_mm_case("tmp", 16, t, list(reversed(objs)))
+    assert c2["_local"] == c["_local"]
+    # The same image twice in one block is hashed twice.
+    c = add("mm-same-image-twice-b16", 16, t, [(cat, 1, 3), (cat, 5, 9)])
+    assert c["_blocks"][0] == [cat, cat]
+    once = make_mm_case("tmp", 16, t, [(cat, 1, 9)])
+    assert once["_local"][0] != c["_local"][0]
+    # An object in the tail only (tokens 96..99 of 100): no complete block carries it.
+    t100 = gen_tokens(100, 21)
+    c = add("mm-tail-only-b16", 16, t100, [(cat, 97, 100)])
+    assert c["_local"] == plain
+    # An empty object (start == end) is carried by no block.
+    c = add("mm-empty-object-b16", 16, t, [(cat, 20, 20)])
+    assert c["_local"] == plain
+    # With a LoRA adapter and a cache namespace the salt applies to every block.
+    c = add("mm-lora-ns-b16", 16, t, [(cat, 20, 52)], lora_name="a", cache_namespace="tenant-1")
+    assert c["salt"] == str(compute_salt("a", "tenant-1"))
+    m = make_mm_case("tmp", 16, t, [(cat, 20, 52)])
+    assert all(c["_local"][i] != m["_local"][i] for i in range(6))
+    # An image spanning many blocks, block size 4 (7 blocks, objects of hash >= 2^63).
+    t28 = gen_tokens(28, 5)
+    c = add("mm-long-image-b4", 4, t28, [(high, 2, 27)])
+    assert c["_blocks"] == [[high]] * 7
+    for c in cases:
+        del c["_local"], c["_seq"], c["_blocks"]
+    return cases
+
+
 def main():
     raw = build_raw()
     cross = cross_check_xxhsum()
     cases = build_cases()
+    mm_ids = build_multimodal_ids()
+    mm_cases = build_multimodal_cases()
     generator = (
         "%s run with /usr/bin/python3 %d.%d.%d; Debian python3-xxhash %s "
         "(module reports xxhash.VERSION %s), libxxhash %s (Debian libxxhash0 "
@@ -477,6 +642,8 @@ def main():
         "spec": SPEC,
         "raw": raw,
         "cases": cases,
+        "multimodal_ids": mm_ids,
+        "multimodal_cases": mm_cases,
     }
     text = json.dumps(out, indent=1) + "\n"
     # Round-trip check: the output parses and every uint64 is a decimal string.

@@ -58,8 +58,9 @@ func newLimitingCodec(maxRouteBytes int) limitingCodec {
 }
 
 // routeOverhead is what a Route may hold besides its token ids: its names (model, request and
-// session ids, LoRA and namespace), annotations, hints and configuration override.
-const routeOverhead = 64 << 10
+// session ids, LoRA and namespace), annotations, hints and configuration override, and its
+// multimodal inputs (at most 24 bytes each: a tag and length, a 10-byte hash, two 5-byte positions).
+const routeOverhead = 64<<10 + maxMultimodalObjects*24
 
 // maxRouteBytes is the largest Route message with at most maxPromptTokens token ids: five bytes
 // per token id (the longest varint of a uint32) plus routeOverhead.

@@ -2,6 +2,7 @@ package server
 
 import (
 	"fmt"
+	"slices"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
@@ -107,7 +108,7 @@ func convertEvents(field string, in []*kvrouterv1.KvEvent, info kvstate.WorkerIn
 }
 
 // storedEvent converts the stored blocks st of event e (field f()), keying blocks sent as token
-// ids of blockSize tokens with salt.
+// ids of blockSize tokens with salt and their multimodal hashes.
 func storedEvent(f func() string, e kvstate.Event, st *kvrouterv1.BlocksStored, blockSize uint32, salt uint64) (kvstate.Event, error) {
 	if len(st.GetBlocks()) == 0 {
 		return e, invalidArgument(f()+".stored.blocks", "must not be empty")
@@ -122,6 +123,8 @@ func storedEvent(f func() string, e kvstate.Event, st *kvrouterv1.BlocksStored, 
 		switch {
 		case b.TokensHash != nil && len(b.GetTokenIds()) > 0:
 			return e, invalidArgument(bf(), "must set exactly one of token_ids and tokens_hash (both are set)")
+		case b.TokensHash != nil && len(b.GetMmHashes()) > 0:
+			return e, invalidArgument(bf()+".mm_hashes", "must be empty with tokens_hash, which already holds them")
 		case b.TokensHash != nil:
 			e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: b.GetTokensHash()}
 		case len(b.GetTokenIds()) != int(blockSize):
@@ -129,6 +132,13 @@ func storedEvent(f func() string, e kvstate.Event, st *kvrouterv1.BlocksStored, 
 				return e, invalidArgument(bf(), "must set exactly one of token_ids and tokens_hash (neither is set)")
 			}
 			return e, invalidArgumentf(bf()+".token_ids", "must hold exactly block_size %d tokens (got %d)", blockSize, len(b.GetTokenIds()))
+		case len(b.GetMmHashes()) > maxBlockMMHashes:
+			return e, invalidArgumentf(bf()+".mm_hashes", "must hold at most %d hashes (got %d)", maxBlockMMHashes, len(b.GetMmHashes()))
+		case len(b.GetMmHashes()) > 0:
+			var buf [maxBlockMMHashes]uint64
+			mm := append(buf[:0], b.GetMmHashes()...)
+			slices.Sort(mm)
+			e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: blockhash.LocalMultimodal(b.GetTokenIds(), mm, salt)}
 		default:
 			e.Blocks[j] = kvstate.Block{Hash: b.GetBlockHash(), Local: blockhash.Local(b.GetTokenIds(), salt)}
 		}

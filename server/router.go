@@ -1,14 +1,18 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math"
+	"slices"
 	"time"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/auth"
@@ -24,6 +28,14 @@ const (
 	maxModelBytes     = 256
 	maxSessionIDBytes = 512
 	maxEndpointBytes  = 1024
+)
+
+// maxMultimodalObjects bounds a Route's multimodal inputs and maxBlockMMHashes a stored block's: a
+// prompt rarely holds more than a few dozen images, and each costs the hashing of the blocks it
+// touches.
+const (
+	maxMultimodalObjects = 256
+	maxBlockMMHashes     = 64
 )
 
 // routerService implements RouterService: validate, call the dispatcher, map the result.
@@ -125,9 +137,13 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*app.Request
 	case n > s.maxPromptTokens:
 		return nil, invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
 	}
+	multimodal, err := multimodalObjects(req.GetMultimodalObjects(), len(req.GetTokenIds()))
+	if err != nil {
+		return nil, err
+	}
 	dreq := &app.Request{SessionID: req.GetSessionId(), Request: policy.Request{
 		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
-		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(),
+		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(), Multimodal: multimodal,
 		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),
 	}}
 	out := &dreq.Request
@@ -171,6 +187,42 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*app.Request
 		}
 	}
 	return dreq, nil
+}
+
+// multimodalObjects validates a Route's multimodal inputs against its n token ids and returns them
+// sorted by their first token, as the kernel keys them.
+func multimodalObjects(in []*kvrouterv1.MultimodalObject, n int) ([]blockhash.MultimodalObject, error) {
+	if len(in) == 0 {
+		return nil, nil
+	}
+	if len(in) > maxMultimodalObjects {
+		return nil, invalidArgumentf("multimodal_objects", "must hold at most %d inputs (got %d)", maxMultimodalObjects, len(in))
+	}
+	type indexed struct {
+		blockhash.MultimodalObject
+		i int
+	}
+	objs := make([]indexed, len(in))
+	for i, o := range in {
+		switch {
+		case o.GetEnd() <= o.GetStart():
+			return nil, invalidArgumentf(fmt.Sprintf("multimodal_objects[%d].end", i), "must be greater than start %d (got %d)", o.GetStart(), o.GetEnd())
+		case int64(o.GetEnd()) > int64(n):
+			return nil, invalidArgumentf(fmt.Sprintf("multimodal_objects[%d].end", i), "must be at most the number of token_ids %d (got %d)", n, o.GetEnd())
+		}
+		objs[i] = indexed{blockhash.MultimodalObject{Hash: o.GetMmHash(), Start: o.GetStart(), End: o.GetEnd()}, i}
+	}
+	slices.SortFunc(objs, func(a, b indexed) int { return cmp.Compare(a.Start, b.Start) })
+	out := make([]blockhash.MultimodalObject, len(objs))
+	for k, o := range objs {
+		if k > 0 && objs[k-1].End > o.Start {
+			p := objs[k-1]
+			return nil, invalidArgumentf(fmt.Sprintf("multimodal_objects[%d]", o.i), "tokens [%d, %d) overlap those of multimodal_objects[%d], [%d, %d)",
+				o.Start, o.End, p.i, p.Start, p.End)
+		}
+		out[k] = o.MultimodalObject
+	}
+	return out, nil
 }
 
 // cdOverride converts a per-request conditional-disaggregation override and checks it with the

@@ -27,6 +27,7 @@ import (
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server/app"
@@ -278,6 +279,18 @@ func TestRouteValidation(t *testing.T) {
 			rank := uint32(1)
 			r.Hints = &kvrouterv1.RoutingHints{DecodeDpRank: &rank}
 		}, codes.InvalidArgument, "hints.decode_dp_rank: needs hints.decode_worker_id"},
+		{"multimodal object ends before it starts", func(r *kvrouterv1.RouteRequest) {
+			r.MultimodalObjects = []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 0, End: 2}, {MmHash: 2, Start: 5, End: 5}}
+		}, codes.InvalidArgument, "multimodal_objects[1].end: must be greater than start 5 (got 5)"},
+		{"multimodal object past the prompt", func(r *kvrouterv1.RouteRequest) {
+			r.MultimodalObjects = []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 4, End: 9}}
+		}, codes.InvalidArgument, "multimodal_objects[0].end: must be at most the number of token_ids 8 (got 9)"},
+		{"overlapping multimodal objects", func(r *kvrouterv1.RouteRequest) {
+			r.MultimodalObjects = []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 5, End: 8}, {MmHash: 2, Start: 0, End: 2}, {MmHash: 3, Start: 1, End: 6}}
+		}, codes.InvalidArgument, "multimodal_objects[2]: tokens [1, 6) overlap those of multimodal_objects[1], [0, 2)"},
+		{"too many multimodal objects", func(r *kvrouterv1.RouteRequest) {
+			r.MultimodalObjects = make([]*kvrouterv1.MultimodalObject, 257)
+		}, codes.InvalidArgument, "multimodal_objects: must hold at most 256 inputs (got 257)"},
 		{"pin to unknown worker", func(r *kvrouterv1.RouteRequest) {
 			w := uint64(9)
 			r.Hints = &kvrouterv1.RoutingHints{DecodeWorkerId: &w}
@@ -425,6 +438,11 @@ func TestPublishEventValidation(t *testing.T) {
 	both.GetStored().Blocks[0].TokensHash = &h
 	neither := stored(1, nil, 1, 1)
 	neither.GetStored().Blocks[0].TokenIds = nil
+	mmWithHash := stored(1, nil, 1, 1)
+	mmWithHash.GetStored().Blocks[0].TokenIds, mmWithHash.GetStored().Blocks[0].TokensHash = nil, &h
+	mmWithHash.GetStored().Blocks[0].MmHashes = []uint64{7}
+	mmTooMany := stored(1, nil, 1, 1)
+	mmTooMany.GetStored().Blocks[0].MmHashes = make([]uint64, 65)
 	noData := &kvrouterv1.KvEvent{EventId: 1, StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE}
 	emptyRemoved := &kvrouterv1.KvEvent{EventId: 1, StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Removed{Removed: &kvrouterv1.BlocksRemoved{}}}
 	tests := []struct {
@@ -439,6 +457,8 @@ func TestPublishEventValidation(t *testing.T) {
 		{"short block", events(shortBlock), "events.events[0].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 2)"},
 		{"tokens and hash", events(both), "events.events[0].stored.blocks[0]: must set exactly one of token_ids and tokens_hash (both are set)"},
 		{"neither tokens nor hash", events(neither), "events.events[0].stored.blocks[0]: must set exactly one of token_ids and tokens_hash (neither is set)"},
+		{"multimodal hashes with tokens_hash", events(mmWithHash), "events.events[0].stored.blocks[0].mm_hashes: must be empty with tokens_hash, which already holds them"},
+		{"too many multimodal hashes", events(mmTooMany), "events.events[0].stored.blocks[0].mm_hashes: must hold at most 64 hashes (got 65)"},
 		{"no data", events(noData), "events.events[0]: must set one of stored, removed, cleared"},
 		{"empty removed", events(emptyRemoved), "events.events[0].removed.block_hashes: must not be empty"},
 		{"empty batch", events(), "events.events: must not be empty"},
@@ -603,6 +623,42 @@ func TestRouteAfterPublish(t *testing.T) {
 	}
 	if got := e.counter("kvrouter_route_decisions_total", "mode", "aggregated"); got != 1 {
 		t.Errorf("kvrouter_route_decisions_total{aggregated} = %v, want 1", got)
+	}
+}
+
+// TestRouteWithMultimodalInputs stores blocks holding an image's tokens and routes prompts of the
+// same tokens with that image, another image and none: only the first matches past the image.
+func TestRouteWithMultimodalInputs(t *testing.T) {
+	e := newTestEnv(t)
+	p := e.connect(1)
+	defer p.stream.CloseSend()
+	cat, dog := blockhash.MultimodalHash("cat.png"), blockhash.MultimodalHash("dog.png")
+	ev := stored(0, nil, 0, 6)
+	for _, i := range []int{2, 3} { // the image fills tokens [9, 16): blocks 2 and 3
+		ev.GetStored().Blocks[i].MmHashes = []uint64{cat}
+	}
+	p.send(events(ev))
+	wantMsg(t, p.recv(), ack(0))
+	for _, tt := range []struct {
+		name    string
+		objects []*kvrouterv1.MultimodalObject
+		want    uint64
+	}{
+		{"same image", []*kvrouterv1.MultimodalObject{{MmHash: cat, Start: 9, End: 16}}, 6},
+		{"same image, other placement in the same blocks", []*kvrouterv1.MultimodalObject{{MmHash: cat, Start: 8, End: 13}}, 6},
+		{"other image", []*kvrouterv1.MultimodalObject{{MmHash: dog, Start: 9, End: 16}}, 2},
+		{"no image", nil, 2},
+		{"image in one block only", []*kvrouterv1.MultimodalObject{{MmHash: cat, Start: 9, End: 12}}, 3},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			resp, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: promptTokens(6), QueryOnly: true, MultimodalObjects: tt.objects})
+			if err != nil {
+				t.Fatalf("Route() = %v", err)
+			}
+			if got := resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice(); got != tt.want {
+				t.Errorf("overlap = %d blocks, want %d", got, tt.want)
+			}
+		})
 	}
 }
 

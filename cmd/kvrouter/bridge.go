@@ -81,7 +81,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.String("worker_endpoint", "where frontends send the engine's requests, as Route returns it (host:port)", func(o *bridgeOptions) *string { return &o.WorkerEndpoint }),
 	layered.Bool("supports_bypass", "the engine (a decode worker) may prefill a request itself (conditional disaggregation)", func(o *bridgeOptions) *bool { return &o.SupportsBypass }),
 	layered.Int("kv_group", "the KV-cache group whose events are forwarded, for hybrid models (vLLM group_idx)", func(o *bridgeOptions) *int { return &o.KVGroup }, 0),
-	layered.String("extra_keys", "stored blocks with extra hash keys (multimodal inputs, cache salts): skip (no false hits) or ignore (text-only models)", func(o *bridgeOptions) *string { return &o.ExtraKeys }),
+	layered.String("extra_keys", "stored blocks with extra hash keys (LoRA names, multimodal inputs, cache salts): hash (key them as Route does), skip (forward none of them) or ignore (forward them as plain text)", func(o *bridgeOptions) *string { return &o.ExtraKeys }),
 	layered.Duration("replay_timeout", "longest wait for one answer of the engine's replay endpoint", func(o *bridgeOptions) *time.Duration { return &o.ReplayTimeout }),
 	layered.String("engine_health_url", "the engine's HTTP health endpoint, checked with the replay endpoint (vLLM, SGLang, TensorRT-LLM: http://127.0.0.1:8000/health); empty: not checked", func(o *bridgeOptions) *string { return &o.EngineHealthURL }),
 	layered.Duration("engine_check_interval", "how often the engine's health endpoint and replay endpoint are checked", func(o *bridgeOptions) *time.Duration { return &o.EngineCheckInterval }),
@@ -95,7 +95,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 
 func defaultBridgeOptions() *bridgeOptions {
 	return &bridgeOptions{
-		EngineEndpoint: "tcp://127.0.0.1:5557", DPRanks: 1, Role: "aggregated", ExtraKeys: "skip",
+		EngineEndpoint: "tcp://127.0.0.1:5557", DPRanks: 1, Role: "aggregated", ExtraKeys: "hash",
 		ReplayTimeout: 10 * time.Second, EngineCheckInterval: time.Second, EngineDownAfter: 5 * time.Second, MaxUnacked: 65_536, MetricsListen: "127.0.0.1:9091", LogLevel: "info", ShutdownDrain: 10 * time.Second,
 	}
 }
@@ -120,8 +120,8 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 		return fmt.Errorf("%s: must be set to the engine's block size (> 0)", layered.FlagOf("block_size"))
 	case o.TotalKVBlocks == 0:
 		return fmt.Errorf("%s: must be set to the engine's cache capacity (> 0)", layered.FlagOf("total_kv_blocks"))
-	case o.ExtraKeys != "skip" && o.ExtraKeys != "ignore":
-		return fmt.Errorf("%s: must be skip or ignore (got %q)", l.Describe("extra_keys"), o.ExtraKeys)
+	case o.ExtraKeys != "hash" && o.ExtraKeys != "skip" && o.ExtraKeys != "ignore":
+		return fmt.Errorf("%s: must be hash, skip or ignore (got %q)", l.Describe("extra_keys"), o.ExtraKeys)
 	case !strings.Contains(o.EngineEndpoint, "://"):
 		return fmt.Errorf("%s: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got %q)", l.Describe("engine_endpoint"), o.EngineEndpoint)
 	case o.EngineReplayEndpoint != "" && !strings.Contains(o.EngineReplayEndpoint, "://"):
@@ -257,8 +257,11 @@ func serveBridge(ctx context.Context, o *bridgeOptions, creds []grpc.DialOption,
 	}
 	registry := prometheus.NewRegistry()
 	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
-	extra := bridge.ExtraKeysSkip
-	if o.ExtraKeys == "ignore" {
+	extra := bridge.ExtraKeysHash
+	switch o.ExtraKeys {
+	case "skip":
+		extra = bridge.ExtraKeysSkip
+	case "ignore":
 		extra = bridge.ExtraKeysIgnore
 	}
 	b, err := bridge.New(bridge.Options{

@@ -23,6 +23,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 )
 
@@ -383,6 +384,88 @@ func (v *fleetView) overlap(n int) uint64 {
 // holds what the engine holds: a payload damaged on the way, a bridge restarted beside an idle
 // engine, a bridge killed and restarted with its checkpoint while a long-running engine goes on
 // (its replay buffer no longer starts at 0), and the same after the buffer moved past the
+
+// TestBridgeKeyedRequests stores, through `kvrouter bridge` from a vLLM-format feed, the blocks of
+// a prompt with an image, of a LoRA request and of a salted request, each keyed by the engine's extra
+// keys as vLLM writes them, and checks that Route finds them only when it names the same image, LoRA
+// adapter or cache salt: the bridge's keys and Route's agree.
+func TestBridgeKeyedRequests(t *testing.T) {
+	bin := buildBinary(t)
+	addr, _ := startServer(t, bin)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	router := kvrouterv1.NewRouterServiceClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
+	defer cancel()
+	endpoint := "tcp://" + freePort(t)
+	engine := startPythonEngine(t, "--endpoint", endpoint, "--style", "maps")
+	b := startBridge(t, bin, "--router-addrs", addr, "--engine-endpoint", endpoint, "--worker-id", "1", "--model", "m",
+		"--block-size", "4", "--total-kv-blocks", "100000", "--worker-endpoint", "10.0.0.1:8000")
+	waitForFeed(t, engine, b)
+	// overlap is how many of the test prompt's first n blocks Route finds, for a request like r.
+	overlap := func(n int, r *kvrouterv1.RouteRequest) uint64 {
+		t.Helper()
+		r.Model, r.QueryOnly, r.TokenIds = "m", true, make([]uint32, 4*n)
+		for i := range r.TokenIds {
+			r.TokenIds[i] = uint32(i + 1)
+		}
+		resp, err := router.Route(ctx, r)
+		if err != nil {
+			t.Fatalf("Route() = %v", err)
+		}
+		return resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice()
+	}
+	waitOverlap := func(n int, r *kvrouterv1.RouteRequest, want uint64) {
+		t.Helper()
+		var got uint64
+		if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { got = overlap(n, r); return got == want }) {
+			t.Fatalf("Route overlap of %d blocks = %d, want %d\n%s", n, got, want, b.logs)
+		}
+	}
+	image := func(id string, start, end uint32) []*kvrouterv1.MultimodalObject {
+		return []*kvrouterv1.MultimodalObject{{MmHash: blockhash.MultimodalHash(id), Start: start, End: end}}
+	}
+	const cat = "9b4c0e1f2a3d5b6c7d8e9fa0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0" // vLLM's digest of an image
+
+	t.Run("image", func(t *testing.T) {
+		// The image fills prompt tokens [5, 14): blocks 1, 2 and 3 hold it; block 0 is plain text.
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 6, "images": []map[string]any{{"id": cat, "start": 5, "end": 14}}})
+		waitOverlap(6, &kvrouterv1.RouteRequest{MultimodalObjects: image(cat, 5, 14)}, 6)
+		if got := overlap(6, &kvrouterv1.RouteRequest{MultimodalObjects: image("another-image.png", 5, 14)}); got != 1 {
+			t.Errorf("another image found %d blocks, want 1 (the text before the image)", got)
+		}
+		if got := overlap(6, &kvrouterv1.RouteRequest{}); got != 1 {
+			t.Errorf("the prompt without its image found %d blocks, want 1", got)
+		}
+	})
+	t.Run("LoRA", func(t *testing.T) {
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 6, "lora": "sql-lora"})
+		waitOverlap(6, &kvrouterv1.RouteRequest{LoraName: "sql-lora"}, 6)
+		if got := overlap(6, &kvrouterv1.RouteRequest{LoraName: "other-lora"}); got != 0 {
+			t.Errorf("another adapter found %d blocks, want 0", got)
+		}
+	})
+	t.Run("cache salt", func(t *testing.T) {
+		// vLLM names the salt on the prompt's first block only; the blocks stored after it, in this
+		// event and the next, are the salted request's too.
+		engine.do(map[string]any{"op": "store", "first": 0, "n": 4, "cache_salt": "tenant-1"})
+		engine.do(map[string]any{"op": "store", "first": 4, "n": 2, "parent": true, "cache_salt": "tenant-1"})
+		waitOverlap(6, &kvrouterv1.RouteRequest{CacheNamespace: "tenant-1"}, 6)
+		if got := overlap(6, &kvrouterv1.RouteRequest{CacheNamespace: "tenant-2"}); got != 0 {
+			t.Errorf("another tenant found %d blocks, want 0", got)
+		}
+		if got := overlap(6, &kvrouterv1.RouteRequest{}); got != 1 {
+			t.Errorf("an unsalted request found %d blocks, want 1 (the image prompt's text block)", got)
+		}
+	})
+	if got := b.metric(t, `kvrouter_bridge_blocks_dropped_total{dp_rank="0",reason="extra_keys"}`); got != 0 {
+		t.Errorf("blocks dropped for their extra keys = %v, want 0\n%s", got, b.logs)
+	}
+}
+
 // checkpoint, when the worker is cleared and rebuilt from what the buffer holds.
 func TestBridgeRecovery(t *testing.T) {
 	bin := buildBinary(t)

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 )
@@ -152,6 +153,67 @@ var contractRows = []struct {
 		}},
 	{name: "a worker that left gets no more requests, on any replica", want: contractOutcome{Code: "NotFound", Reason: "UNKNOWN_MODEL"},
 		call: contractLeave},
+	{name: "an image prompt goes to the worker caching that image, on any replica", want: contractOutcome{Code: "OK", Decode: 41, Mode: "ROUTE_MODE_AGGREGATED"},
+		call: contractImage},
+	{name: "a multimodal input past the prompt", want: contractOutcome{Code: "InvalidArgument", Message: "multimodal_objects[0].end: must be at most the number of token_ids 16 (got 17)"},
+		contains: "multimodal_objects[0].end: must be at most the number of token_ids 16 (got 17)",
+		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
+			return routeOutcome(r.b.Route(ctx, &kvrouterv1.RouteRequest{Model: "ma", TokenIds: contractP1, QueryOnly: true,
+				MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 8, End: 17}}}))
+		}},
+}
+
+// contractImage registers on A two workers of model md: 41 caches P1 with an image in its tokens
+// [6, 12) (blocks 1 and 2 carry its hash), 42 caches P1's tokens as plain text. It returns what B
+// answers for P1 with that image, once B holds both workers, after checking that P1 without the
+// image goes to 42 (and so that the image's blocks are keyed apart on every replica).
+func contractImage(ctx context.Context, r *contractReplicas) contractOutcome {
+	img := blockhash.MultimodalHash("contract-image.png")
+	for _, w := range []struct {
+		id uint64
+		mm []uint64
+	}{{41, []uint64{img}}, {42, nil}} {
+		stream, err := r.workersA.Publish(ctx) // open until the test ends
+		if err != nil {
+			return statusOutcome(err)
+		}
+		if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+			WorkerId: w.id, Model: "md", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 1000,
+			KvEventsEnabled: true, Endpoint: fmt.Sprintf("w%d", w.id)}}}); err != nil {
+			return statusOutcome(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			return statusOutcome(err)
+		}
+		st := &kvrouterv1.BlocksStored{}
+		for i := range 4 {
+			b := &kvrouterv1.StoredBlock{BlockHash: w.id*1000 + uint64(i), TokenIds: contractP1[4*i : 4*i+4]}
+			if i == 1 || i == 2 {
+				b.MmHashes = w.mm
+			}
+			st.Blocks = append(st.Blocks, b)
+		}
+		if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{{
+			StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: st}}}}}}); err != nil {
+			return statusOutcome(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			return statusOutcome(err)
+		}
+	}
+	image := &kvrouterv1.RouteRequest{Model: "md", TokenIds: contractP1, QueryOnly: true,
+		MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: img, Start: 6, End: 12}}}
+	plain := &kvrouterv1.RouteRequest{Model: "md", TokenIds: contractP1, QueryOnly: true}
+	var out contractOutcome
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool {
+		out = routeOutcome(r.b.Route(ctx, image))
+		return out.Decode == 41 && routeOutcome(r.b.Route(ctx, plain)).Decode == 42
+	}) {
+		if p := routeOutcome(r.b.Route(ctx, plain)); p.Decode != 42 {
+			return contractOutcome{Code: fmt.Sprintf("P1 without its image went to %d (%s), want 42", p.Decode, p.Code)}
+		}
+	}
+	return out
 }
 
 // contractLeave registers worker 31, the only one of model mc, on A, waits until B routes to it,

@@ -3,11 +3,14 @@ package blockhash
 import (
 	"encoding/hex"
 	"encoding/json"
+	"math/rand/v2"
+	"slices"
 	"os"
 	"strconv"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
 	"github.com/zeebo/xxh3"
 )
 
@@ -30,6 +33,24 @@ type hashVectors struct {
 		LocalHashes    []string `json:"local_hashes"`
 		Sequence       []string `json:"sequence_hashes"`
 	} `json:"cases"`
+	MultimodalIDs []struct {
+		Identifier string `json:"identifier"`
+		Hash       string `json:"mm_hash"`
+	} `json:"multimodal_ids"`
+	MultimodalCases []struct {
+		Name           string   `json:"name"`
+		BlockSize      int      `json:"block_size"`
+		LoraName       string   `json:"lora_name"`
+		CacheNamespace string   `json:"cache_namespace"`
+		Tokens         []uint32 `json:"tokens"`
+		Objects        []struct {
+			Hash       string `json:"hash"`
+			Start, End uint32
+		} `json:"objects"`
+		BlockMMHashes [][]string `json:"block_mm_hashes"`
+		LocalHashes   []string   `json:"local_hashes"`
+		Sequence      []string   `json:"sequence_hashes"`
+	} `json:"multimodal_cases"`
 }
 
 func loadHashVectors(t *testing.T) hashVectors {
@@ -42,7 +63,7 @@ func loadHashVectors(t *testing.T) hashVectors {
 	if err := json.Unmarshal(b, &v); err != nil {
 		t.Fatalf("decoding golden vectors: %v", err)
 	}
-	if len(v.Cases) == 0 || len(v.Raw) == 0 {
+	if len(v.Cases) == 0 || len(v.Raw) == 0 || len(v.MultimodalIDs) == 0 || len(v.MultimodalCases) == 0 {
 		t.Fatal("golden vectors file has no cases")
 	}
 	return v
@@ -104,6 +125,76 @@ func TestBlockHashesMatchGoldenVectors(t *testing.T) {
 	}
 }
 
+func TestMultimodalHashMatchesGoldenVectors(t *testing.T) {
+	for _, c := range loadHashVectors(t).MultimodalIDs {
+		if got, want := MultimodalHash(c.Identifier), parseU64(t, c.Hash); got != want {
+			t.Errorf("MultimodalHash(%q) = %d, want %d", c.Identifier, got, want)
+		}
+	}
+}
+
+func TestMultimodalBlockHashesMatchGoldenVectors(t *testing.T) {
+	for _, c := range loadHashVectors(t).MultimodalCases {
+		t.Run(c.Name, func(t *testing.T) {
+			objects := make([]MultimodalObject, len(c.Objects))
+			for i, o := range c.Objects {
+				objects[i] = MultimodalObject{Hash: parseU64(t, o.Hash), Start: o.Start, End: o.End}
+			}
+			sent := slices.Clone(objects)
+			salt := Salt(c.LoraName, c.CacheNamespace)
+			local := LocalsMultimodal(nil, c.Tokens, c.BlockSize, salt, objects)
+			if diff := cmp.Diff(parseU64s(t, c.LocalHashes), local, cmpopts.EquateEmpty()); diff != "" {
+				t.Errorf("LocalsMultimodal mismatch (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(sent, objects); diff != "" {
+				t.Errorf("LocalsMultimodal changed its objects (-sent +after):\n%s", diff)
+			}
+			for i, block := range c.BlockMMHashes {
+				tokens := c.Tokens[i*c.BlockSize : (i+1)*c.BlockSize]
+				if got, want := LocalMultimodal(tokens, parseU64s(t, block), salt), parseU64(t, c.LocalHashes[i]); got != want {
+					t.Errorf("LocalMultimodal of block %d = %d, want %d", i, got, want)
+				}
+			}
+			if diff := cmp.Diff(parseU64s(t, c.Sequence), Sequence(nil, local), cmpopts.EquateEmpty()); diff != "" {
+				t.Errorf("Sequence mismatch (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestLocalsMultimodalMatchesBlockByBlock checks the sweep over sorted objects against the rule it
+// implements, block by block, on random prompts whose objects overlap, repeat, nest and come in any
+// order.
+func TestLocalsMultimodalMatchesBlockByBlock(t *testing.T) {
+	r := rand.New(rand.NewPCG(1, 2))
+	for range 500 {
+		bs := 1 + r.IntN(8)
+		tokens := make([]uint32, r.IntN(60))
+		for i := range tokens {
+			tokens[i] = r.Uint32()
+		}
+		objects := make([]MultimodalObject, r.IntN(6))
+		for i := range objects {
+			start := uint32(r.IntN(len(tokens) + 2))
+			objects[i] = MultimodalObject{Hash: uint64(r.IntN(4)) << 62, Start: start, End: start + uint32(r.IntN(20)) - 2}
+		}
+		var want []uint64
+		for start := 0; start+bs <= len(tokens); start += bs {
+			var hashes []uint64
+			for _, o := range objects {
+				if o.Start < o.End && int(o.Start) < start+bs && int(o.End) > start {
+					hashes = append(hashes, o.Hash)
+				}
+			}
+			slices.Sort(hashes)
+			want = append(want, LocalMultimodal(tokens[start:start+bs], hashes, Seed))
+		}
+		if diff := cmp.Diff(want, LocalsMultimodal(nil, tokens, bs, Seed, objects), cmpopts.EquateEmpty()); diff != "" {
+			t.Fatalf("block size %d, %d tokens, objects %+v (-block by block +sweep):\n%s", bs, len(tokens), objects, diff)
+		}
+	}
+}
+
 // TestHashingStructure checks the structural vectors of §10.10.
 func TestHashingStructure(t *testing.T) {
 	tokens := make([]uint32, 1800)
@@ -146,5 +237,12 @@ func TestHashingAllocatesNothing(t *testing.T) {
 	})
 	if allocs != 0 {
 		t.Errorf("hashing a 2048-token prompt allocated %v times, want 0", allocs)
+	}
+	images := []MultimodalObject{{Hash: 7, Start: 40, End: 600}, {Hash: 9, Start: 700, End: 1000}}
+	allocs = testing.AllocsPerRun(100, func() {
+		local = LocalsMultimodal(local[:0], tokens, 16, Seed, images)
+	})
+	if allocs != 0 {
+		t.Errorf("hashing a 2048-token prompt with two images allocated %v times, want 0", allocs)
 	}
 }

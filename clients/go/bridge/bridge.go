@@ -53,7 +53,7 @@ type Options struct {
 	FirstDPRank, DPRanks int
 	// KVGroup is the KV-cache group forwarded for hybrid models (events of other groups are dropped).
 	KVGroup int64
-	// ExtraKeys says what happens to stored blocks with extra hash keys (default ExtraKeysSkip).
+	// ExtraKeys says what happens to stored blocks with extra hash keys (default ExtraKeysHash).
 	ExtraKeys ExtraKeys
 	// ReplayTimeout bounds one request to the replay endpoint (default 10 s).
 	ReplayTimeout time.Duration

@@ -153,6 +153,19 @@ func stored(first, n int) enginefeed.Event {
 	return ev
 }
 
+// withKeys gives block i of a stored event the extra keys keys (the other blocks none), as vLLM
+// lists them: one entry per block.
+func withKeys(ev enginefeed.Event, i int, keys ...enginefeed.ExtraKey) enginefeed.Event {
+	ev.ExtraKeys, ev.ExtraKeyEnds = nil, nil
+	for b := range ev.BlockHashes {
+		if b == i {
+			ev.ExtraKeys = append(ev.ExtraKeys, keys...)
+		}
+		ev.ExtraKeyEnds = append(ev.ExtraKeyEnds, int32(len(ev.ExtraKeys)))
+	}
+	return ev
+}
+
 // fresh returns blocks first..first+n-1 as a chain of their own, without a parent.
 func fresh(first, n int) enginefeed.Event {
 	ev := stored(first, n)
@@ -414,7 +427,8 @@ func TestEngineRestartClears(t *testing.T) {
 }
 
 // TestBadInputIsCountedAndSkipped: a payload that is not msgpack, an unknown event, a block size
-// that is not the worker's and blocks with extra keys are dropped by reason; the bridge goes on.
+// that is not the worker's and blocks with extra keys the bridge cannot read are dropped by reason;
+// the bridge goes on.
 func TestBadInputIsCountedAndSkipped(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	f.engine.mu.Lock()
@@ -426,8 +440,7 @@ func TestBadInputIsCountedAndSkipped(t *testing.T) {
 	}
 	wrongSize := stored(0, 1)
 	wrongSize.BlockSize, wrongSize.TokenIDs = 8, append(wrongSize.TokenIDs, 1, 2, 3, 4)
-	withImage := stored(0, 3)
-	withImage.ExtraKeys, withImage.FirstExtraKey = true, 2
+	withImage := withKeys(stored(0, 3), 2, enginefeed.ExtraKey{Kind: enginefeed.ExtraOther})
 	f.engine.send(false, wrongSize, withImage, stored(3, 1))
 	f.waitCached(0, 2) // blocks 0, 1 of withImage; block 3's parent, block 2, is unknown to the router
 	for reason, want := range map[string]float64{bridge.ReasonBlockSize: 1, bridge.ReasonExtraKeys: 1} {
@@ -439,7 +452,7 @@ func TestBadInputIsCountedAndSkipped(t *testing.T) {
 		t.Errorf("malformed batches = %v, want 1", got)
 	}
 	if got := f.overlap(4); got != 2 {
-		t.Errorf("Route overlap = %d, want 2 (the blocks before the image)", got)
+		t.Errorf("Route overlap = %d, want 2 (the blocks before the unreadable key)", got)
 	}
 }
 
@@ -593,9 +606,8 @@ func TestResubscribeToANewEngine(t *testing.T) {
 func TestAckedSeqFollowsBatchesWithoutEvents(t *testing.T) {
 	f := newFixture(t, fixtureOptions{})
 	f.engine.send(false, stored(0, 2))
-	withImage := stored(2, 1)
-	withImage.ExtraKeys, withImage.FirstExtraKey = true, 0 // every block dropped (extra keys)
-	f.engine.send(false, withImage)
+	embeds := withKeys(stored(2, 1), 0, enginefeed.ExtraKey{Kind: enginefeed.ExtraBytes}) // every block dropped (prompt embeddings)
+	f.engine.send(false, embeds)
 	last := f.engine.send(false) // no events
 	poll(t, "the acked sequence number to reach the last batch", func() bool {
 		return f.counter("kvrouter_bridge_acked_seq") == float64(last)

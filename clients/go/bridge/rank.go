@@ -209,6 +209,7 @@ func (r *rank) leave(ctx context.Context) error {
 	r.pubRef.Store(nil)
 	r.resumeCheckpoint = nil
 	r.mirror.clear()
+	r.tr.forget()
 	r.b.metrics.mirrored.WithLabelValues(r.label).Set(0)
 	r.haveLast, r.next, r.inherited, r.started = false, 0, false, false
 	clear(r.fromReplay)
@@ -564,6 +565,7 @@ func (r *rank) reset(ctx context.Context, reason string) error {
 	clearAll := enginefeed.Event{Kind: enginefeed.AllBlocksCleared}
 	events, _ := r.tr.translate(&clearAll, nil)
 	r.mirror.clear()
+	r.tr.forget()
 	r.inherited = false
 	return r.publish(ctx, events)
 }

@@ -1,6 +1,8 @@
 package bridge
 
 import (
+	"slices"
+
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 
 	"github.com/kvrouter/kvrouter/clients/go/enginefeed"
@@ -17,9 +19,13 @@ const (
 	// ReasonTokenCount: a stored event whose token ids are not block_size per block (offloading
 	// connectors that send no tokens, a truncated event).
 	ReasonTokenCount = "token_count"
-	// ReasonExtraKeys: stored blocks with extra hash keys (multimodal inputs, a cache salt), which the
-	// router's token hashing cannot tell apart from plain text (ExtraKeysSkip).
+	// ReasonExtraKeys: stored blocks with extra hash keys the bridge cannot map (a key of unknown
+	// shape, a list of extra keys for another number of blocks), or any extra keys with
+	// ExtraKeysSkip.
 	ReasonExtraKeys = "extra_keys"
+	// ReasonPromptEmbeds: stored blocks computed from prompt embeddings instead of token ids, which
+	// no Route can name.
+	ReasonPromptEmbeds = "prompt_embeds"
 	// ReasonUnknownMedium: a medium the bridge does not map to a storage tier.
 	ReasonUnknownMedium = "unknown_medium"
 	// ReasonRemote: blocks an engine reports as held elsewhere (locality REMOTE).
@@ -32,13 +38,17 @@ const (
 type ExtraKeys int
 
 const (
-	// ExtraKeysSkip drops a stored chain from its first block with extra keys on: the router hashes
-	// tokens only, so an image's placeholder tokens would match another image's. The blocks before
-	// it are forwarded; blocks stored after it on that chain are dropped by the router as children
-	// of an unknown parent. No false cache hit, some missed ones.
-	ExtraKeysSkip ExtraKeys = iota
-	// ExtraKeysIgnore forwards such blocks as if they had no extra keys: right for text-only models
-	// whose only extra key is a LoRA name or a salt the router does not need, wrong for multimodal.
+	// ExtraKeysHash keys such blocks as the router keys a Route (docs/hashing.md): the LoRA name
+	// salts them (the event's lora_name), a cache salt on a prompt's first block salts that block
+	// and every block after it on its chain (cache_namespace), and multimodal identifiers are folded
+	// into the blocks that hold them (MultimodalHash). Blocks computed from prompt embeddings, and
+	// keys of a shape it does not know, are dropped from that block on.
+	ExtraKeysHash ExtraKeys = iota
+	// ExtraKeysSkip drops a stored chain from its first block with extra keys on, as the bridge did
+	// before it mapped them: no LoRA, salted or multimodal block reaches the router.
+	ExtraKeysSkip
+	// ExtraKeysIgnore forwards such blocks as if they had no extra keys (but the LoRA name): only for
+	// a model whose extra keys carry nothing the router must tell apart.
 	ExtraKeysIgnore
 )
 
@@ -72,7 +82,23 @@ type translator struct {
 	blockSize int
 	group     int64
 	extraKeys ExtraKeys
+	// namespaces holds, for every block stored with a cache salt and not removed since, the salt's
+	// part of its hash (blockhash.NamespaceSalt) and the tiers holding it: vLLM names a request's
+	// cache salt on its first block only, so the blocks stored after it, in later events too, are
+	// salted with their parent's namespace. Blocks without a salt are not kept.
+	namespaces map[uint64]namespaced
+	mm         []uint64 // scratch: one block's multimodal hashes
 }
+
+type namespaced struct {
+	salt  uint64
+	tiers uint8 // a bit per storage tier
+}
+
+func tierBit(tier kvrouterv1.StorageTier) uint8 { return 1 << uint(tier) }
+
+// forget drops what the translator knows of stored blocks: the router no longer holds them.
+func (t *translator) forget() { clear(t.namespaces) }
 
 // drop is what translate did not forward: blocks dropped, by reason.
 type drop struct {
@@ -84,6 +110,7 @@ type drop struct {
 // dropped (reason "" when nothing). Stored blocks carry their tokens_hash, not their tokens.
 func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) ([]*kvrouterv1.KvEvent, drop) {
 	if ev.Kind == enginefeed.AllBlocksCleared {
+		t.forget()
 		for _, tier := range allTiers {
 			out = append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Cleared{Cleared: &kvrouterv1.CacheCleared{}}})
 		}
@@ -106,6 +133,17 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 	if ev.Kind == enginefeed.BlockRemoved {
 		hashes := make([]uint64, n)
 		copy(hashes, ev.BlockHashes)
+		if len(t.namespaces) > 0 {
+			for _, h := range hashes {
+				if e, ok := t.namespaces[h]; ok {
+					if e.tiers &^= tierBit(tier); e.tiers == 0 {
+						delete(t.namespaces, h)
+					} else {
+						t.namespaces[h] = e
+					}
+				}
+			}
+		}
 		return append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Removed{Removed: &kvrouterv1.BlocksRemoved{BlockHashes: hashes}}}), drop{}
 	}
 	if ev.BlockSize != t.blockSize {
@@ -115,27 +153,124 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 		return out, drop{ReasonTokenCount, n}
 	}
 	keep, dropped := n, drop{}
-	if ev.ExtraKeys && t.extraKeys == ExtraKeysSkip {
-		keep, dropped = ev.FirstExtraKey, drop{ReasonExtraKeys, n - ev.FirstExtraKey}
-		if keep == 0 {
-			return out, dropped
-		}
+	mapKeys := ev.HasExtraKeys() && t.extraKeys == ExtraKeysHash
+	switch {
+	case !ev.HasExtraKeys():
+	case t.extraKeys == ExtraKeysSkip:
+		keep = firstWithKeys(ev)
+		dropped = drop{ReasonExtraKeys, n - keep}
+	case t.extraKeys == ExtraKeysHash && len(ev.ExtraKeyEnds) != n:
+		return out, drop{ReasonExtraKeys, n} // keys listed for another number of blocks: which are whose?
+	}
+	if keep == 0 {
+		return out, dropped
 	}
 	// The bridge hashes the tokens itself (8 bytes a block on the wire instead of 4 per token),
 	// so that its mirror holds exactly what the router holds.
 	salt := blockhash.Salt(ev.LoraName, "")
+	var ns uint64 // the namespace's part of the salt, inherited along the chain
+	if ev.HasParent {
+		ns = t.namespaces[ev.ParentHash].salt
+	}
 	hashes := make([]uint64, keep)
 	blocks := make([]kvrouterv1.StoredBlock, keep) // one allocation for the event's blocks
 	stored := &kvrouterv1.BlocksStored{Blocks: make([]*kvrouterv1.StoredBlock, keep), LoraName: ev.LoraName}
 	for i := range keep {
-		hashes[i] = blockhash.Local(ev.TokenIDs[i*t.blockSize:(i+1)*t.blockSize], salt)
+		tokens := ev.TokenIDs[i*t.blockSize : (i+1)*t.blockSize]
+		if e, ok := t.namespaces[ev.BlockHashes[i]]; ok {
+			ns = e.salt // stored before (in another tier): what it was then
+		}
+		if !mapKeys {
+			hashes[i] = blockhash.Local(tokens, salt+ns)
+		} else {
+			mm, salted, reason := t.blockKeys(ev, i)
+			if reason != "" {
+				keep, dropped = i, drop{reason, n - i}
+				break
+			}
+			if salted != 0 {
+				ns = salted
+			}
+			hashes[i] = blockhash.LocalMultimodal(tokens, mm, salt+ns)
+		}
 		blocks[i].BlockHash = ev.BlockHashes[i]
 		blocks[i].TokensHash = &hashes[i]
 		stored.Blocks[i] = &blocks[i]
+		if ns != 0 {
+			t.remember(ev.BlockHashes[i], ns, tier)
+		}
 	}
+	if keep == 0 {
+		return out, dropped
+	}
+	stored.Blocks = stored.Blocks[:keep]
 	if ev.HasParent {
 		parent := ev.ParentHash
 		stored.ParentHash = &parent
 	}
 	return append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Stored{Stored: stored}}), dropped
+}
+
+// remember records that block hash of tier is salted with namespace salt ns.
+func (t *translator) remember(hash, ns uint64, tier kvrouterv1.StorageTier) {
+	if t.namespaces == nil {
+		t.namespaces = make(map[uint64]namespaced)
+	}
+	e := t.namespaces[hash]
+	e.salt, e.tiers = ns, e.tiers|tierBit(tier)
+	t.namespaces[hash] = e
+}
+
+// blockKeys reads stored block i's extra keys as vLLM writes them (LoRA name, multimodal inputs,
+// the cache salt on a prompt's first block, prompt embeddings): it returns the block's multimodal
+// hashes, sorted, and the namespace salt of a cache salt the block names (0 for none), or the
+// reason the block cannot be forwarded.
+//
+// A string key is the LoRA name when it equals the event's lora_name, and a multimodal identifier
+// when it is 64 hex digits (vLLM's digest of an input, before vLLM 0.19 wrote inputs as pairs). On
+// the first block of a prompt (an event without a parent, block 0), the last other string is the
+// cache salt; any other string is a multimodal identifier a frontend chose (vLLM before 0.19).
+func (t *translator) blockKeys(ev *enginefeed.Event, i int) (mm []uint64, ns uint64, reason string) {
+	keys := ev.BlockExtraKeys(i)
+	first := i == 0 && !ev.HasParent
+	salt := -1 // the index of the cache salt among keys
+	for k, key := range keys {
+		switch key.Kind {
+		case enginefeed.ExtraBytes:
+			return nil, 0, ReasonPromptEmbeds
+		case enginefeed.ExtraString:
+			if first && !(key.Text == ev.LoraName && ev.LoraName != "") && !blockhash.IsEngineDigest(key.Text) {
+				salt = k
+			}
+		case enginefeed.ExtraPair:
+		default:
+			return nil, 0, ReasonExtraKeys
+		}
+	}
+	mm = t.mm[:0]
+	for k, key := range keys {
+		switch {
+		case k == salt:
+			ns = blockhash.NamespaceSalt(key.Text)
+		case key.Kind == enginefeed.ExtraPair:
+			mm = append(mm, blockhash.MultimodalHash(key.Text))
+		case key.Text == ev.LoraName && ev.LoraName != "":
+		default: // a string: a digest, or an identifier a frontend chose
+			mm = append(mm, blockhash.MultimodalHash(key.Text))
+		}
+	}
+	slices.Sort(mm)
+	t.mm = mm
+	return mm, ns, ""
+}
+
+// firstWithKeys returns the index of the first stored block with extra keys (len(BlockHashes)
+// when none has).
+func firstWithKeys(ev *enginefeed.Event) int {
+	for i := range ev.BlockHashes {
+		if len(ev.BlockExtraKeys(i)) > 0 {
+			return i
+		}
+	}
+	return len(ev.BlockHashes)
 }

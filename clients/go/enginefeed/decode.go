@@ -159,7 +159,7 @@ func (b *Batch) next() *Event {
 	if len(b.Events) < cap(b.Events) {
 		b.Events = b.Events[:len(b.Events)+1]
 		ev := &b.Events[len(b.Events)-1]
-		*ev = Event{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0]}
+		*ev = Event{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0], ExtraKeys: ev.ExtraKeys[:0], ExtraKeyEnds: ev.ExtraKeyEnds[:0]}
 		return ev
 	}
 	b.Events = append(b.Events, Event{})
@@ -266,7 +266,7 @@ func (d *Decoder) decodeEvent(raw []byte, ev *Event) error {
 		return errorf(MissingField, "%s without %s", ev.Kind, fieldNames(missing))
 	}
 	if ev.Kind != BlockStored {
-		ev.TokenIDs, ev.HasParent, ev.ExtraKeys = ev.TokenIDs[:0], false, false
+		ev.TokenIDs, ev.HasParent, ev.ExtraKeys, ev.ExtraKeyEnds = ev.TokenIDs[:0], false, ev.ExtraKeys[:0], ev.ExtraKeyEnds[:0]
 	}
 	return nil
 }
@@ -327,7 +327,7 @@ func decodeField(dec *msgpack.Decoder, name string, ev *Event) (int, error) {
 	case "lora_name":
 		ev.LoraName, err = decodeOptionalString(dec)
 	case "extra_keys":
-		ev.ExtraKeys, ev.FirstExtraKey, err = decodeExtraKeys(dec)
+		ev.ExtraKeys, ev.ExtraKeyEnds, err = decodeExtraKeys(dec, ev.ExtraKeys[:0], ev.ExtraKeyEnds[:0])
 	case "group_idx":
 		ev.GroupIdx, ev.HasGroup, err = decodeOptionalInt(dec)
 	case "kv_cache_spec_kind":
@@ -477,24 +477,72 @@ func decodeTokens(dec *msgpack.Decoder, dst []uint32) ([]uint32, error) {
 	return dst, nil
 }
 
-// decodeExtraKeys reads extra_keys, one entry per stored block (nil, or a tuple of keys such as
-// multimodal hashes or a cache salt), and says whether any block has keys, and the first that does.
-func decodeExtraKeys(dec *msgpack.Decoder) (bool, int, error) {
+// decodeExtraKeys reads extra_keys: one entry per stored block, nil or a tuple of keys (strings,
+// [identifier, offset] pairs, byte strings), appending the keys to keys and each block's end to ends.
+func decodeExtraKeys(dec *msgpack.Decoder, keys []ExtraKey, ends []int32) ([]ExtraKey, []int32, error) {
 	if isNilNext(dec) {
-		return false, 0, dec.Skip()
+		return keys, ends, dec.Skip()
 	}
 	n, err := dec.DecodeArrayLen()
 	if err != nil || n < 0 {
-		return false, 0, fmt.Errorf("not an array")
+		return keys, ends, fmt.Errorf("not an array")
 	}
-	any, first := false, 0
 	for i := 0; i < n; i++ {
-		if c, _ := dec.PeekCode(); c != msgpcode.Nil && c != msgpcode.FixedArrayLow && !any {
-			any, first = true, i // an empty tuple holds no keys
+		if isNilNext(dec) {
+			if err := dec.Skip(); err != nil {
+				return keys, ends, err
+			}
+			ends = append(ends, int32(len(keys)))
+			continue
 		}
-		if err := dec.Skip(); err != nil {
-			return false, 0, err
+		m, err := dec.DecodeArrayLen()
+		if err != nil || m < 0 {
+			return keys, ends, fmt.Errorf("[%d] is neither nil nor an array", i)
 		}
+		for j := 0; j < m; j++ {
+			k, err := decodeExtraKey(dec)
+			if err != nil {
+				return keys, ends, fmt.Errorf("[%d][%d]: %v", i, j, err)
+			}
+			keys = append(keys, k)
+		}
+		ends = append(ends, int32(len(keys)))
 	}
-	return any, first, nil
+	return keys, ends, nil
+}
+
+func decodeExtraKey(dec *msgpack.Decoder) (ExtraKey, error) {
+	c, _ := dec.PeekCode()
+	switch {
+	case msgpcode.IsString(c):
+		s, err := dec.DecodeString()
+		return ExtraKey{Kind: ExtraString, Text: s}, err
+	case msgpcode.IsBin(c):
+		return ExtraKey{Kind: ExtraBytes}, dec.Skip()
+	case isArray(c):
+		n, err := dec.DecodeArrayLen()
+		if err != nil {
+			return ExtraKey{}, err
+		}
+		if n == 2 {
+			if c, _ := dec.PeekCode(); msgpcode.IsString(c) {
+				id, err := dec.DecodeString()
+				if err != nil {
+					return ExtraKey{}, err
+				}
+				if c, _ := dec.PeekCode(); isInt(c) {
+					off, err := dec.DecodeInt64()
+					return ExtraKey{Kind: ExtraPair, Text: id, Offset: off}, err
+				}
+				return ExtraKey{Kind: ExtraOther}, dec.Skip()
+			}
+		}
+		for range n {
+			if err := dec.Skip(); err != nil {
+				return ExtraKey{}, err
+			}
+		}
+		return ExtraKey{Kind: ExtraOther}, nil
+	}
+	return ExtraKey{Kind: ExtraOther}, dec.Skip()
 }

@@ -60,7 +60,7 @@ func TestDecodeEnginePayloads(t *testing.T) {
 			payload: pythonArrays,
 			want: enginefeed.Batch{TS: 1789095808.5, HasDPRank: true, Events: []enginefeed.Event{
 				{Kind: enginefeed.BlockStored, BlockHashes: []uint64{15760518052499183552, 2}, TokenIDs: []uint32{1, 2, 3, 4, 5, 6, 7, 8},
-					BlockSize: 4, Medium: "GPU", HasGroup: true, SpecKind: "full_attention"},
+					BlockSize: 4, Medium: "GPU", ExtraKeyEnds: []int32{0, 0}, HasGroup: true, SpecKind: "full_attention"},
 				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{15760518052499183552}, Medium: "GPU", HasGroup: true},
 				{Kind: enginefeed.AllBlocksCleared},
 			}},
@@ -70,7 +70,9 @@ func TestDecodeEnginePayloads(t *testing.T) {
 			payload: pythonMaps,
 			want: enginefeed.Batch{TS: 1789095808.5, DPRank: 1, HasDPRank: true, Events: []enginefeed.Event{
 				{Kind: enginefeed.BlockStored, BlockHashes: []uint64{7}, ParentHash: minus3, HasParent: true, TokenIDs: []uint32{9, 10, 11, 12},
-					BlockSize: 4, Medium: "CPU", LoraName: "sql-lora", ExtraKeys: true, HasGroup: true, SpecKind: "full_attention", Locality: "LOCAL"},
+					BlockSize: 4, Medium: "CPU", LoraName: "sql-lora",
+					ExtraKeys: []enginefeed.ExtraKey{{Kind: enginefeed.ExtraString, Text: "mm"}, {Kind: enginefeed.ExtraOther}}, ExtraKeyEnds: []int32{2},
+					HasGroup: true, SpecKind: "full_attention", Locality: "LOCAL"},
 				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{minus3}, Medium: "CPU"},
 			}},
 		},
@@ -94,7 +96,9 @@ func sample() enginefeed.Batch {
 	return enginefeed.Batch{TS: 1789095808.25, DPRank: 3, HasDPRank: true, Events: []enginefeed.Event{
 		{Kind: enginefeed.BlockStored, BlockHashes: []uint64{1 << 63, 5}, ParentHash: 42, HasParent: true,
 			TokenIDs: []uint32{1, 2, 1 << 31, 4, 5, 6, 7, 8}, BlockSize: 4, Medium: "CPU", LoraName: "lora-a",
-			ExtraKeys: true, FirstExtraKey: 1, GroupIdx: 2, HasGroup: true, SpecKind: "full_attention"},
+			ExtraKeys: []enginefeed.ExtraKey{{Kind: enginefeed.ExtraString, Text: "lora-a"}, {Kind: enginefeed.ExtraPair, Text: "cat.png", Offset: -3},
+				{Kind: enginefeed.ExtraString, Text: "tenant-1"}, {Kind: enginefeed.ExtraBytes}, {Kind: enginefeed.ExtraOther}},
+			ExtraKeyEnds: []int32{0, 5}, GroupIdx: 2, HasGroup: true, SpecKind: "full_attention"},
 		{Kind: enginefeed.BlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{0, 0, 0, 0}, BlockSize: 4},
 		{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{1 << 63}, Medium: "GPU", GroupIdx: 2, HasGroup: true},
 		{Kind: enginefeed.AllBlocksCleared},
@@ -115,7 +119,7 @@ func TestEncodeDecodeRoundTrip(t *testing.T) {
 		{name: "arrays of April 2025 (4 stored fields)", enc: enginefeed.Encoder{Style: enginefeed.Arrays, StoredFields: 4},
 			lost: func(b *enginefeed.Batch) {
 				ev := &b.Events[0]
-				ev.Medium, ev.LoraName, ev.ExtraKeys, ev.FirstExtraKey, ev.GroupIdx, ev.HasGroup, ev.SpecKind = "", "", false, 0, 0, false, ""
+				ev.Medium, ev.LoraName, ev.ExtraKeys, ev.ExtraKeyEnds, ev.GroupIdx, ev.HasGroup, ev.SpecKind = "", "", nil, nil, 0, false, ""
 			}},
 	}
 	d := enginefeed.NewDecoder()

@@ -120,7 +120,7 @@ func (e *Encoder) optionalFields(ev *Event) int {
 func (e *Encoder) isSet(ev *Event, name string) bool {
 	switch name {
 	case "extra_keys":
-		return ev.ExtraKeys
+		return len(ev.ExtraKeyEnds) > 0
 	case "group_idx":
 		return ev.HasGroup
 	case "kv_cache_spec_kind":
@@ -166,19 +166,32 @@ func (e *Encoder) encodeField(ev *Event, name string) {
 	case "lora_name":
 		optString(ev.LoraName)
 	case "extra_keys":
-		if !ev.ExtraKeys {
+		if len(ev.ExtraKeyEnds) == 0 {
 			_ = enc.EncodeNil()
 			return
 		}
-		_ = enc.EncodeArrayLen(len(ev.BlockHashes))
-		for i := range ev.BlockHashes {
-			if i < ev.FirstExtraKey {
+		_ = enc.EncodeArrayLen(len(ev.ExtraKeyEnds))
+		for i := range ev.ExtraKeyEnds {
+			keys := ev.BlockExtraKeys(i)
+			if len(keys) == 0 {
 				_ = enc.EncodeNil()
 				continue
 			}
-			_ = enc.EncodeArrayLen(2) // a multimodal input's hash and offset, as vLLM writes them
-			_ = enc.EncodeString("mm-0123456789abcdef")
-			_ = enc.EncodeInt(0)
+			_ = enc.EncodeArrayLen(len(keys))
+			for _, k := range keys {
+				switch k.Kind {
+				case ExtraString:
+					_ = enc.EncodeString(k.Text)
+				case ExtraPair:
+					_ = enc.EncodeArrayLen(2)
+					_ = enc.EncodeString(k.Text)
+					_ = enc.EncodeInt(k.Offset)
+				case ExtraBytes:
+					_ = enc.EncodeBytes([]byte(k.Text))
+				default:
+					_ = enc.EncodeBool(true)
+				}
+			}
 		}
 	case "group_idx":
 		if ev.HasGroup {

@@ -54,10 +54,12 @@ type Event struct {
 	Medium string
 	// LoraName is the LoRA adapter the stored blocks were computed with ("" for the base model).
 	LoraName string
-	// ExtraKeys says that at least one stored block carries extra hash keys (multimodal inputs, a
-	// cache salt); FirstExtraKey is the index of the first such block.
-	ExtraKeys     bool
-	FirstExtraKey int
+	// ExtraKeys are the stored blocks' extra hash keys (the LoRA name, multimodal identifiers, a
+	// cache salt), block after block: block i's are ExtraKeys[ExtraKeyEnds[i-1]:ExtraKeyEnds[i]]
+	// (BlockExtraKeys). ExtraKeyEnds has one entry per block the engine listed, and none when it
+	// sent no extra_keys.
+	ExtraKeys    []ExtraKey
+	ExtraKeyEnds []int32
 	// GroupIdx is the KV-cache group of a hybrid model, when HasGroup; SpecKind names its kind
 	// ("full_attention", "sliding_window", ...).
 	GroupIdx int64
@@ -66,6 +68,49 @@ type Event struct {
 	// Locality is "LOCAL", "REMOTE" or "" (not sent).
 	Locality string
 }
+
+// ExtraKey is one extra hash key of a stored block, as vLLM writes it (vllm/v1/core/kv_cache_utils.py,
+// generate_block_hash_extra_keys: the LoRA name, then the block's multimodal inputs, then the
+// request's cache salt on its first block, then a digest of prompt embeddings).
+type ExtraKey struct {
+	Kind ExtraKeyKind
+	// Text is a string key, or a pair's identifier.
+	Text string
+	// Offset is a pair's offset: where the multimodal input starts, relative to the block's first
+	// token (negative when it started in an earlier block).
+	Offset int64
+}
+
+// ExtraKeyKind is the shape of an extra key.
+type ExtraKeyKind uint8
+
+// The shapes of extra keys.
+const (
+	// ExtraString: a string: a LoRA name, a cache salt, or (vLLM before 0.19) a multimodal identifier.
+	ExtraString ExtraKeyKind = iota + 1
+	// ExtraPair: [identifier, offset], a multimodal input (vLLM 0.19 on).
+	ExtraPair
+	// ExtraBytes: a byte string: the digest of the block's prompt embeddings.
+	ExtraBytes
+	// ExtraOther: anything else (a number, a nested list).
+	ExtraOther
+)
+
+// BlockExtraKeys returns the extra keys of stored block i (nil when it has none or the engine listed
+// fewer blocks).
+func (ev *Event) BlockExtraKeys(i int) []ExtraKey {
+	if i < 0 || i >= len(ev.ExtraKeyEnds) {
+		return nil
+	}
+	lo := int32(0)
+	if i > 0 {
+		lo = ev.ExtraKeyEnds[i-1]
+	}
+	return ev.ExtraKeys[lo:ev.ExtraKeyEnds[i]]
+}
+
+// HasExtraKeys reports whether any stored block carries an extra key.
+func (ev *Event) HasExtraKeys() bool { return len(ev.ExtraKeys) > 0 }
 
 // Reason says why a payload or an event could not be read. The values are metric labels.
 type Reason string

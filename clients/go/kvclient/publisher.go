@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"slices"
 	"sync"
 	"time"
 
@@ -155,14 +156,18 @@ func (p *Publisher) prepare(i int, ev *kvrouterv1.KvEvent) error {
 	salt := blockhash.Salt(st.GetLoraName(), st.GetCacheNamespace())
 	for j, b := range st.GetBlocks() {
 		if b.TokensHash != nil {
+			if len(b.GetMmHashes()) > 0 {
+				return status.Errorf(codes.InvalidArgument, "events[%d].stored.blocks[%d].mm_hashes: must be empty with tokens_hash, which already holds them", i, j)
+			}
 			continue
 		}
 		if n, want := len(b.GetTokenIds()), int(p.opts.Hello.GetBlockSize()); n != want {
 			return status.Errorf(codes.InvalidArgument, "events[%d].stored.blocks[%d].token_ids: must hold exactly block_size %d tokens (got %d)", i, j, want, n)
 		}
 		if p.opts.HashTokens {
-			h := blockhash.Local(b.GetTokenIds(), salt)
-			b.TokensHash, b.TokenIds = &h, nil
+			mm := slices.Sorted(slices.Values(b.GetMmHashes()))
+			h := blockhash.LocalMultimodal(b.GetTokenIds(), mm, salt)
+			b.TokensHash, b.TokenIds, b.MmHashes = &h, nil, nil
 		}
 	}
 	return nil

@@ -17,7 +17,12 @@ end-to-end test. It is not vLLM's code: it writes what vLLM writes.
 Commands come on stdin, one JSON object a line; after each, one line "ok <last seq>" on stdout:
   {"op": "store", "first": 0, "n": 4, "parent": true}   blocks first..first+n-1 of the test prompt
       ("medium": "CPU" stores them in the CPU tier, as vLLM's CPU offloading does; default GPU)
-  {"op": "remove", "blocks": [6, 7]}                      ("medium" as for store)
+      ("lora": "name", "cache_salt": "salt", "images": [{"id": "...", "start": 5, "end": 14}] key the
+      blocks as vLLM keys a LoRA, salted or multimodal request: lora_name and per-block extra_keys of
+      generate_block_hash_extra_keys, [LoRA name] + [(identifier, offset in block)] per image whose
+      tokens (absolute prompt positions [start, end)) the block holds + [cache salt] on the prompt's
+      first block; and block hashes that depend on them)
+  {"op": "remove", "blocks": [6, 7]}                      ("medium", "lora", "cache_salt", "images" as for store)
   {"op": "clear"}
   {"op": "ping"}                                           a batch without events
   {"op": "raw", "hex": "c1"}                               a payload as given (malformed input)
@@ -30,6 +35,7 @@ replay.
 
 import argparse
 import collections
+import hashlib
 import http.server
 import json
 import sys
@@ -42,9 +48,33 @@ import zmq
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 
 
-def block_hash(i):
-    # vLLM's default hashes are the low 64 bits of a sha256 digest: large unsigned integers.
-    return (0x9E3779B97F4A7C15 * (i + 1)) & 0xFFFFFFFFFFFFFFFF
+def block_hash(i, cmd=None):
+    # vLLM's default hashes are the low 64 bits of a sha256 digest: large unsigned integers. A keyed
+    # request's blocks hash apart, as vLLM's hash covers the extra keys.
+    h = (0x9E3779B97F4A7C15 * (i + 1)) & 0xFFFFFFFFFFFFFFFF
+    variant = request_variant(cmd or {})
+    if variant:
+        h ^= int.from_bytes(hashlib.sha256(variant.encode()).digest()[:8], "big")
+    return h
+
+
+def request_variant(cmd):
+    return json.dumps([cmd.get("lora"), cmd.get("cache_salt"), cmd.get("images")]) if any(
+        cmd.get(k) for k in ("lora", "cache_salt", "images")) else ""
+
+
+def extra_keys(cmd, i, block_size):
+    """Block i's extra keys, as vLLM's generate_block_hash_extra_keys lists them (None for none)."""
+    start, end = i * block_size, (i + 1) * block_size
+    keys = []
+    if cmd.get("lora"):
+        keys.append(cmd["lora"])
+    for img in cmd.get("images") or []:
+        if end > img["start"] and start < img["end"]:
+            keys.append((img["id"], img["start"] - start))
+    if start == 0 and cmd.get("cache_salt"):
+        keys.append(cmd["cache_salt"])
+    return tuple(keys) or None
 
 
 def tokens(i, block_size):
@@ -101,16 +131,17 @@ class Engine:
         medium = cmd.get("medium", "GPU")
         if op == "store":
             first, n = cmd["first"], cmd["n"]
-            hashes = [block_hash(i) for i in range(first, first + n)]
-            parent = block_hash(first - 1) if cmd.get("parent") and first > 0 else None
+            hashes = [block_hash(i, cmd) for i in range(first, first + n)]
+            parent = block_hash(first - 1, cmd) if cmd.get("parent") and first > 0 else None
             toks = [t for i in range(first, first + n) for t in tokens(i, bs)]
             fields = dict(block_hashes=hashes, parent_block_hash=parent, token_ids=toks, block_size=bs, lora_id=None,
-                          medium=medium, lora_name=None, extra_keys=[None] * n, group_idx=0,
+                          medium=medium, lora_name=cmd.get("lora"),
+                          extra_keys=[extra_keys(cmd, i, bs) for i in range(first, first + n)], group_idx=0,
                           kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
             self.cache[medium].update(hashes)
             return self.encode("BlockStored", fields)
         if op == "remove":
-            hashes = [block_hash(i) for i in cmd["blocks"]]
+            hashes = [block_hash(i, cmd) for i in cmd["blocks"]]
             self.cache[medium].difference_update(hashes)
             fields = dict(block_hashes=hashes, medium=medium, group_idx=0)
             return self.encode("BlockRemoved", fields)

@@ -256,9 +256,14 @@ type RouteRequest struct {
 	// session_id names the conversation. With --session-affinity-ttl set, the decode worker that served
 	// a session's last turn serves its next turns too (unless the request pins another), so they find
 	// their cache there.
-	SessionId     string `protobuf:"bytes,11,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	SessionId string `protobuf:"bytes,11,opt,name=session_id,json=sessionId,proto3" json:"session_id,omitempty"`
+	// multimodal_objects are the prompt's multimodal inputs (images, audio, video): each names its
+	// content by a hash and says which of token_ids are its placeholder tokens. A block holding an
+	// input's tokens is hashed with the input's hash, so that the same placeholder tokens of two
+	// different images never match. At most 256, each within token_ids, none overlapping another.
+	MultimodalObjects []*MultimodalObject `protobuf:"bytes,12,rep,name=multimodal_objects,json=multimodalObjects,proto3" json:"multimodal_objects,omitempty"`
+	unknownFields     protoimpl.UnknownFields
+	sizeCache         protoimpl.SizeCache
 }
 
 func (x *RouteRequest) Reset() {
@@ -368,6 +373,79 @@ func (x *RouteRequest) GetSessionId() string {
 	return ""
 }
 
+func (x *RouteRequest) GetMultimodalObjects() []*MultimodalObject {
+	if x != nil {
+		return x.MultimodalObjects
+	}
+	return nil
+}
+
+// MultimodalObject is one multimodal input of a prompt.
+type MultimodalObject struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// mm_hash names the input's content: MultimodalHash of the identifier the engine keys its prefix
+	// cache with (docs/hashing.md), the same value for the same image in every request.
+	MmHash uint64 `protobuf:"varint,1,opt,name=mm_hash,json=mmHash,proto3" json:"mm_hash,omitempty"`
+	// start is the position in token_ids of the input's first placeholder token.
+	Start uint32 `protobuf:"varint,2,opt,name=start,proto3" json:"start,omitempty"`
+	// end is the position just after its last placeholder token; greater than start, at most the
+	// number of token_ids.
+	End           uint32 `protobuf:"varint,3,opt,name=end,proto3" json:"end,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *MultimodalObject) Reset() {
+	*x = MultimodalObject{}
+	mi := &file_kvrouter_v1_router_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *MultimodalObject) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*MultimodalObject) ProtoMessage() {}
+
+func (x *MultimodalObject) ProtoReflect() protoreflect.Message {
+	mi := &file_kvrouter_v1_router_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use MultimodalObject.ProtoReflect.Descriptor instead.
+func (*MultimodalObject) Descriptor() ([]byte, []int) {
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *MultimodalObject) GetMmHash() uint64 {
+	if x != nil {
+		return x.MmHash
+	}
+	return 0
+}
+
+func (x *MultimodalObject) GetStart() uint32 {
+	if x != nil {
+		return x.Start
+	}
+	return 0
+}
+
+func (x *MultimodalObject) GetEnd() uint32 {
+	if x != nil {
+		return x.End
+	}
+	return 0
+}
+
 // RoutingHints pin or restrict worker choice.
 type RoutingHints struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -388,7 +466,7 @@ type RoutingHints struct {
 
 func (x *RoutingHints) Reset() {
 	*x = RoutingHints{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[2]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -400,7 +478,7 @@ func (x *RoutingHints) String() string {
 func (*RoutingHints) ProtoMessage() {}
 
 func (x *RoutingHints) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[1]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[2]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -413,7 +491,7 @@ func (x *RoutingHints) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RoutingHints.ProtoReflect.Descriptor instead.
 func (*RoutingHints) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{1}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{2}
 }
 
 func (x *RoutingHints) GetPrefillWorkerId() uint64 {
@@ -479,7 +557,7 @@ type RouterConfigOverride struct {
 
 func (x *RouterConfigOverride) Reset() {
 	*x = RouterConfigOverride{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -491,7 +569,7 @@ func (x *RouterConfigOverride) String() string {
 func (*RouterConfigOverride) ProtoMessage() {}
 
 func (x *RouterConfigOverride) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[2]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -504,7 +582,7 @@ func (x *RouterConfigOverride) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouterConfigOverride.ProtoReflect.Descriptor instead.
 func (*RouterConfigOverride) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{2}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *RouterConfigOverride) GetOverlapScoreCredit() float64 {
@@ -586,7 +664,7 @@ type ConditionalDisaggOverride struct {
 
 func (x *ConditionalDisaggOverride) Reset() {
 	*x = ConditionalDisaggOverride{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -598,7 +676,7 @@ func (x *ConditionalDisaggOverride) String() string {
 func (*ConditionalDisaggOverride) ProtoMessage() {}
 
 func (x *ConditionalDisaggOverride) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[3]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -611,7 +689,7 @@ func (x *ConditionalDisaggOverride) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConditionalDisaggOverride.ProtoReflect.Descriptor instead.
 func (*ConditionalDisaggOverride) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{3}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ConditionalDisaggOverride) GetEnabled() bool {
@@ -677,7 +755,7 @@ type RouteResponse struct {
 
 func (x *RouteResponse) Reset() {
 	*x = RouteResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -689,7 +767,7 @@ func (x *RouteResponse) String() string {
 func (*RouteResponse) ProtoMessage() {}
 
 func (x *RouteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[4]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -702,7 +780,7 @@ func (x *RouteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteResponse.ProtoReflect.Descriptor instead.
 func (*RouteResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{4}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RouteResponse) GetMode() RouteMode {
@@ -772,7 +850,7 @@ type RouteDiagnostics struct {
 
 func (x *RouteDiagnostics) Reset() {
 	*x = RouteDiagnostics{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -784,7 +862,7 @@ func (x *RouteDiagnostics) String() string {
 func (*RouteDiagnostics) ProtoMessage() {}
 
 func (x *RouteDiagnostics) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[5]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -797,7 +875,7 @@ func (x *RouteDiagnostics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RouteDiagnostics.ProtoReflect.Descriptor instead.
 func (*RouteDiagnostics) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{5}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RouteDiagnostics) GetPromptTokens() uint64 {
@@ -890,7 +968,7 @@ type ConditionalDisaggDiagnostics struct {
 
 func (x *ConditionalDisaggDiagnostics) Reset() {
 	*x = ConditionalDisaggDiagnostics{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -902,7 +980,7 @@ func (x *ConditionalDisaggDiagnostics) String() string {
 func (*ConditionalDisaggDiagnostics) ProtoMessage() {}
 
 func (x *ConditionalDisaggDiagnostics) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[6]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -915,7 +993,7 @@ func (x *ConditionalDisaggDiagnostics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ConditionalDisaggDiagnostics.ProtoReflect.Descriptor instead.
 func (*ConditionalDisaggDiagnostics) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{6}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ConditionalDisaggDiagnostics) GetPolicy() string {
@@ -1018,7 +1096,7 @@ type HopDiagnostics struct {
 
 func (x *HopDiagnostics) Reset() {
 	*x = HopDiagnostics{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1030,7 +1108,7 @@ func (x *HopDiagnostics) String() string {
 func (*HopDiagnostics) ProtoMessage() {}
 
 func (x *HopDiagnostics) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[7]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1043,7 +1121,7 @@ func (x *HopDiagnostics) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use HopDiagnostics.ProtoReflect.Descriptor instead.
 func (*HopDiagnostics) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{7}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *HopDiagnostics) GetOverlapBlocks() *TierBlocks {
@@ -1093,7 +1171,7 @@ type CandidateCost struct {
 
 func (x *CandidateCost) Reset() {
 	*x = CandidateCost{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1105,7 +1183,7 @@ func (x *CandidateCost) String() string {
 func (*CandidateCost) ProtoMessage() {}
 
 func (x *CandidateCost) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[8]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1118,7 +1196,7 @@ func (x *CandidateCost) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CandidateCost.ProtoReflect.Descriptor instead.
 func (*CandidateCost) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{8}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CandidateCost) GetWorker() *WorkerTarget {
@@ -1188,7 +1266,7 @@ type MarkPrefillCompleteRequest struct {
 
 func (x *MarkPrefillCompleteRequest) Reset() {
 	*x = MarkPrefillCompleteRequest{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1200,7 +1278,7 @@ func (x *MarkPrefillCompleteRequest) String() string {
 func (*MarkPrefillCompleteRequest) ProtoMessage() {}
 
 func (x *MarkPrefillCompleteRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[9]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1213,7 +1291,7 @@ func (x *MarkPrefillCompleteRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MarkPrefillCompleteRequest.ProtoReflect.Descriptor instead.
 func (*MarkPrefillCompleteRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{9}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *MarkPrefillCompleteRequest) GetRequestId() string {
@@ -1232,7 +1310,7 @@ type MarkPrefillCompleteResponse struct {
 
 func (x *MarkPrefillCompleteResponse) Reset() {
 	*x = MarkPrefillCompleteResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1244,7 +1322,7 @@ func (x *MarkPrefillCompleteResponse) String() string {
 func (*MarkPrefillCompleteResponse) ProtoMessage() {}
 
 func (x *MarkPrefillCompleteResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[10]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1257,7 +1335,7 @@ func (x *MarkPrefillCompleteResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use MarkPrefillCompleteResponse.ProtoReflect.Descriptor instead.
 func (*MarkPrefillCompleteResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{10}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{11}
 }
 
 // FreeRequest names a booked request.
@@ -1271,7 +1349,7 @@ type FreeRequest struct {
 
 func (x *FreeRequest) Reset() {
 	*x = FreeRequest{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1283,7 +1361,7 @@ func (x *FreeRequest) String() string {
 func (*FreeRequest) ProtoMessage() {}
 
 func (x *FreeRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[11]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1296,7 +1374,7 @@ func (x *FreeRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeRequest.ProtoReflect.Descriptor instead.
 func (*FreeRequest) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{11}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *FreeRequest) GetRequestId() string {
@@ -1315,7 +1393,7 @@ type FreeResponse struct {
 
 func (x *FreeResponse) Reset() {
 	*x = FreeResponse{}
-	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1327,7 +1405,7 @@ func (x *FreeResponse) String() string {
 func (*FreeResponse) ProtoMessage() {}
 
 func (x *FreeResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_kvrouter_v1_router_proto_msgTypes[12]
+	mi := &file_kvrouter_v1_router_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1340,14 +1418,14 @@ func (x *FreeResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreeResponse.ProtoReflect.Descriptor instead.
 func (*FreeResponse) Descriptor() ([]byte, []int) {
-	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{12}
+	return file_kvrouter_v1_router_proto_rawDescGZIP(), []int{13}
 }
 
 var File_kvrouter_v1_router_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\x9d\x03\n" +
+	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xeb\x03\n" +
 	"\fRouteRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1363,7 +1441,12 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\aexplain\x18\n" +
 	" \x01(\bR\aexplain\x12\x1d\n" +
 	"\n" +
-	"session_id\x18\v \x01(\tR\tsessionId\"\xc6\x02\n" +
+	"session_id\x18\v \x01(\tR\tsessionId\x12L\n" +
+	"\x12multimodal_objects\x18\f \x03(\v2\x1d.kvrouter.v1.MultimodalObjectR\x11multimodalObjects\"S\n" +
+	"\x10MultimodalObject\x12\x17\n" +
+	"\amm_hash\x18\x01 \x01(\x04R\x06mmHash\x12\x14\n" +
+	"\x05start\x18\x02 \x01(\rR\x05start\x12\x10\n" +
+	"\x03end\x18\x03 \x01(\rR\x03end\"\xc6\x02\n" +
 	"\fRoutingHints\x12/\n" +
 	"\x11prefill_worker_id\x18\x01 \x01(\x04H\x00R\x0fprefillWorkerId\x88\x01\x01\x12+\n" +
 	"\x0fprefill_dp_rank\x18\x02 \x01(\rH\x01R\rprefillDpRank\x88\x01\x01\x12-\n" +
@@ -1504,61 +1587,63 @@ func file_kvrouter_v1_router_proto_rawDescGZIP() []byte {
 }
 
 var file_kvrouter_v1_router_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_kvrouter_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_kvrouter_v1_router_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_kvrouter_v1_router_proto_goTypes = []any{
 	(RouteMode)(0),                       // 0: kvrouter.v1.RouteMode
 	(DecisionReason)(0),                  // 1: kvrouter.v1.DecisionReason
 	(BusySignal)(0),                      // 2: kvrouter.v1.BusySignal
 	(*RouteRequest)(nil),                 // 3: kvrouter.v1.RouteRequest
-	(*RoutingHints)(nil),                 // 4: kvrouter.v1.RoutingHints
-	(*RouterConfigOverride)(nil),         // 5: kvrouter.v1.RouterConfigOverride
-	(*ConditionalDisaggOverride)(nil),    // 6: kvrouter.v1.ConditionalDisaggOverride
-	(*RouteResponse)(nil),                // 7: kvrouter.v1.RouteResponse
-	(*RouteDiagnostics)(nil),             // 8: kvrouter.v1.RouteDiagnostics
-	(*ConditionalDisaggDiagnostics)(nil), // 9: kvrouter.v1.ConditionalDisaggDiagnostics
-	(*HopDiagnostics)(nil),               // 10: kvrouter.v1.HopDiagnostics
-	(*CandidateCost)(nil),                // 11: kvrouter.v1.CandidateCost
-	(*MarkPrefillCompleteRequest)(nil),   // 12: kvrouter.v1.MarkPrefillCompleteRequest
-	(*MarkPrefillCompleteResponse)(nil),  // 13: kvrouter.v1.MarkPrefillCompleteResponse
-	(*FreeRequest)(nil),                  // 14: kvrouter.v1.FreeRequest
-	(*FreeResponse)(nil),                 // 15: kvrouter.v1.FreeResponse
-	(*WorkerTarget)(nil),                 // 16: kvrouter.v1.WorkerTarget
-	(*TierBlocks)(nil),                   // 17: kvrouter.v1.TierBlocks
-	(WorkerRole)(0),                      // 18: kvrouter.v1.WorkerRole
-	(*WorkerLoad)(nil),                   // 19: kvrouter.v1.WorkerLoad
+	(*MultimodalObject)(nil),             // 4: kvrouter.v1.MultimodalObject
+	(*RoutingHints)(nil),                 // 5: kvrouter.v1.RoutingHints
+	(*RouterConfigOverride)(nil),         // 6: kvrouter.v1.RouterConfigOverride
+	(*ConditionalDisaggOverride)(nil),    // 7: kvrouter.v1.ConditionalDisaggOverride
+	(*RouteResponse)(nil),                // 8: kvrouter.v1.RouteResponse
+	(*RouteDiagnostics)(nil),             // 9: kvrouter.v1.RouteDiagnostics
+	(*ConditionalDisaggDiagnostics)(nil), // 10: kvrouter.v1.ConditionalDisaggDiagnostics
+	(*HopDiagnostics)(nil),               // 11: kvrouter.v1.HopDiagnostics
+	(*CandidateCost)(nil),                // 12: kvrouter.v1.CandidateCost
+	(*MarkPrefillCompleteRequest)(nil),   // 13: kvrouter.v1.MarkPrefillCompleteRequest
+	(*MarkPrefillCompleteResponse)(nil),  // 14: kvrouter.v1.MarkPrefillCompleteResponse
+	(*FreeRequest)(nil),                  // 15: kvrouter.v1.FreeRequest
+	(*FreeResponse)(nil),                 // 16: kvrouter.v1.FreeResponse
+	(*WorkerTarget)(nil),                 // 17: kvrouter.v1.WorkerTarget
+	(*TierBlocks)(nil),                   // 18: kvrouter.v1.TierBlocks
+	(WorkerRole)(0),                      // 19: kvrouter.v1.WorkerRole
+	(*WorkerLoad)(nil),                   // 20: kvrouter.v1.WorkerLoad
 }
 var file_kvrouter_v1_router_proto_depIdxs = []int32{
-	4,  // 0: kvrouter.v1.RouteRequest.hints:type_name -> kvrouter.v1.RoutingHints
-	5,  // 1: kvrouter.v1.RouteRequest.config_override:type_name -> kvrouter.v1.RouterConfigOverride
-	6,  // 2: kvrouter.v1.RouterConfigOverride.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggOverride
-	0,  // 3: kvrouter.v1.RouteResponse.mode:type_name -> kvrouter.v1.RouteMode
-	16, // 4: kvrouter.v1.RouteResponse.prefill:type_name -> kvrouter.v1.WorkerTarget
-	16, // 5: kvrouter.v1.RouteResponse.decode:type_name -> kvrouter.v1.WorkerTarget
-	8,  // 6: kvrouter.v1.RouteResponse.diagnostics:type_name -> kvrouter.v1.RouteDiagnostics
-	10, // 7: kvrouter.v1.RouteDiagnostics.prefill:type_name -> kvrouter.v1.HopDiagnostics
-	10, // 8: kvrouter.v1.RouteDiagnostics.decode:type_name -> kvrouter.v1.HopDiagnostics
-	11, // 9: kvrouter.v1.RouteDiagnostics.candidates:type_name -> kvrouter.v1.CandidateCost
-	1,  // 10: kvrouter.v1.RouteDiagnostics.reason:type_name -> kvrouter.v1.DecisionReason
-	9,  // 11: kvrouter.v1.RouteDiagnostics.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggDiagnostics
-	16, // 12: kvrouter.v1.ConditionalDisaggDiagnostics.decode:type_name -> kvrouter.v1.WorkerTarget
-	2,  // 13: kvrouter.v1.ConditionalDisaggDiagnostics.prefill_busy:type_name -> kvrouter.v1.BusySignal
-	2,  // 14: kvrouter.v1.ConditionalDisaggDiagnostics.decode_busy:type_name -> kvrouter.v1.BusySignal
-	17, // 15: kvrouter.v1.HopDiagnostics.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
-	16, // 16: kvrouter.v1.CandidateCost.worker:type_name -> kvrouter.v1.WorkerTarget
-	18, // 17: kvrouter.v1.CandidateCost.role:type_name -> kvrouter.v1.WorkerRole
-	17, // 18: kvrouter.v1.CandidateCost.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
-	19, // 19: kvrouter.v1.CandidateCost.load:type_name -> kvrouter.v1.WorkerLoad
-	3,  // 20: kvrouter.v1.RouterService.Route:input_type -> kvrouter.v1.RouteRequest
-	12, // 21: kvrouter.v1.RouterService.MarkPrefillComplete:input_type -> kvrouter.v1.MarkPrefillCompleteRequest
-	14, // 22: kvrouter.v1.RouterService.Free:input_type -> kvrouter.v1.FreeRequest
-	7,  // 23: kvrouter.v1.RouterService.Route:output_type -> kvrouter.v1.RouteResponse
-	13, // 24: kvrouter.v1.RouterService.MarkPrefillComplete:output_type -> kvrouter.v1.MarkPrefillCompleteResponse
-	15, // 25: kvrouter.v1.RouterService.Free:output_type -> kvrouter.v1.FreeResponse
-	23, // [23:26] is the sub-list for method output_type
-	20, // [20:23] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	5,  // 0: kvrouter.v1.RouteRequest.hints:type_name -> kvrouter.v1.RoutingHints
+	6,  // 1: kvrouter.v1.RouteRequest.config_override:type_name -> kvrouter.v1.RouterConfigOverride
+	4,  // 2: kvrouter.v1.RouteRequest.multimodal_objects:type_name -> kvrouter.v1.MultimodalObject
+	7,  // 3: kvrouter.v1.RouterConfigOverride.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggOverride
+	0,  // 4: kvrouter.v1.RouteResponse.mode:type_name -> kvrouter.v1.RouteMode
+	17, // 5: kvrouter.v1.RouteResponse.prefill:type_name -> kvrouter.v1.WorkerTarget
+	17, // 6: kvrouter.v1.RouteResponse.decode:type_name -> kvrouter.v1.WorkerTarget
+	9,  // 7: kvrouter.v1.RouteResponse.diagnostics:type_name -> kvrouter.v1.RouteDiagnostics
+	11, // 8: kvrouter.v1.RouteDiagnostics.prefill:type_name -> kvrouter.v1.HopDiagnostics
+	11, // 9: kvrouter.v1.RouteDiagnostics.decode:type_name -> kvrouter.v1.HopDiagnostics
+	12, // 10: kvrouter.v1.RouteDiagnostics.candidates:type_name -> kvrouter.v1.CandidateCost
+	1,  // 11: kvrouter.v1.RouteDiagnostics.reason:type_name -> kvrouter.v1.DecisionReason
+	10, // 12: kvrouter.v1.RouteDiagnostics.conditional_disagg:type_name -> kvrouter.v1.ConditionalDisaggDiagnostics
+	17, // 13: kvrouter.v1.ConditionalDisaggDiagnostics.decode:type_name -> kvrouter.v1.WorkerTarget
+	2,  // 14: kvrouter.v1.ConditionalDisaggDiagnostics.prefill_busy:type_name -> kvrouter.v1.BusySignal
+	2,  // 15: kvrouter.v1.ConditionalDisaggDiagnostics.decode_busy:type_name -> kvrouter.v1.BusySignal
+	18, // 16: kvrouter.v1.HopDiagnostics.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
+	17, // 17: kvrouter.v1.CandidateCost.worker:type_name -> kvrouter.v1.WorkerTarget
+	19, // 18: kvrouter.v1.CandidateCost.role:type_name -> kvrouter.v1.WorkerRole
+	18, // 19: kvrouter.v1.CandidateCost.overlap_blocks:type_name -> kvrouter.v1.TierBlocks
+	20, // 20: kvrouter.v1.CandidateCost.load:type_name -> kvrouter.v1.WorkerLoad
+	3,  // 21: kvrouter.v1.RouterService.Route:input_type -> kvrouter.v1.RouteRequest
+	13, // 22: kvrouter.v1.RouterService.MarkPrefillComplete:input_type -> kvrouter.v1.MarkPrefillCompleteRequest
+	15, // 23: kvrouter.v1.RouterService.Free:input_type -> kvrouter.v1.FreeRequest
+	8,  // 24: kvrouter.v1.RouterService.Route:output_type -> kvrouter.v1.RouteResponse
+	14, // 25: kvrouter.v1.RouterService.MarkPrefillComplete:output_type -> kvrouter.v1.MarkPrefillCompleteResponse
+	16, // 26: kvrouter.v1.RouterService.Free:output_type -> kvrouter.v1.FreeResponse
+	24, // [24:27] is the sub-list for method output_type
+	21, // [21:24] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_kvrouter_v1_router_proto_init() }
@@ -1567,16 +1652,16 @@ func file_kvrouter_v1_router_proto_init() {
 		return
 	}
 	file_kvrouter_v1_types_proto_init()
-	file_kvrouter_v1_router_proto_msgTypes[1].OneofWrappers = []any{}
 	file_kvrouter_v1_router_proto_msgTypes[2].OneofWrappers = []any{}
 	file_kvrouter_v1_router_proto_msgTypes[3].OneofWrappers = []any{}
+	file_kvrouter_v1_router_proto_msgTypes[4].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_kvrouter_v1_router_proto_rawDesc), len(file_kvrouter_v1_router_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   13,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -611,8 +611,13 @@ type StoredBlock struct {
 	BlockHash uint64 `protobuf:"varint,1,opt,name=block_hash,json=blockHash,proto3" json:"block_hash,omitempty"`
 	// token_ids are the block's tokens (exactly block_size of them); the router hashes them.
 	TokenIds []uint32 `protobuf:"varint,2,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
-	// tokens_hash is the block's local hash, computed by the worker exactly as the router would.
-	TokensHash    *uint64 `protobuf:"varint,3,opt,name=tokens_hash,json=tokensHash,proto3,oneof" json:"tokens_hash,omitempty"`
+	// tokens_hash is the block's local hash, computed by the worker exactly as the router would
+	// (including mm_hashes).
+	TokensHash *uint64 `protobuf:"varint,3,opt,name=tokens_hash,json=tokensHash,proto3,oneof" json:"tokens_hash,omitempty"`
+	// mm_hashes are the hashes of the multimodal inputs whose placeholder tokens lie in this block
+	// (MultimodalObject.mm_hash), in any order: the router hashes them with token_ids. Engines report
+	// them block by block. Only with token_ids; at most 64.
+	MmHashes      []uint64 `protobuf:"varint,4,rep,packed,name=mm_hashes,json=mmHashes,proto3" json:"mm_hashes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -666,6 +671,13 @@ func (x *StoredBlock) GetTokensHash() uint64 {
 		return *x.TokensHash
 	}
 	return 0
+}
+
+func (x *StoredBlock) GetMmHashes() []uint64 {
+	if x != nil {
+		return x.MmHashes
+	}
+	return nil
 }
 
 // BlocksRemoved says blocks were evicted from the worker's cache.
@@ -1182,13 +1194,14 @@ const file_kvrouter_v1_worker_proto_rawDesc = "" +
 	"\x06blocks\x18\x02 \x03(\v2\x18.kvrouter.v1.StoredBlockR\x06blocks\x12\x1b\n" +
 	"\tlora_name\x18\x03 \x01(\tR\bloraName\x12'\n" +
 	"\x0fcache_namespace\x18\x04 \x01(\tR\x0ecacheNamespaceB\x0e\n" +
-	"\f_parent_hash\"\x7f\n" +
+	"\f_parent_hash\"\x9c\x01\n" +
 	"\vStoredBlock\x12\x1d\n" +
 	"\n" +
 	"block_hash\x18\x01 \x01(\x04R\tblockHash\x12\x1b\n" +
 	"\ttoken_ids\x18\x02 \x03(\rR\btokenIds\x12$\n" +
 	"\vtokens_hash\x18\x03 \x01(\x04H\x00R\n" +
-	"tokensHash\x88\x01\x01B\x0e\n" +
+	"tokensHash\x88\x01\x01\x12\x1b\n" +
+	"\tmm_hashes\x18\x04 \x03(\x04R\bmmHashesB\x0e\n" +
 	"\f_tokens_hash\"2\n" +
 	"\rBlocksRemoved\x12!\n" +
 	"\fblock_hashes\x18\x01 \x03(\x04R\vblockHashes\"\x0e\n" +

@@ -115,14 +115,16 @@ class ResyncRequest(_message.Message):
     def __init__(self, reason: _Optional[str] = ..., expected_event_id: _Optional[int] = ...) -> None: ...
 
 class StoredBlock(_message.Message):
-    __slots__ = ["block_hash", "token_ids", "tokens_hash"]
+    __slots__ = ["block_hash", "mm_hashes", "token_ids", "tokens_hash"]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    MM_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKENS_HASH_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     block_hash: int
+    mm_hashes: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     tokens_hash: int
-    def __init__(self, block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., tokens_hash: _Optional[int] = ...) -> None: ...
+    def __init__(self, block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., tokens_hash: _Optional[int] = ..., mm_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
     __slots__ = ["block_size", "dp_rank", "endpoint", "fresh_start", "kv_events_enabled", "max_num_batched_tokens", "model", "role", "supports_bypass", "total_kv_blocks", "worker_id"]

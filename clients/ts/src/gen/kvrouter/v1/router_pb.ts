@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file kvrouter/v1/router.proto.
  */
 export const file_kvrouter_v1_router: GenFile = /*@__PURE__*/
-  fileDesc("ChhrdnJvdXRlci92MS9yb3V0ZXIucHJvdG8SC2t2cm91dGVyLnYxIqQCCgxSb3V0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRINCgVtb2RlbBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SEQoJbG9yYV9uYW1lGAQgASgJEhcKD2NhY2hlX25hbWVzcGFjZRgFIAEoCRISCgpxdWVyeV9vbmx5GAYgASgIEhMKC2Fubm90YXRpb25zGAcgAygJEigKBWhpbnRzGAggASgLMhkua3Zyb3V0ZXIudjEuUm91dGluZ0hpbnRzEjoKD2NvbmZpZ19vdmVycmlkZRgJIAEoCzIhLmt2cm91dGVyLnYxLlJvdXRlckNvbmZpZ092ZXJyaWRlEg8KB2V4cGxhaW4YCiABKAgSEgoKc2Vzc2lvbl9pZBgLIAEoCSL2AQoMUm91dGluZ0hpbnRzEh4KEXByZWZpbGxfd29ya2VyX2lkGAEgASgESACIAQESHAoPcHJlZmlsbF9kcF9yYW5rGAIgASgNSAGIAQESHQoQZGVjb2RlX3dvcmtlcl9pZBgDIAEoBEgCiAEBEhsKDmRlY29kZV9kcF9yYW5rGAQgASgNSAOIAQESGgoSYWxsb3dlZF93b3JrZXJfaWRzGAUgAygEQhQKEl9wcmVmaWxsX3dvcmtlcl9pZEISChBfcHJlZmlsbF9kcF9yYW5rQhMKEV9kZWNvZGVfd29ya2VyX2lkQhEKD19kZWNvZGVfZHBfcmFuayLyAwoUUm91dGVyQ29uZmlnT3ZlcnJpZGUSIQoUb3ZlcmxhcF9zY29yZV9jcmVkaXQYASABKAFIAIgBARIfChJwcmVmaWxsX2xvYWRfc2NhbGUYAiABKAFIAYgBARIhChRvdmVybGFwX3Njb3JlX3dlaWdodBgDIAEoAUgCiAEBEh8KEnJvdXRlcl90ZW1wZXJhdHVyZRgEIAEoAUgDiAEBEhwKD2Fzc3VtZV9rdl9yZXVzZRgFIAEoCEgEiAEBEiEKFHRyYWNrX3ByZWZpbGxfdG9rZW5zGAYgASgISAWIAQESJAoXc2hhcmVkX2NhY2hlX211bHRpcGxpZXIYByABKAFIBogBARJCChJjb25kaXRpb25hbF9kaXNhZ2cYCCABKAsyJi5rdnJvdXRlci52MS5Db25kaXRpb25hbERpc2FnZ092ZXJyaWRlQhcKFV9vdmVybGFwX3Njb3JlX2NyZWRpdEIVChNfcHJlZmlsbF9sb2FkX3NjYWxlQhcKFV9vdmVybGFwX3Njb3JlX3dlaWdodEIVChNfcm91dGVyX3RlbXBlcmF0dXJlQhIKEF9hc3N1bWVfa3ZfcmV1c2VCFwoVX3RyYWNrX3ByZWZpbGxfdG9rZW5zQhoKGF9zaGFyZWRfY2FjaGVfbXVsdGlwbGllciLTAgoZQ29uZGl0aW9uYWxEaXNhZ2dPdmVycmlkZRIUCgdlbmFibGVkGAEgASgISACIAQESEwoGcG9saWN5GAIgASgJSAGIAQESHgoRZWZmX2lzbF90aHJlc2hvbGQYAyABKARIAogBARIkChdlZmZfaXNsX3JhdGlvX3RocmVzaG9sZBgEIAEoAUgDiAEBEiMKFnByZWZpbGxfYnVzeV90aHJlc2hvbGQYBSABKAFIBIgBARIiChVkZWNvZGVfYnVzeV90aHJlc2hvbGQYBiABKAFIBYgBAUIKCghfZW5hYmxlZEIJCgdfcG9saWN5QhQKEl9lZmZfaXNsX3RocmVzaG9sZEIaChhfZWZmX2lzbF9yYXRpb190aHJlc2hvbGRCGQoXX3ByZWZpbGxfYnVzeV90aHJlc2hvbGRCGAoWX2RlY29kZV9idXN5X3RocmVzaG9sZCLlAQoNUm91dGVSZXNwb25zZRIkCgRtb2RlGAEgASgOMhYua3Zyb3V0ZXIudjEuUm91dGVNb2RlEioKB3ByZWZpbGwYAiABKAsyGS5rdnJvdXRlci52MS5Xb3JrZXJUYXJnZXQSKQoGZGVjb2RlGAMgASgLMhkua3Zyb3V0ZXIudjEuV29ya2VyVGFyZ2V0EhMKC2Fubm90YXRpb25zGAQgAygJEg4KBmJvb2tlZBgFIAEoCBIyCgtkaWFnbm9zdGljcxgGIAEoCzIdLmt2cm91dGVyLnYxLlJvdXRlRGlhZ25vc3RpY3Mi0wIKEFJvdXRlRGlhZ25vc3RpY3MSFQoNcHJvbXB0X3Rva2VucxgBIAEoBBIVCg1wcm9tcHRfYmxvY2tzGAIgASgEEhIKCmJsb2NrX3NpemUYAyABKA0SLAoHcHJlZmlsbBgEIAEoCzIbLmt2cm91dGVyLnYxLkhvcERpYWdub3N0aWNzEisKBmRlY29kZRgFIAEoCzIbLmt2cm91dGVyLnYxLkhvcERpYWdub3N0aWNzEi4KCmNhbmRpZGF0ZXMYBiADKAsyGi5rdnJvdXRlci52MS5DYW5kaWRhdGVDb3N0EisKBnJlYXNvbhgHIAEoDjIbLmt2cm91dGVyLnYxLkRlY2lzaW9uUmVhc29uEkUKEmNvbmRpdGlvbmFsX2Rpc2FnZxgIIAEoCzIpLmt2cm91dGVyLnYxLkNvbmRpdGlvbmFsRGlzYWdnRGlhZ25vc3RpY3MigwMKHENvbmRpdGlvbmFsRGlzYWdnRGlhZ25vc3RpY3MSDgoGcG9saWN5GAEgASgJEikKBmRlY29kZRgCIAEoCzIZLmt2cm91dGVyLnYxLldvcmtlclRhcmdldBIVCg1jYWNoZWRfdG9rZW5zGAMgASgBEhUKDWVmZmVjdGl2ZV9pc2wYBCABKAESDQoFcmF0aW8YBSABKAESLQoMcHJlZmlsbF9idXN5GAYgASgOMhcua3Zyb3V0ZXIudjEuQnVzeVNpZ25hbBIsCgtkZWNvZGVfYnVzeRgHIAEoDjIXLmt2cm91dGVyLnYxLkJ1c3lTaWduYWwSGgoScG9saWN5X3NheXNfYnlwYXNzGAggASgIEhUKDWdhdGVfZGVjaXNpb24YCSABKAkSHwoXcG90ZW50aWFsX2RlY29kZV9ibG9ja3MYCiABKAQSGQoRZWZmX2lzbF90aHJlc2hvbGQYCyABKAQSHwoXZWZmX2lzbF9yYXRpb190aHJlc2hvbGQYDCABKAEiZgoOSG9wRGlhZ25vc3RpY3MSLwoOb3ZlcmxhcF9ibG9ja3MYASABKAsyFy5rdnJvdXRlci52MS5UaWVyQmxvY2tzEhUKDWNhY2hlZF90b2tlbnMYAiABKAESDAoEY29zdBgDIAEoASKFAgoNQ2FuZGlkYXRlQ29zdBIpCgZ3b3JrZXIYASABKAsyGS5rdnJvdXRlci52MS5Xb3JrZXJUYXJnZXQSJQoEcm9sZRgCIAEoDjIXLmt2cm91dGVyLnYxLldvcmtlclJvbGUSCwoDaG9wGAMgASgJEi8KDm92ZXJsYXBfYmxvY2tzGAQgASgLMhcua3Zyb3V0ZXIudjEuVGllckJsb2NrcxIMCgRjb3N0GAUgASgBEg4KBmNob3NlbhgGIAEoCBIlCgRsb2FkGAcgASgLMhcua3Zyb3V0ZXIudjEuV29ya2VyTG9hZBIfChdwb3RlbnRpYWxfZGVjb2RlX2Jsb2NrcxgIIAEoBCIwChpNYXJrUHJlZmlsbENvbXBsZXRlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJIh0KG01hcmtQcmVmaWxsQ29tcGxldGVSZXNwb25zZSIhCgtGcmVlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJIg4KDEZyZWVSZXNwb25zZSp3CglSb3V0ZU1vZGUSGgoWUk9VVEVfTU9ERV9VTlNQRUNJRklFRBAAEhwKGFJPVVRFX01PREVfRElTQUdHUkVHQVRFRBABEhUKEVJPVVRFX01PREVfQllQQVNTEAISGQoVUk9VVEVfTU9ERV9BR0dSRUdBVEVEEAMqjwQKDkRlY2lzaW9uUmVhc29uEh8KG0RFQ0lTSU9OX1JFQVNPTl9VTlNQRUNJRklFRBAAEiYKIkRFQ0lTSU9OX1JFQVNPTl9OT19QUkVGSUxMX1dPUktFUlMQARIqCiZERUNJU0lPTl9SRUFTT05fQ09ORElUSU9OQUxfRElTQUdHX09GRhACEikKJURFQ0lTSU9OX1JFQVNPTl9QUkVGSUxMX1dPUktFUl9QSU5ORUQQAxIgChxERUNJU0lPTl9SRUFTT05fRU1QVFlfUFJPTVBUEAQSKQolREVDSVNJT05fUkVBU09OX0RFQ09ERV9QSU5fVU5SRVNPTFZFRBAFEisKJ0RFQ0lTSU9OX1JFQVNPTl9ERUNPREVfU0VMRUNUSU9OX0ZBSUxFRBAGEiMKH0RFQ0lTSU9OX1JFQVNPTl9QT0xJQ1lfREVDTElORUQQBxIoCiRERUNJU0lPTl9SRUFTT05fREVDT0RFX0NBTk5PVF9CWVBBU1MQCBIfChtERUNJU0lPTl9SRUFTT05fREVDT0RFX0JVU1kQCRInCiNERUNJU0lPTl9SRUFTT05fREVDT0RFX0JVU1lfVU5LTk9XThAKEhoKFkRFQ0lTSU9OX1JFQVNPTl9CWVBBU1MQCxIuCipERUNJU0lPTl9SRUFTT05fREVDT0RFX0FGRklOSVRZX1VOUkVTT0xWRUQQDCpyCgpCdXN5U2lnbmFsEhsKF0JVU1lfU0lHTkFMX1VOU1BFQ0lGSUVEEAASFwoTQlVTWV9TSUdOQUxfVU5LTk9XThABEhgKFEJVU1lfU0lHTkFMX05PVF9CVVNZEAISFAoQQlVTWV9TSUdOQUxfQlVTWRADMvYBCg1Sb3V0ZXJTZXJ2aWNlEj4KBVJvdXRlEhkua3Zyb3V0ZXIudjEuUm91dGVSZXF1ZXN0Ghoua3Zyb3V0ZXIudjEuUm91dGVSZXNwb25zZRJoChNNYXJrUHJlZmlsbENvbXBsZXRlEicua3Zyb3V0ZXIudjEuTWFya1ByZWZpbGxDb21wbGV0ZVJlcXVlc3QaKC5rdnJvdXRlci52MS5NYXJrUHJlZmlsbENvbXBsZXRlUmVzcG9uc2USOwoERnJlZRIYLmt2cm91dGVyLnYxLkZyZWVSZXF1ZXN0Ghkua3Zyb3V0ZXIudjEuRnJlZVJlc3BvbnNlYgZwcm90bzM", [file_kvrouter_v1_types]);
+  fileDesc("ChhrdnJvdXRlci92MS9yb3V0ZXIucHJvdG8SC2t2cm91dGVyLnYxIt8CCgxSb3V0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRINCgVtb2RlbBgCIAEoCRIRCgl0b2tlbl9pZHMYAyADKA0SEQoJbG9yYV9uYW1lGAQgASgJEhcKD2NhY2hlX25hbWVzcGFjZRgFIAEoCRISCgpxdWVyeV9vbmx5GAYgASgIEhMKC2Fubm90YXRpb25zGAcgAygJEigKBWhpbnRzGAggASgLMhkua3Zyb3V0ZXIudjEuUm91dGluZ0hpbnRzEjoKD2NvbmZpZ19vdmVycmlkZRgJIAEoCzIhLmt2cm91dGVyLnYxLlJvdXRlckNvbmZpZ092ZXJyaWRlEg8KB2V4cGxhaW4YCiABKAgSEgoKc2Vzc2lvbl9pZBgLIAEoCRI5ChJtdWx0aW1vZGFsX29iamVjdHMYDCADKAsyHS5rdnJvdXRlci52MS5NdWx0aW1vZGFsT2JqZWN0Ij8KEE11bHRpbW9kYWxPYmplY3QSDwoHbW1faGFzaBgBIAEoBBINCgVzdGFydBgCIAEoDRILCgNlbmQYAyABKA0i9gEKDFJvdXRpbmdIaW50cxIeChFwcmVmaWxsX3dvcmtlcl9pZBgBIAEoBEgAiAEBEhwKD3ByZWZpbGxfZHBfcmFuaxgCIAEoDUgBiAEBEh0KEGRlY29kZV93b3JrZXJfaWQYAyABKARIAogBARIbCg5kZWNvZGVfZHBfcmFuaxgEIAEoDUgDiAEBEhoKEmFsbG93ZWRfd29ya2VyX2lkcxgFIAMoBEIUChJfcHJlZmlsbF93b3JrZXJfaWRCEgoQX3ByZWZpbGxfZHBfcmFua0ITChFfZGVjb2RlX3dvcmtlcl9pZEIRCg9fZGVjb2RlX2RwX3Jhbmsi8gMKFFJvdXRlckNvbmZpZ092ZXJyaWRlEiEKFG92ZXJsYXBfc2NvcmVfY3JlZGl0GAEgASgBSACIAQESHwoScHJlZmlsbF9sb2FkX3NjYWxlGAIgASgBSAGIAQESIQoUb3ZlcmxhcF9zY29yZV93ZWlnaHQYAyABKAFIAogBARIfChJyb3V0ZXJfdGVtcGVyYXR1cmUYBCABKAFIA4gBARIcCg9hc3N1bWVfa3ZfcmV1c2UYBSABKAhIBIgBARIhChR0cmFja19wcmVmaWxsX3Rva2VucxgGIAEoCEgFiAEBEiQKF3NoYXJlZF9jYWNoZV9tdWx0aXBsaWVyGAcgASgBSAaIAQESQgoSY29uZGl0aW9uYWxfZGlzYWdnGAggASgLMiYua3Zyb3V0ZXIudjEuQ29uZGl0aW9uYWxEaXNhZ2dPdmVycmlkZUIXChVfb3ZlcmxhcF9zY29yZV9jcmVkaXRCFQoTX3ByZWZpbGxfbG9hZF9zY2FsZUIXChVfb3ZlcmxhcF9zY29yZV93ZWlnaHRCFQoTX3JvdXRlcl90ZW1wZXJhdHVyZUISChBfYXNzdW1lX2t2X3JldXNlQhcKFV90cmFja19wcmVmaWxsX3Rva2Vuc0IaChhfc2hhcmVkX2NhY2hlX211bHRpcGxpZXIi0wIKGUNvbmRpdGlvbmFsRGlzYWdnT3ZlcnJpZGUSFAoHZW5hYmxlZBgBIAEoCEgAiAEBEhMKBnBvbGljeRgCIAEoCUgBiAEBEh4KEWVmZl9pc2xfdGhyZXNob2xkGAMgASgESAKIAQESJAoXZWZmX2lzbF9yYXRpb190aHJlc2hvbGQYBCABKAFIA4gBARIjChZwcmVmaWxsX2J1c3lfdGhyZXNob2xkGAUgASgBSASIAQESIgoVZGVjb2RlX2J1c3lfdGhyZXNob2xkGAYgASgBSAWIAQFCCgoIX2VuYWJsZWRCCQoHX3BvbGljeUIUChJfZWZmX2lzbF90aHJlc2hvbGRCGgoYX2VmZl9pc2xfcmF0aW9fdGhyZXNob2xkQhkKF19wcmVmaWxsX2J1c3lfdGhyZXNob2xkQhgKFl9kZWNvZGVfYnVzeV90aHJlc2hvbGQi5QEKDVJvdXRlUmVzcG9uc2USJAoEbW9kZRgBIAEoDjIWLmt2cm91dGVyLnYxLlJvdXRlTW9kZRIqCgdwcmVmaWxsGAIgASgLMhkua3Zyb3V0ZXIudjEuV29ya2VyVGFyZ2V0EikKBmRlY29kZRgDIAEoCzIZLmt2cm91dGVyLnYxLldvcmtlclRhcmdldBITCgthbm5vdGF0aW9ucxgEIAMoCRIOCgZib29rZWQYBSABKAgSMgoLZGlhZ25vc3RpY3MYBiABKAsyHS5rdnJvdXRlci52MS5Sb3V0ZURpYWdub3N0aWNzItMCChBSb3V0ZURpYWdub3N0aWNzEhUKDXByb21wdF90b2tlbnMYASABKAQSFQoNcHJvbXB0X2Jsb2NrcxgCIAEoBBISCgpibG9ja19zaXplGAMgASgNEiwKB3ByZWZpbGwYBCABKAsyGy5rdnJvdXRlci52MS5Ib3BEaWFnbm9zdGljcxIrCgZkZWNvZGUYBSABKAsyGy5rdnJvdXRlci52MS5Ib3BEaWFnbm9zdGljcxIuCgpjYW5kaWRhdGVzGAYgAygLMhoua3Zyb3V0ZXIudjEuQ2FuZGlkYXRlQ29zdBIrCgZyZWFzb24YByABKA4yGy5rdnJvdXRlci52MS5EZWNpc2lvblJlYXNvbhJFChJjb25kaXRpb25hbF9kaXNhZ2cYCCABKAsyKS5rdnJvdXRlci52MS5Db25kaXRpb25hbERpc2FnZ0RpYWdub3N0aWNzIoMDChxDb25kaXRpb25hbERpc2FnZ0RpYWdub3N0aWNzEg4KBnBvbGljeRgBIAEoCRIpCgZkZWNvZGUYAiABKAsyGS5rdnJvdXRlci52MS5Xb3JrZXJUYXJnZXQSFQoNY2FjaGVkX3Rva2VucxgDIAEoARIVCg1lZmZlY3RpdmVfaXNsGAQgASgBEg0KBXJhdGlvGAUgASgBEi0KDHByZWZpbGxfYnVzeRgGIAEoDjIXLmt2cm91dGVyLnYxLkJ1c3lTaWduYWwSLAoLZGVjb2RlX2J1c3kYByABKA4yFy5rdnJvdXRlci52MS5CdXN5U2lnbmFsEhoKEnBvbGljeV9zYXlzX2J5cGFzcxgIIAEoCBIVCg1nYXRlX2RlY2lzaW9uGAkgASgJEh8KF3BvdGVudGlhbF9kZWNvZGVfYmxvY2tzGAogASgEEhkKEWVmZl9pc2xfdGhyZXNob2xkGAsgASgEEh8KF2VmZl9pc2xfcmF0aW9fdGhyZXNob2xkGAwgASgBImYKDkhvcERpYWdub3N0aWNzEi8KDm92ZXJsYXBfYmxvY2tzGAEgASgLMhcua3Zyb3V0ZXIudjEuVGllckJsb2NrcxIVCg1jYWNoZWRfdG9rZW5zGAIgASgBEgwKBGNvc3QYAyABKAEihQIKDUNhbmRpZGF0ZUNvc3QSKQoGd29ya2VyGAEgASgLMhkua3Zyb3V0ZXIudjEuV29ya2VyVGFyZ2V0EiUKBHJvbGUYAiABKA4yFy5rdnJvdXRlci52MS5Xb3JrZXJSb2xlEgsKA2hvcBgDIAEoCRIvCg5vdmVybGFwX2Jsb2NrcxgEIAEoCzIXLmt2cm91dGVyLnYxLlRpZXJCbG9ja3MSDAoEY29zdBgFIAEoARIOCgZjaG9zZW4YBiABKAgSJQoEbG9hZBgHIAEoCzIXLmt2cm91dGVyLnYxLldvcmtlckxvYWQSHwoXcG90ZW50aWFsX2RlY29kZV9ibG9ja3MYCCABKAQiMAoaTWFya1ByZWZpbGxDb21wbGV0ZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSIdChtNYXJrUHJlZmlsbENvbXBsZXRlUmVzcG9uc2UiIQoLRnJlZVJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCSIOCgxGcmVlUmVzcG9uc2UqdwoJUm91dGVNb2RlEhoKFlJPVVRFX01PREVfVU5TUEVDSUZJRUQQABIcChhST1VURV9NT0RFX0RJU0FHR1JFR0FURUQQARIVChFST1VURV9NT0RFX0JZUEFTUxACEhkKFVJPVVRFX01PREVfQUdHUkVHQVRFRBADKo8ECg5EZWNpc2lvblJlYXNvbhIfChtERUNJU0lPTl9SRUFTT05fVU5TUEVDSUZJRUQQABImCiJERUNJU0lPTl9SRUFTT05fTk9fUFJFRklMTF9XT1JLRVJTEAESKgomREVDSVNJT05fUkVBU09OX0NPTkRJVElPTkFMX0RJU0FHR19PRkYQAhIpCiVERUNJU0lPTl9SRUFTT05fUFJFRklMTF9XT1JLRVJfUElOTkVEEAMSIAocREVDSVNJT05fUkVBU09OX0VNUFRZX1BST01QVBAEEikKJURFQ0lTSU9OX1JFQVNPTl9ERUNPREVfUElOX1VOUkVTT0xWRUQQBRIrCidERUNJU0lPTl9SRUFTT05fREVDT0RFX1NFTEVDVElPTl9GQUlMRUQQBhIjCh9ERUNJU0lPTl9SRUFTT05fUE9MSUNZX0RFQ0xJTkVEEAcSKAokREVDSVNJT05fUkVBU09OX0RFQ09ERV9DQU5OT1RfQllQQVNTEAgSHwobREVDSVNJT05fUkVBU09OX0RFQ09ERV9CVVNZEAkSJwojREVDSVNJT05fUkVBU09OX0RFQ09ERV9CVVNZX1VOS05PV04QChIaChZERUNJU0lPTl9SRUFTT05fQllQQVNTEAsSLgoqREVDSVNJT05fUkVBU09OX0RFQ09ERV9BRkZJTklUWV9VTlJFU09MVkVEEAwqcgoKQnVzeVNpZ25hbBIbChdCVVNZX1NJR05BTF9VTlNQRUNJRklFRBAAEhcKE0JVU1lfU0lHTkFMX1VOS05PV04QARIYChRCVVNZX1NJR05BTF9OT1RfQlVTWRACEhQKEEJVU1lfU0lHTkFMX0JVU1kQAzL2AQoNUm91dGVyU2VydmljZRI+CgVSb3V0ZRIZLmt2cm91dGVyLnYxLlJvdXRlUmVxdWVzdBoaLmt2cm91dGVyLnYxLlJvdXRlUmVzcG9uc2USaAoTTWFya1ByZWZpbGxDb21wbGV0ZRInLmt2cm91dGVyLnYxLk1hcmtQcmVmaWxsQ29tcGxldGVSZXF1ZXN0Gigua3Zyb3V0ZXIudjEuTWFya1ByZWZpbGxDb21wbGV0ZVJlc3BvbnNlEjsKBEZyZWUSGC5rdnJvdXRlci52MS5GcmVlUmVxdWVzdBoZLmt2cm91dGVyLnYxLkZyZWVSZXNwb25zZWIGcHJvdG8z", [file_kvrouter_v1_types]);
 
 /**
  * RouteRequest asks where one request should run.
@@ -100,6 +100,16 @@ export type RouteRequest = Message<"kvrouter.v1.RouteRequest"> & {
    * @generated from field: string session_id = 11;
    */
   sessionId: string;
+
+  /**
+   * multimodal_objects are the prompt's multimodal inputs (images, audio, video): each names its
+   * content by a hash and says which of token_ids are its placeholder tokens. A block holding an
+   * input's tokens is hashed with the input's hash, so that the same placeholder tokens of two
+   * different images never match. At most 256, each within token_ids, none overlapping another.
+   *
+   * @generated from field: repeated kvrouter.v1.MultimodalObject multimodal_objects = 12;
+   */
+  multimodalObjects: MultimodalObject[];
 };
 
 /**
@@ -108,6 +118,43 @@ export type RouteRequest = Message<"kvrouter.v1.RouteRequest"> & {
  */
 export const RouteRequestSchema: GenMessage<RouteRequest> = /*@__PURE__*/
   messageDesc(file_kvrouter_v1_router, 0);
+
+/**
+ * MultimodalObject is one multimodal input of a prompt.
+ *
+ * @generated from message kvrouter.v1.MultimodalObject
+ */
+export type MultimodalObject = Message<"kvrouter.v1.MultimodalObject"> & {
+  /**
+   * mm_hash names the input's content: MultimodalHash of the identifier the engine keys its prefix
+   * cache with (docs/hashing.md), the same value for the same image in every request.
+   *
+   * @generated from field: uint64 mm_hash = 1;
+   */
+  mmHash: bigint;
+
+  /**
+   * start is the position in token_ids of the input's first placeholder token.
+   *
+   * @generated from field: uint32 start = 2;
+   */
+  start: number;
+
+  /**
+   * end is the position just after its last placeholder token; greater than start, at most the
+   * number of token_ids.
+   *
+   * @generated from field: uint32 end = 3;
+   */
+  end: number;
+};
+
+/**
+ * Describes the message kvrouter.v1.MultimodalObject.
+ * Use `create(MultimodalObjectSchema)` to create a new message.
+ */
+export const MultimodalObjectSchema: GenMessage<MultimodalObject> = /*@__PURE__*/
+  messageDesc(file_kvrouter_v1_router, 1);
 
 /**
  * RoutingHints pin or restrict worker choice.
@@ -157,7 +204,7 @@ export type RoutingHints = Message<"kvrouter.v1.RoutingHints"> & {
  * Use `create(RoutingHintsSchema)` to create a new message.
  */
 export const RoutingHintsSchema: GenMessage<RoutingHints> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 1);
+  messageDesc(file_kvrouter_v1_router, 2);
 
 /**
  * RouterConfigOverride changes selection parameters for one request. Unset fields keep the router's
@@ -230,7 +277,7 @@ export type RouterConfigOverride = Message<"kvrouter.v1.RouterConfigOverride"> &
  * Use `create(RouterConfigOverrideSchema)` to create a new message.
  */
 export const RouterConfigOverrideSchema: GenMessage<RouterConfigOverride> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 2);
+  messageDesc(file_kvrouter_v1_router, 3);
 
 /**
  * ConditionalDisaggOverride changes conditional disaggregation for one request. Unset fields keep the
@@ -288,7 +335,7 @@ export type ConditionalDisaggOverride = Message<"kvrouter.v1.ConditionalDisaggOv
  * Use `create(ConditionalDisaggOverrideSchema)` to create a new message.
  */
 export const ConditionalDisaggOverrideSchema: GenMessage<ConditionalDisaggOverride> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 3);
+  messageDesc(file_kvrouter_v1_router, 4);
 
 /**
  * RouteResponse is a routing decision.
@@ -344,7 +391,7 @@ export type RouteResponse = Message<"kvrouter.v1.RouteResponse"> & {
  * Use `create(RouteResponseSchema)` to create a new message.
  */
 export const RouteResponseSchema: GenMessage<RouteResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 4);
+  messageDesc(file_kvrouter_v1_router, 5);
 
 /**
  * RouteDiagnostics explains a decision.
@@ -414,7 +461,7 @@ export type RouteDiagnostics = Message<"kvrouter.v1.RouteDiagnostics"> & {
  * Use `create(RouteDiagnosticsSchema)` to create a new message.
  */
 export const RouteDiagnosticsSchema: GenMessage<RouteDiagnostics> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 5);
+  messageDesc(file_kvrouter_v1_router, 6);
 
 /**
  * ConditionalDisaggDiagnostics are the numbers behind a bypass decision.
@@ -513,7 +560,7 @@ export type ConditionalDisaggDiagnostics = Message<"kvrouter.v1.ConditionalDisag
  * Use `create(ConditionalDisaggDiagnosticsSchema)` to create a new message.
  */
 export const ConditionalDisaggDiagnosticsSchema: GenMessage<ConditionalDisaggDiagnostics> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 6);
+  messageDesc(file_kvrouter_v1_router, 7);
 
 /**
  * HopDiagnostics are the overlap numbers of the worker chosen for one hop.
@@ -549,7 +596,7 @@ export type HopDiagnostics = Message<"kvrouter.v1.HopDiagnostics"> & {
  * Use `create(HopDiagnosticsSchema)` to create a new message.
  */
 export const HopDiagnosticsSchema: GenMessage<HopDiagnostics> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 7);
+  messageDesc(file_kvrouter_v1_router, 8);
 
 /**
  * CandidateCost is one scored worker.
@@ -620,7 +667,7 @@ export type CandidateCost = Message<"kvrouter.v1.CandidateCost"> & {
  * Use `create(CandidateCostSchema)` to create a new message.
  */
 export const CandidateCostSchema: GenMessage<CandidateCost> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 8);
+  messageDesc(file_kvrouter_v1_router, 9);
 
 /**
  * MarkPrefillCompleteRequest names a booked request.
@@ -641,7 +688,7 @@ export type MarkPrefillCompleteRequest = Message<"kvrouter.v1.MarkPrefillComplet
  * Use `create(MarkPrefillCompleteRequestSchema)` to create a new message.
  */
 export const MarkPrefillCompleteRequestSchema: GenMessage<MarkPrefillCompleteRequest> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 9);
+  messageDesc(file_kvrouter_v1_router, 10);
 
 /**
  * MarkPrefillCompleteResponse is empty.
@@ -656,7 +703,7 @@ export type MarkPrefillCompleteResponse = Message<"kvrouter.v1.MarkPrefillComple
  * Use `create(MarkPrefillCompleteResponseSchema)` to create a new message.
  */
 export const MarkPrefillCompleteResponseSchema: GenMessage<MarkPrefillCompleteResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 10);
+  messageDesc(file_kvrouter_v1_router, 11);
 
 /**
  * FreeRequest names a booked request.
@@ -677,7 +724,7 @@ export type FreeRequest = Message<"kvrouter.v1.FreeRequest"> & {
  * Use `create(FreeRequestSchema)` to create a new message.
  */
 export const FreeRequestSchema: GenMessage<FreeRequest> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 11);
+  messageDesc(file_kvrouter_v1_router, 12);
 
 /**
  * FreeResponse is empty.
@@ -692,7 +739,7 @@ export type FreeResponse = Message<"kvrouter.v1.FreeResponse"> & {
  * Use `create(FreeResponseSchema)` to create a new message.
  */
 export const FreeResponseSchema: GenMessage<FreeResponse> = /*@__PURE__*/
-  messageDesc(file_kvrouter_v1_router, 12);
+  messageDesc(file_kvrouter_v1_router, 13);
 
 /**
  * RouteMode is the shape of a routing decision.

@@ -1,0 +1,203 @@
+package bridge
+
+import (
+	"testing"
+
+	"github.com/google/go-cmp/cmp"
+	"github.com/google/go-cmp/cmp/cmpopts"
+
+	"github.com/kvrouter/kvrouter/clients/go/enginefeed"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
+)
+
+const digest = "0f3a9c2b7d4e5f60718293a4b5c6d7e8f90a1b2c3d4e5f60718293a4b5c6d7e8" // vLLM's identifier of an image
+
+// chain is a stored event of n blocks of 4 tokens (block i holds 10*i+1 .. 10*i+4), hashed 100+i,
+// continuing block first-1 when first > 0.
+func chain(first, n int, medium string) enginefeed.Event {
+	ev := enginefeed.Event{Kind: enginefeed.BlockStored, BlockSize: 4, Medium: medium}
+	if first > 0 {
+		ev.ParentHash, ev.HasParent = uint64(100+first-1), true
+	}
+	for i := first; i < first+n; i++ {
+		ev.BlockHashes = append(ev.BlockHashes, uint64(100+i))
+		ev.TokenIDs = append(ev.TokenIDs, blockTokens(i)...)
+	}
+	return ev
+}
+
+func blockTokens(i int) []uint32 {
+	return []uint32{uint32(10*i + 1), uint32(10*i + 2), uint32(10*i + 3), uint32(10*i + 4)}
+}
+
+// keyed sets the events' extra keys, one list per block (nil for none), as vLLM lists them.
+func keyed(ev enginefeed.Event, lora string, blocks ...[]enginefeed.ExtraKey) enginefeed.Event {
+	ev.LoraName = lora
+	for _, keys := range blocks {
+		ev.ExtraKeys = append(ev.ExtraKeys, keys...)
+		ev.ExtraKeyEnds = append(ev.ExtraKeyEnds, int32(len(ev.ExtraKeys)))
+	}
+	return ev
+}
+
+func str(s string) enginefeed.ExtraKey { return enginefeed.ExtraKey{Kind: enginefeed.ExtraString, Text: s} }
+func pair(id string, off int64) enginefeed.ExtraKey {
+	return enginefeed.ExtraKey{Kind: enginefeed.ExtraPair, Text: id, Offset: off}
+}
+
+// want is what the router must hold for block i: its tokens hashed with the salt of lora and ns,
+// and the sorted multimodal hashes of the identifiers ids.
+func want(i int, lora, ns string, ids ...string) uint64 {
+	var mm []uint64
+	for _, id := range ids {
+		mm = append(mm, blockhash.MultimodalHash(id))
+	}
+	return blockhash.LocalsMultimodal(nil, blockTokens(i), 4, blockhash.Salt(lora, ns), objects(mm))[0]
+}
+
+func objects(mm []uint64) []blockhash.MultimodalObject {
+	var out []blockhash.MultimodalObject
+	for _, h := range mm {
+		out = append(out, blockhash.MultimodalObject{Hash: h, Start: 0, End: 4})
+	}
+	return out
+}
+
+// TestTranslateExtraKeys checks how vLLM's extra keys become the keys Route computes: the LoRA
+// name salts, a cache salt on a prompt's first block salts the chain after it (in later events and
+// other tiers too), multimodal identifiers are folded into their blocks, and what cannot be keyed is
+// dropped from that block on.
+func TestTranslateExtraKeys(t *testing.T) {
+	cat, dog := pair("cat.png", 0), pair("dog.png", -2)
+	tests := []struct {
+		name   string
+		mode   ExtraKeys
+		events []enginefeed.Event
+		want   [][]uint64 // per event, the tokens_hash of the blocks forwarded
+		drops  []drop
+	}{
+		{
+			name:   "LoRA name in every block",
+			events: []enginefeed.Event{keyed(chain(0, 2, "GPU"), "sql-lora", []enginefeed.ExtraKey{str("sql-lora")}, []enginefeed.ExtraKey{str("sql-lora")})},
+			want:   [][]uint64{{want(0, "sql-lora", ""), want(1, "sql-lora", "")}},
+		},
+		{
+			name: "cache salt on the first block salts the chain, in later events and other tiers",
+			events: []enginefeed.Event{
+				keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{str("tenant-1")}, nil),
+				chain(2, 1, "GPU"),
+				keyed(chain(2, 1, "CPU"), "", nil), // offloaded: its own namespace, though its parent is not on the CPU
+				chain(3, 1, "CPU"),
+			},
+			want: [][]uint64{{want(0, "", "tenant-1"), want(1, "", "tenant-1")}, {want(2, "", "tenant-1")}, {want(2, "", "tenant-1")}, {want(3, "", "tenant-1")}},
+		},
+		{
+			name:   "LoRA, images and cache salt on the first block, as vLLM orders them",
+			events: []enginefeed.Event{keyed(chain(0, 3, "GPU"), "a", []enginefeed.ExtraKey{str("a"), cat, str("tenant-1")}, []enginefeed.ExtraKey{str("a"), cat, dog}, []enginefeed.ExtraKey{str("a")})},
+			want:   [][]uint64{{want(0, "a", "tenant-1", "cat.png"), want(1, "a", "tenant-1", "dog.png", "cat.png"), want(2, "a", "tenant-1")}},
+		},
+		{
+			name: "multimodal identifiers as strings (vLLM before 0.19): a digest anywhere, a chosen name past the first block",
+			events: []enginefeed.Event{keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{str(digest), str("tenant-1")}, []enginefeed.ExtraKey{str("user-image-7")})},
+			want:   [][]uint64{{want(0, "", "tenant-1", digest), want(1, "", "tenant-1", "user-image-7")}},
+		},
+		{
+			name:   "a string on a later block is no cache salt",
+			events: []enginefeed.Event{chain(0, 1, "GPU"), keyed(chain(1, 1, "GPU"), "", []enginefeed.ExtraKey{str("user-image-7")})},
+			want:   [][]uint64{{want(0, "", "")}, {want(1, "", "", "user-image-7")}},
+		},
+		{
+			name:   "prompt embeddings are dropped from their block on",
+			events: []enginefeed.Event{keyed(chain(0, 3, "GPU"), "", nil, []enginefeed.ExtraKey{{Kind: enginefeed.ExtraBytes}}, nil)},
+			want:   [][]uint64{{want(0, "", "")}},
+			drops:  []drop{{ReasonPromptEmbeds, 2}},
+		},
+		{
+			name:   "a key of unknown shape is dropped from its block on",
+			events: []enginefeed.Event{keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{{Kind: enginefeed.ExtraOther}}, nil)},
+			want:   [][]uint64{nil},
+			drops:  []drop{{ReasonExtraKeys, 2}},
+		},
+		{
+			name:   "keys listed for another number of blocks",
+			events: []enginefeed.Event{keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{cat})},
+			want:   [][]uint64{nil},
+			drops:  []drop{{ReasonExtraKeys, 2}},
+		},
+		{
+			name:   "skip drops from the first block with keys",
+			mode:   ExtraKeysSkip,
+			events: []enginefeed.Event{keyed(chain(0, 3, "GPU"), "", nil, []enginefeed.ExtraKey{cat}, nil)},
+			want:   [][]uint64{{want(0, "", "")}},
+			drops:  []drop{{ReasonExtraKeys, 2}},
+		},
+		{
+			name:   "ignore forwards the tokens with the LoRA name only",
+			mode:   ExtraKeysIgnore,
+			events: []enginefeed.Event{keyed(chain(0, 1, "GPU"), "a", []enginefeed.ExtraKey{str("a"), cat, str("tenant-1")})},
+			want:   [][]uint64{{want(0, "a", "")}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tr := translator{blockSize: 4, extraKeys: tt.mode}
+			var got [][]uint64
+			var drops []drop
+			for i := range tt.events {
+				out, d := tr.translate(&tt.events[i], nil)
+				var hashes []uint64
+				for _, ev := range out {
+					for _, b := range ev.GetStored().GetBlocks() {
+						hashes = append(hashes, b.GetTokensHash())
+					}
+				}
+				got = append(got, hashes)
+				if d.reason != "" {
+					drops = append(drops, d)
+				}
+			}
+			if diff := cmp.Diff(tt.want, got, cmpopts.EquateEmpty()); diff != "" {
+				t.Errorf("tokens_hash of the forwarded blocks (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tt.drops, drops, cmp.AllowUnexported(drop{}), cmpopts.EquateEmpty()); diff != "" {
+				t.Errorf("drops (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestTranslateForgetsRemovedNamespaces: the namespace of a salted block is kept while a tier holds
+// the block, and forgotten once every tier removed it or the cache was cleared, so that memory
+// follows the engine's cache.
+func TestTranslateForgetsRemovedNamespaces(t *testing.T) {
+	tr := translator{blockSize: 4}
+	salted := keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{str("tenant-1")}, nil)
+	offloaded := chain(0, 2, "CPU")
+	removedGPU := enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{100, 101}, Medium: "GPU"}
+	removedCPU := enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{101}, Medium: "CPU"}
+	for _, ev := range []enginefeed.Event{salted, offloaded, removedGPU, removedCPU} {
+		tr.translate(&ev, nil)
+	}
+	if diff := cmp.Diff([]uint64{100}, keys(tr.namespaces)); diff != "" {
+		t.Errorf("blocks with a namespace after the removals (-want +got):\n%s", diff)
+	}
+	// Block 1 again on the GPU, under block 0 (still on the CPU): salted by its parent.
+	again := chain(1, 1, "GPU")
+	out, _ := tr.translate(&again, nil)
+	if got, w := out[0].GetStored().GetBlocks()[0].GetTokensHash(), want(1, "", "tenant-1"); got != w {
+		t.Errorf("block 1 stored again has tokens_hash %d, want %d (salted as its parent)", got, w)
+	}
+	cleared := enginefeed.Event{Kind: enginefeed.AllBlocksCleared}
+	tr.translate(&cleared, nil)
+	if len(tr.namespaces) != 0 {
+		t.Errorf("%d namespaces kept after the cache was cleared, want 0", len(tr.namespaces))
+	}
+}
+
+func keys(m map[uint64]namespaced) []uint64 {
+	var out []uint64
+	for k := range m {
+		out = append(out, k)
+	}
+	return out
+}
