@@ -131,8 +131,19 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 		return out, drop{}
 	}
 	if ev.Kind == enginefeed.BlockRemoved {
-		hashes := make([]uint64, n)
-		copy(hashes, ev.BlockHashes)
+		hashes := make([]uint64, 0, n)
+		for i, h := range ev.BlockHashes {
+			// vLLM may cache one hash in several blocks; a removal whose remaining copy count is not
+			// 0 evicted one copy, and the engine still holds the block. Without one count per hash
+			// the counts say nothing certain, and every hash is removed: a missed hit at worst.
+			if len(ev.RemainingCopies) == n && ev.RemainingCopies[i] > 0 {
+				continue
+			}
+			hashes = append(hashes, h)
+		}
+		if len(hashes) == 0 {
+			return out, drop{}
+		}
 		if len(t.namespaces) > 0 {
 			for _, h := range hashes {
 				if e, ok := t.namespaces[h]; ok {

@@ -201,3 +201,36 @@ func keys(m map[uint64]namespaced) []uint64 {
 	}
 	return out
 }
+
+// TestTranslateRemainingCopies: a removal whose remaining copy count is not 0 evicted one copy of
+// a block the engine still holds, and is not forwarded; counts that do not match the hashes one to
+// one are not trusted, and every hash is removed.
+func TestTranslateRemainingCopies(t *testing.T) {
+	tests := []struct {
+		name   string
+		copies []int64
+		want   []uint64
+	}{
+		{"no counts", nil, []uint64{100, 101, 102}},
+		{"one block still cached", []int64{0, 2, 0}, []uint64{100, 102}},
+		{"every block still cached", []int64{1, 1, 1}, nil},
+		{"counts for another number of blocks", []int64{1, 1}, []uint64{100, 101, 102}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tr := translator{blockSize: 4}
+			ev := enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{100, 101, 102}, Medium: "GPU", RemainingCopies: tt.copies}
+			out, d := tr.translate(&ev, nil)
+			var got []uint64
+			for _, e := range out {
+				got = append(got, e.GetRemoved().GetBlockHashes()...)
+			}
+			if diff := cmp.Diff(tt.want, got, cmpopts.EquateEmpty()); diff != "" {
+				t.Errorf("removed hashes forwarded (-want +got):\n%s", diff)
+			}
+			if d.reason != "" {
+				t.Errorf("dropped %+v, want nothing", d)
+			}
+		})
+	}
+}

@@ -159,7 +159,8 @@ func (b *Batch) next() *Event {
 	if len(b.Events) < cap(b.Events) {
 		b.Events = b.Events[:len(b.Events)+1]
 		ev := &b.Events[len(b.Events)-1]
-		*ev = Event{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0], ExtraKeys: ev.ExtraKeys[:0], ExtraKeyEnds: ev.ExtraKeyEnds[:0]}
+		*ev = Event{BlockHashes: ev.BlockHashes[:0], TokenIDs: ev.TokenIDs[:0], ExtraKeys: ev.ExtraKeys[:0], ExtraKeyEnds: ev.ExtraKeyEnds[:0],
+			RemainingCopies: ev.RemainingCopies[:0]}
 		return ev
 	}
 	b.Events = append(b.Events, Event{})
@@ -179,7 +180,7 @@ const (
 var positions = [...][]string{
 	BlockStored: {"block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
 		"lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window"},
-	BlockRemoved:     {"block_hashes", "medium", "group_idx"},
+	BlockRemoved:     {"block_hashes", "medium", "group_idx", "remaining_copy_counts"},
 	AllBlocksCleared: {},
 }
 
@@ -330,6 +331,8 @@ func decodeField(dec *msgpack.Decoder, name string, ev *Event) (int, error) {
 		ev.ExtraKeys, ev.ExtraKeyEnds, err = decodeExtraKeys(dec, ev.ExtraKeys[:0], ev.ExtraKeyEnds[:0])
 	case "group_idx":
 		ev.GroupIdx, ev.HasGroup, err = decodeOptionalInt(dec)
+	case "remaining_copy_counts":
+		ev.RemainingCopies, err = decodeCounts(dec, ev.RemainingCopies[:0])
 	case "kv_cache_spec_kind":
 		ev.SpecKind, err = decodeOptionalString(dec)
 	case "locality":
@@ -473,6 +476,25 @@ func decodeTokens(dec *msgpack.Decoder, dst []uint32) ([]uint32, error) {
 			return dst, fmt.Errorf("[%d] = %d is not a token id", i, t)
 		}
 		dst = append(dst, uint32(t))
+	}
+	return dst, nil
+}
+
+// decodeCounts reads a list of non-negative integers, or nil (no list).
+func decodeCounts(dec *msgpack.Decoder, dst []int64) ([]int64, error) {
+	if isNilNext(dec) {
+		return dst, dec.Skip()
+	}
+	n, err := dec.DecodeArrayLen()
+	if err != nil || n < 0 {
+		return dst, fmt.Errorf("not an array")
+	}
+	for i := 0; i < n; i++ {
+		v, ok, err := decodeOptionalInt(dec)
+		if err != nil || !ok || v < 0 {
+			return dst, fmt.Errorf("[%d] is not a count", i)
+		}
+		dst = append(dst, v)
 	}
 	return dst, nil
 }

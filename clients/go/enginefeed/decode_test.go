@@ -37,6 +37,21 @@ const pythonArrays = "93cb41daa8dbe0200000939cab426c6f636b53746f72656492cfdab89b
 //	    {"type": "BlockRemoved", "block_hashes": [-3], "medium": "CPU"}], 1])
 const pythonMaps = "93cb41daa8dbe0200000928da474797065ab426c6f636b53746f726564ac626c6f636b5f68617368657391c4200000000000000000000000000000000000000000000000000000000000000007b1706172656e745f626c6f636b5f68617368fda9746f6b656e5f69647394090a0b0caa626c6f636b5f73697a6504a76c6f72615f6964c0a66d656469756da3435055a96c6f72615f6e616d65a873716c2d6c6f7261aa65787472615f6b6579739192a26d6d00a967726f75705f69647800b26b765f63616368655f737065635f6b696e64ae66756c6c5f617474656e74696f6ea86c6f63616c697479a54c4f43414ca96f776e657273686970a17883a474797065ac426c6f636b52656d6f766564ac626c6f636b5f68617368657391fda66d656469756da343505501"
 
+// pythonKeyed is vLLM 0.19's extra keys and remaining copy counts, written by the same encoder:
+//
+//	d = "9b4c0e1f2a3d5b6c7d8e9fa0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0"
+//	msgpack.packb([1789095808.5, [
+//	    ["BlockStored", [11, 12], None, [1,2,3,4,5,6,7,8], 4, None, "GPU", "sql-lora",
+//	     [("sql-lora", (d, -2), "tenant-1"), ("sql-lora", b"\x01\x02")], 0, "full_attention", None],
+//	    ["BlockRemoved", [11, 12, 13], "GPU", 0, [1, 0, 0]]], 0], use_bin_type=True)
+const pythonKeyed = "93cb41daa8dbe0200000929cab426c6f636b53746f726564920b0cc098010203040506070804c0a3475055a873716c2d6c6f72619293a873716c2d6c6f726192d94039623463306531663261336435623663376438653966613062316332643365346635613662376338643965306631613262336334643565366637613862396330fea874656e616e742d3192a873716c2d6c6f7261c402010200ae66756c6c5f617474656e74696f6ec095ac426c6f636b52656d6f766564930b0c0da3475055009301000000"
+
+// pythonCopiesMap is a map-encoded removal with remaining copy counts:
+//
+//	msgpack.packb([1789095808.5, [{"type": "BlockRemoved", "block_hashes": [11, 12], "medium": "CPU",
+//	    "remaining_copy_counts": [0, 2]}], 0], use_bin_type=True)
+const pythonCopiesMap = "93cb41daa8dbe02000009184a474797065ac426c6f636b52656d6f766564ac626c6f636b5f686173686573920b0ca66d656469756da3435055b572656d61696e696e675f636f70795f636f756e747392000200"
+
 func unhex(t testing.TB, s string) []byte {
 	b, err := hex.DecodeString(s)
 	if err != nil {
@@ -77,6 +92,32 @@ func TestDecodeEnginePayloads(t *testing.T) {
 			}},
 		},
 	}
+	tests = append(tests, []struct {
+		name    string
+		payload string
+		want    enginefeed.Batch
+	}{
+		{
+			name:    "extra keys and remaining copy counts (vLLM 0.19 on)",
+			payload: pythonKeyed,
+			want: enginefeed.Batch{TS: 1789095808.5, HasDPRank: true, Events: []enginefeed.Event{
+				{Kind: enginefeed.BlockStored, BlockHashes: []uint64{11, 12}, TokenIDs: []uint32{1, 2, 3, 4, 5, 6, 7, 8}, BlockSize: 4, Medium: "GPU", LoraName: "sql-lora",
+					ExtraKeys: []enginefeed.ExtraKey{
+						{Kind: enginefeed.ExtraString, Text: "sql-lora"}, {Kind: enginefeed.ExtraPair, Text: "9b4c0e1f2a3d5b6c7d8e9fa0b1c2d3e4f5a6b7c8d9e0f1a2b3c4d5e6f7a8b9c0", Offset: -2},
+						{Kind: enginefeed.ExtraString, Text: "tenant-1"}, {Kind: enginefeed.ExtraString, Text: "sql-lora"}, {Kind: enginefeed.ExtraBytes},
+					},
+					ExtraKeyEnds: []int32{3, 5}, HasGroup: true, SpecKind: "full_attention"},
+				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{11, 12, 13}, Medium: "GPU", HasGroup: true, RemainingCopies: []int64{1, 0, 0}},
+			}},
+		},
+		{
+			name:    "remaining copy counts in a map event",
+			payload: pythonCopiesMap,
+			want: enginefeed.Batch{TS: 1789095808.5, HasDPRank: true, Events: []enginefeed.Event{
+				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{11, 12}, Medium: "CPU", RemainingCopies: []int64{0, 2}},
+			}},
+		},
+	}...)
 	d := enginefeed.NewDecoder()
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
@@ -100,7 +141,7 @@ func sample() enginefeed.Batch {
 				{Kind: enginefeed.ExtraString, Text: "tenant-1"}, {Kind: enginefeed.ExtraBytes}, {Kind: enginefeed.ExtraOther}},
 			ExtraKeyEnds: []int32{0, 5}, GroupIdx: 2, HasGroup: true, SpecKind: "full_attention"},
 		{Kind: enginefeed.BlockStored, BlockHashes: []uint64{9}, TokenIDs: []uint32{0, 0, 0, 0}, BlockSize: 4},
-		{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{1 << 63}, Medium: "GPU", GroupIdx: 2, HasGroup: true},
+		{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{1 << 63}, Medium: "GPU", GroupIdx: 2, HasGroup: true, RemainingCopies: []int64{1}},
 		{Kind: enginefeed.AllBlocksCleared},
 	}}
 }

@@ -103,7 +103,7 @@ func (e *Encoder) optionalFields(ev *Event) int {
 	n := 0
 	for _, name := range positions[ev.Kind] {
 		switch name {
-		case "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window":
+		case "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window", "remaining_copy_counts":
 			if e.isSet(ev, name) {
 				n++
 			}
@@ -127,6 +127,8 @@ func (e *Encoder) isSet(ev *Event, name string) bool {
 		return ev.SpecKind != ""
 	case "kv_cache_spec_sliding_window":
 		return false
+	case "remaining_copy_counts":
+		return len(ev.RemainingCopies) > 0
 	}
 	return true
 }
@@ -201,6 +203,15 @@ func (e *Encoder) encodeField(ev *Event, name string) {
 		}
 	case "kv_cache_spec_kind":
 		optString(ev.SpecKind)
+	case "remaining_copy_counts":
+		if len(ev.RemainingCopies) == 0 {
+			_ = enc.EncodeNil()
+			return
+		}
+		_ = enc.EncodeArrayLen(len(ev.RemainingCopies))
+		for _, c := range ev.RemainingCopies {
+			_ = enc.EncodeInt(c)
+		}
 	default: // kv_cache_spec_sliding_window
 		_ = enc.EncodeNil()
 	}

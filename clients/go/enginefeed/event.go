@@ -60,6 +60,10 @@ type Event struct {
 	// sent no extra_keys.
 	ExtraKeys    []ExtraKey
 	ExtraKeyEnds []int32
+	// RemainingCopies are, for a removal, how many copies of each removed block the engine still
+	// holds (vLLM's remaining_copy_counts, one per hash): a block whose count is not 0 is still
+	// cached. Empty when the engine sent none.
+	RemainingCopies []int64
 	// GroupIdx is the KV-cache group of a hybrid model, when HasGroup; SpecKind names its kind
 	// ("full_attention", "sliding_window", ...).
 	GroupIdx int64
