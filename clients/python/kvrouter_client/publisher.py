@@ -21,7 +21,7 @@ from kvrouter_client.errors import (
     error_reason,
     status_code,
 )
-from kvrouter_client.validation import MAX_BATCH_BLOCKS, check_events, check_hello, event_blocks
+from kvrouter_client.validation import MAX_BATCH_BLOCKS, check_events, check_hello, check_leave_reason, event_blocks
 
 __all__ = ["Publisher", "PublisherStats", "DumpFunction", "DEFAULT_CHANNEL_OPTIONS"]
 
@@ -104,14 +104,16 @@ class Publisher:
 
     With ``hash_tokens``, each stored block given with its token ids (published or dumped) is sent
     with its ``tokens_hash`` instead, computed here as the router would (kvrouter_client.blockhash,
-    which needs Debian's python3-xxhash): 8 bytes a block on the wire, and no hashing on the router.
+    which needs Debian's python3-xxhash), its ``mm_hashes`` folded in: 8 bytes a block on the wire,
+    and no hashing on the router.
 
     The publisher is safe to use from several threads, but the dump function must not call
     publish() (it runs while publishing is paused). Channels it opens itself for address targets use
     ``channel_options``: by default DEFAULT_CHANNEL_OPTIONS, a short gRPC reconnect backoff and
     keepalive pings (options given replace them all); channels given as targets keep their own. Use
     it as a context manager, or call close(), which sends what is queued, waits for the last ack and
-    ends the stream.
+    ends the stream; or leave(), for a worker that stopped serving, which has the router remove the
+    worker rank at once instead of a grace period after the stream ended.
     """
 
     def __init__(
@@ -178,6 +180,8 @@ class Publisher:
         self._resync = False
         self._dumping = False
         self._closing = False
+        self._leave: Optional["pb.worker.WorkerLeave"] = None  # set by leave(): sent in place of anything else
+        self._left = False  # the router removed the worker rank after the leave
         self._aborted = False
         self._err: Optional[PublisherError] = None
         self._batch = max_batch_events
@@ -309,6 +313,54 @@ class Publisher:
                     self._flush_locked(deadline)
                 except BaseException as e:  # noqa: BLE001 - re-raised below, after cleanup
                     err = e
+        self._shutdown(deadline, err)
+
+    def leave(self, reason: str = "", timeout: Optional[float] = 30.0) -> None:
+        """Has the router remove the worker rank now, with its blocks, and closes the publisher.
+
+        For a worker that stopped serving (its engine is down) and must get no more requests: after
+        close() the router keeps the rank, and routes to it, for a grace period in case it reconnects.
+        ``reason`` says why, for the router's log (at most 256 bytes). Events not acked yet are
+        dropped, since the worker's blocks go with it. The leave is the last message of the stream
+        (on a new one if the stream fails first, with the reconnects' backoff); the router
+        confirms the removal by ending the stream with OK, and leave() returns then. Without that
+        confirmation within ``timeout`` seconds it raises TimeoutError, and the router removes the
+        rank a grace period after the stream ended, as after close(). The publisher is closed either
+        way, and channels it opened itself too.
+
+        A reason over 256 bytes raises ValidationError, with the router's message, and changes
+        nothing. It raises the publisher's error if it stopped on one (before or during the leave),
+        and PublisherClosedError after close() or a first leave(). It starts the stream if the
+        publisher was made with ``start=False``.
+        """
+        check_leave_reason(reason)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        err: Optional[BaseException] = None
+        with self._cond:
+            if self._err is not None:
+                raise self._err
+            if self._closing:
+                raise PublisherClosedError("kvrouter_client: the publisher is closed")
+            self._closing = True
+            self._leave = pb.worker.WorkerLeave(reason=reason)
+            self._pending.clear()
+            self._sent = 0
+            self._cond.notify_all()
+        self.start()
+        with self._cond:
+            while not self._left and self._err is None:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    err = TimeoutError("kvrouter_client: the router did not confirm the leave in time")
+                    break
+                self._cond.wait(remaining)
+            if self._err is not None:
+                err = self._err
+        self._shutdown(deadline, err)
+
+    def _shutdown(self, deadline: Optional[float], err: Optional[BaseException]) -> None:
+        """Ends the stream thread (at once when err is set, else once it ended the stream itself or
+        at the deadline), closes the channels the publisher opened, and raises err, if any."""
         if self._started:
             remaining = None if deadline is None else max(deadline - time.monotonic(), 0.0)
             if err is None:
@@ -359,7 +411,7 @@ class Publisher:
 
     def _done(self) -> bool:
         with self._cond:
-            return self._aborted or (self._closing and not self._pending)
+            return self._aborted or self._left or (self._closing and not self._pending and self._leave is None)
 
     def _run(self) -> None:
         try:
@@ -437,6 +489,7 @@ class Publisher:
         registered = False
         sender: Optional[threading.Thread] = None
         sender_err: List[BaseException] = []
+        leave_sent = threading.Event()
         try:
             it = iter(call)
             m = next(it)
@@ -448,7 +501,7 @@ class Publisher:
 
             def send() -> None:
                 try:
-                    self._send_loop(q, done, need_dump)
+                    self._send_loop(q, done, need_dump, leave_sent)
                 except BaseException as e:  # noqa: BLE001 - handed to the stream's owner
                     sender_err.append(e)
                     call.cancel()
@@ -469,7 +522,13 @@ class Publisher:
             if sender_err:
                 raise sender_err[0]
             with self._cond:
-                clean = self._closing and not self._pending
+                if leave_sent.is_set():
+                    # The router ends the stream with OK once it removed the rank: it read the leave,
+                    # since nothing follows the leave but the half-close.
+                    self._left = True
+                    self._cond.notify_all()
+                    return registered, None
+                clean = self._closing and not self._pending and self._leave is None
             return registered, None if clean else PublisherError("kvrouter_client: the router ended the stream")
         except StopIteration:
             return registered, PublisherError("kvrouter_client: the stream ended before the router registered the worker")
@@ -521,10 +580,18 @@ class Publisher:
         self._acked = max(self._acked, event_id)
         self._cond.notify_all()
 
-    def _send_loop(self, q: "queue.Queue[Optional[pb.worker.PublishRequest]]", done: threading.Event, need_dump: bool) -> None:
-        """Feeds the stream: dumps when asked, event batches, load reports, and the final half-close."""
+    def _send_loop(self, q: "queue.Queue[Optional[pb.worker.PublishRequest]]", done: threading.Event, need_dump: bool, leave_sent: threading.Event) -> None:
+        """Feeds the stream: dumps when asked, event batches, load reports, and the final half-close;
+        after leave(), nothing but the leave and the half-close."""
         batch_deadline: Optional[float] = None
         while not done.is_set():
+            with self._cond:
+                leave = self._leave
+            if leave is not None:
+                q.put(pb.worker.PublishRequest(leave=leave))
+                leave_sent.set()
+                q.put(None)  # the leave is the stream's last message
+                return
             if need_dump:
                 self._send_dump(q)
                 need_dump = False
@@ -532,6 +599,8 @@ class Publisher:
             msg: Optional["pb.worker.PublishRequest"] = None
             with self._cond:
                 while not done.is_set():
+                    if self._leave is not None:
+                        break
                     if self._resync:
                         self._resync = False
                         need_dump = True

@@ -154,6 +154,7 @@ class Router:
         *,
         lora_name: str = "",
         cache_namespace: str = "",
+        multimodal_objects: Iterable[Tuple[int, int, int]] = (),
         annotations: Iterable[str] = (),
         session_id: str = "",
         explain: bool = False,
@@ -163,6 +164,13 @@ class Router:
         timeout: Optional[float] = None,
     ) -> Booking:
         """Routes one request and returns its Booking; a request without an id gets a random one.
+
+        ``multimodal_objects`` are the prompt's multimodal inputs (images, audio) as ``(mm_hash,
+        start, end)`` tuples, as kvrouter_client.blockhash takes them: the input's hash
+        (blockhash.multimodal_hash of the identifier the engine keys its cache with) and the
+        positions ``[start, end)`` in ``token_ids`` of its placeholder tokens. The router hashes the
+        blocks holding them with their hashes, so that the same placeholder tokens of two different
+        images never match.
 
         It raises ValidationError (before sending) for what the router would refuse as malformed,
         and grpc.RpcError for the router's own errors. While the router answers UNAVAILABLE with
@@ -179,6 +187,7 @@ class Router:
             token_ids=list(token_ids),
             lora_name=lora_name,
             cache_namespace=cache_namespace,
+            multimodal_objects=[pb.router.MultimodalObject(mm_hash=h, start=start, end=end) for h, start, end in multimodal_objects],
             annotations=list(annotations),
             session_id=session_id,
             explain=explain,

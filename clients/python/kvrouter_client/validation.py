@@ -1,7 +1,7 @@
 """Client-side checks of what the router would refuse, with the router's own messages.
 
-The messages follow server/router.go and server/worker.go, so that an error raised here reads as the
-router's INVALID_ARGUMENT would.
+The messages follow server/router.go, server/publishmap.go and server/worker.go, so that an error
+raised here reads as the router's INVALID_ARGUMENT would.
 """
 
 from __future__ import annotations
@@ -16,6 +16,16 @@ MAX_REQUEST_ID_BYTES = 512
 
 MAX_BATCH_BLOCKS = 16_384
 """The router's default max_batch_blocks: most events, and most blocks, of one Publish message."""
+
+MAX_MULTIMODAL_OBJECTS = 256
+"""The most multimodal inputs of one RouteRequest (server/router.go): each costs the hashing of the
+blocks it touches."""
+
+MAX_BLOCK_MM_HASHES = 64
+"""The most mm_hashes of one stored block (server/router.go)."""
+
+MAX_LEAVE_REASON_BYTES = 256
+"""The router's limit on a WorkerLeave's reason, in bytes: it goes to the router's log."""
 
 _TIERS = {pb.types.STORAGE_TIER_DEVICE, pb.types.STORAGE_TIER_HOST, pb.types.STORAGE_TIER_DISK, pb.types.STORAGE_TIER_EXTERNAL}
 _ROLES = {pb.types.WORKER_ROLE_PREFILL, pb.types.WORKER_ROLE_DECODE, pb.types.WORKER_ROLE_AGGREGATED}
@@ -41,12 +51,39 @@ def check_route_request(req: "pb.router.RouteRequest", max_prompt_tokens: Option
         raise ValidationError("token_ids", "must not be empty")
     if max_prompt_tokens is not None and n > max_prompt_tokens:
         raise ValidationError("token_ids", f"has {n} tokens, more than the maximum of {max_prompt_tokens} (max_prompt_tokens)")
+    check_multimodal_objects(req.multimodal_objects, n)
     if req.HasField("hints"):
         h = req.hints
         if h.HasField("prefill_dp_rank") and not h.HasField("prefill_worker_id"):
             raise ValidationError("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
         if h.HasField("decode_dp_rank") and not h.HasField("decode_worker_id"):
             raise ValidationError("hints.decode_dp_rank", "needs hints.decode_worker_id")
+
+
+def check_multimodal_objects(objects: Sequence["pb.router.MultimodalObject"], n: int) -> None:
+    """Raises ValidationError for a RouteRequest's multimodal_objects that the router refuses with a
+    prompt of n tokens: more than 256, one with end <= start or past the prompt, or two whose tokens
+    overlap (an input's placeholder tokens are its own)."""
+    if len(objects) > MAX_MULTIMODAL_OBJECTS:
+        raise ValidationError("multimodal_objects", f"must hold at most {MAX_MULTIMODAL_OBJECTS} inputs (got {len(objects)})")
+    for i, o in enumerate(objects):
+        if o.end <= o.start:
+            raise ValidationError(f"multimodal_objects[{i}].end", f"must be greater than start {o.start} (got {o.end})")
+        if o.end > n:
+            raise ValidationError(f"multimodal_objects[{i}].end", f"must be at most the number of token_ids {n} (got {o.end})")
+    # The router sorts them by their first token and names the first that overlaps the one before it.
+    order = sorted(range(len(objects)), key=lambda k: objects[k].start)
+    for p, i in zip(order, order[1:]):
+        a, b = objects[p], objects[i]
+        if a.end > b.start:
+            raise ValidationError(f"multimodal_objects[{i}]", f"tokens [{b.start}, {b.end}) overlap those of multimodal_objects[{p}], [{a.start}, {a.end})")
+
+
+def check_leave_reason(reason: str) -> None:
+    """Raises ValidationError for a WorkerLeave reason the router refuses (over 256 bytes)."""
+    n = len(reason.encode("utf-8"))
+    if n > MAX_LEAVE_REASON_BYTES:
+        raise ValidationError("leave.reason", f"must be at most {MAX_LEAVE_REASON_BYTES} bytes (got {n})")
 
 
 def check_hello(h: "pb.worker.WorkerHello") -> None:
@@ -80,11 +117,15 @@ def check_events(events: Sequence["pb.worker.KvEvent"], block_size: int, field: 
                 has_hash = b.HasField("tokens_hash")
                 if has_hash and len(b.token_ids) > 0:
                     raise ValidationError(bf, "must set exactly one of token_ids and tokens_hash (both are set)")
+                if has_hash and len(b.mm_hashes) > 0:
+                    raise ValidationError(bf + ".mm_hashes", "must be empty with tokens_hash, which already holds them")
                 if not has_hash:
                     if len(b.token_ids) == 0:
                         raise ValidationError(bf, "must set exactly one of token_ids and tokens_hash (neither is set)")
                     if len(b.token_ids) != block_size:
                         raise ValidationError(bf + ".token_ids", f"must hold exactly block_size {block_size} tokens (got {len(b.token_ids)})")
+                    if len(b.mm_hashes) > MAX_BLOCK_MM_HASHES:
+                        raise ValidationError(bf + ".mm_hashes", f"must hold at most {MAX_BLOCK_MM_HASHES} hashes (got {len(b.mm_hashes)})")
         elif kind == "removed":
             if len(ev.removed.block_hashes) == 0:
                 raise ValidationError(f + ".removed.block_hashes", "must not be empty")

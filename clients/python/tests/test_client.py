@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import unittest
-from typing import Iterator, List, Tuple
+from typing import Dict, Iterator, List, Tuple
 
 import grpc
 
@@ -431,6 +431,36 @@ class HashTokensTest(ServerTest):
         # Another salt matches nothing: neither worker holds the prompt for adapter-x alone.
         self.assertEqual(self.overlap(lora_name="adapter-x")[1], 0)
 
+    def test_multimodal_blocks_match_only_routes_with_the_same_inputs(self) -> None:
+        # The prompt's blocks 2..4 hold an image (tokens 10..19 of the 32), a hash named by its
+        # identifier. Worker 32 sends them as token ids and mm_hashes, worker 33 as tokens_hash.
+        image = blockhash.multimodal_hash("cat.png")
+        objects = [(image, 10, 20)]
+        prompt = [t for i in range(self.N) for t in block(i)[1]]
+        chain = [(40_000 + i, block(i)[1], [image] if 2 <= i <= 4 else []) for i in range(self.N)]
+        with self.publisher(hello(32, model="mm"), self.server.addr) as p:
+            p.publish(events.stored(chain))
+        q = self.publisher(hello(33, model="mm"), self.server.addr, hash_tokens=True)
+        ev = events.stored([(50_000 + i, toks, mm) for i, (_, toks, mm) in enumerate(chain)])
+        q.publish(ev)
+        q.flush(5)
+        want = blockhash.local_hashes(prompt, BS, blockhash.SEED, objects)
+        self.assertEqual([b.tokens_hash for b in ev.stored.blocks], want)
+        self.assertTrue(all(len(b.mm_hashes) == 0 for b in ev.stored.blocks), "mm_hashes are folded into tokens_hash")
+        self.assertNotEqual(want[2:5], blockhash.local_hashes(prompt, BS)[2:5])
+
+        def overlap(**kwargs) -> Dict[int, int]:
+            out = {}
+            for allowed in (32, 33):
+                b = self.router.route(prompt + [999], "mm", query_only=True, hints=pb.router.RoutingHints(allowed_worker_ids=[allowed]), **kwargs)
+                out[b.decode.worker_id] = b.response.diagnostics.decode.overlap_blocks.device
+            return out
+
+        self.assertEqual(overlap(multimodal_objects=objects), {32: self.N, 33: self.N})
+        # Without the image, or with another one behind the same tokens, only the blocks before it match.
+        self.assertEqual(overlap(), {32: 2, 33: 2})
+        self.assertEqual(overlap(multimodal_objects=[(blockhash.multimodal_hash("dog.png"), 10, 20)]), {32: 2, 33: 2})
+
     def test_dumped_blocks_are_hashed_too(self) -> None:
         cache = [block(i) for i in range(self.N)]
         dumped: List["pb.worker.KvEvent"] = []
@@ -476,6 +506,75 @@ class SupersededTest(ServerTest):
         self.assertTrue(self.server.worker_status(7).connected)
 
 
+class LeaveTest(ServerTest):
+    def published(self, worker_id: int, **kwargs) -> Publisher:
+        """Returns a publisher of worker_id (model "leaving") whose 3 blocks the router holds."""
+        p = self.publisher(hello(worker_id, model="leaving"), self.server.addr, **kwargs)
+        p.publish([events.stored([block(i)]) for i in range(3)])
+        p.flush(5)
+        self.assertEqual(self.server.worker_status(worker_id).cached_blocks.device, 3)
+        return p
+
+    def assert_gone(self, worker_id: int) -> None:
+        self.assertIsNone(self.server.worker_status(worker_id), "the router still lists the worker after its leave")
+        with Router(self.server.addr) as router, self.assertRaises(grpc.RpcError) as cm:
+            router.route(block(0)[1], "leaving", query_only=True)
+        self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND, "no worker serves the model any more")
+
+    def test_leave_removes_the_worker_at_once_and_closes_the_publisher(self) -> None:
+        p = self.published(50)
+        p.leave("engine down", timeout=5)
+        self.assert_gone(50)
+        self.assertIn('"msg":"worker left: removed with its blocks"', self.server.log_text())
+        self.assertIn('"reason":"engine down"', self.server.log_text())
+        with self.assertRaises(PublisherClosedError):
+            p.publish(events.stored([block(3)]))
+        with self.assertRaises(PublisherClosedError):
+            p.leave("again")
+        p.close(1)  # harmless after a leave
+
+    def test_leave_drops_unacked_events_and_reconnects_to_send_it(self) -> None:
+        p = self.published(51, backoff_initial=0.02, backoff_max=0.2)
+        port = self.server.port
+        self.server.stop()  # embedded mode: the next router on the port knows nothing of the worker
+        p.publish([events.stored([block(i)]) for i in range(3, 6)])
+        self.assertTrue(wait_until(lambda: p.stats.failures >= 1), "the stream did not fail with its router gone")
+        errors: List[BaseException] = []
+        done = threading.Event()
+
+        def leave() -> None:
+            try:
+                p.leave("engine down", timeout=10)
+            except BaseException as e:  # noqa: BLE001 - checked below
+                errors.append(e)
+            done.set()
+
+        t = threading.Thread(target=leave)
+        t.start()
+        self.addCleanup(t.join, 10)
+        self.assertTrue(wait_until(lambda: p.unacked == 0, timeout=2), "leave() kept the unacked events")
+        self.assertFalse(done.wait(0.3), "leave() returned without a router to confirm it")
+        self.server = Server(port=port)
+        self.addCleanup(self.server.stop)
+        self.assertTrue(done.wait(10), "leave() did not return after the router came back")
+        self.assertEqual(errors, [])
+        self.assertEqual(p.stats.streams, 2, "the leave went on a new stream")
+        self.assertIn('"msg":"worker left: removed with its blocks"', self.server.log_text())
+        self.assert_gone(51)
+
+    def test_leave_without_a_router_times_out_and_closes(self) -> None:
+        p = Publisher(hello(52), f"127.0.0.1:{free_port()}", backoff_initial=0.01, backoff_max=0.05)  # nothing listens
+        p.publish(events.stored([block(0)]))
+        t0 = time.monotonic()
+        with self.assertRaises(TimeoutError) as cm:
+            p.leave("engine down", timeout=0.3)
+        self.assertLess(time.monotonic() - t0, 3)
+        self.assertIn("did not confirm the leave", str(cm.exception))
+        self.assertEqual(p.unacked, 0)
+        with self.assertRaises(PublisherClosedError):
+            p.publish(events.stored([block(1)]))
+
+
 class ValidationTest(ServerTest):
     flags = ("--max-prompt-tokens", "8")
 
@@ -502,7 +601,44 @@ class ValidationTest(ServerTest):
             err = self.server_error(lambda: live.Route(pb.router.RouteRequest(**c), timeout=5))
             self.assertEqual(str(cm.exception), err.details())
         self.assertEqual(str(cm.exception), "request_id: must be at most 512 bytes (got 513)")
+        # Multimodal inputs, as (mm_hash, start, end), against a prompt of 8 tokens.
+        mm_cases = [
+            ([(1, 2, 2)], "multimodal_objects[0].end: must be greater than start 2 (got 2)"),
+            ([(1, 0, 2), (2, 6, 9)], "multimodal_objects[1].end: must be at most the number of token_ids 8 (got 9)"),
+            ([(1, 0, 4), (2, 2, 6)], "multimodal_objects[1]: tokens [2, 6) overlap those of multimodal_objects[0], [0, 4)"),
+            ([(1, 5, 7), (2, 0, 6)], "multimodal_objects[0]: tokens [5, 7) overlap those of multimodal_objects[1], [0, 6)"),
+            ([(i, i % 8, i % 8 + 1) for i in range(257)], "multimodal_objects: must hold at most 256 inputs (got 257)"),
+        ]
+        for objects, want in mm_cases:
+            with self.assertRaises(ValidationError) as cm:
+                dead.route(list(range(1, 9)), "demo", "r-mm", multimodal_objects=objects)
+            self.assertEqual(str(cm.exception), want)
+            req = pb.router.RouteRequest(request_id="r-mm", model="demo", token_ids=list(range(1, 9)),
+                                         multimodal_objects=[pb.router.MultimodalObject(mm_hash=h, start=a, end=b) for h, a, b in objects])
+            err = self.server_error(lambda: live.Route(req, timeout=5))
+            self.assertEqual(err.details(), want)
         dead.close()
+
+    def test_leave_reason_is_checked_as_the_router_does(self) -> None:
+        reason = "é" * 128 + "x"  # 129 characters, 257 bytes: the limit is in bytes
+        want = "leave.reason: must be at most 256 bytes (got 257)"
+        p = self.publisher(hello(15), self.server.addr)
+        p.publish(events.stored([block(0)]))
+        p.flush(5)
+        with self.assertRaises(ValidationError) as cm:
+            p.leave(reason)
+        self.assertEqual(str(cm.exception), want)
+        self.assertIsNone(p.error)
+        p.publish(events.stored([block(1)]))  # a refused leave changes nothing: the publisher goes on
+        p.flush(5)
+        self.assertEqual(self.server.worker_status(15).cached_blocks.device, 2)
+        # The router refuses the same leave with the same message.
+        reqs = [pb.worker.PublishRequest(hello=hello(16)), pb.worker.PublishRequest(leave=pb.worker.WorkerLeave(reason=reason))]
+        err = self.server_error(lambda: list(self.server.worker.Publish(iter(reqs), timeout=5)))
+        self.assertEqual(err.details(), want)
+        self.assertIsNotNone(self.server.worker_status(16), "a refused leave removes nothing")
+        p.leave(reason[:-1], timeout=5)  # 256 bytes: at the limit
+        self.assertIsNone(self.server.worker_status(15))
 
     def test_publish_checks_match_the_router(self) -> None:
         p = Publisher(hello(14), f"127.0.0.1:{free_port()}", start=False)  # nothing is sent
@@ -511,6 +647,9 @@ class ValidationTest(ServerTest):
             (pb.worker.KvEvent(stored=pb.worker.BlocksStored(blocks=[pb.worker.StoredBlock(block_hash=1, token_ids=[1, 2, 3, 4])])),
              "events.events[0].storage_tier: must be DEVICE, HOST, DISK or EXTERNAL (got STORAGE_TIER_UNSPECIFIED)"),
             (pb.worker.KvEvent(storage_tier=pb.types.STORAGE_TIER_DEVICE), "events.events[0]: must set one of stored, removed, cleared"),
+            (events.stored([(1, [1, 2, 3, 4]), (2, blockhash.local_multimodal([5, 6, 7, 8], [9]), [9])]),
+             "events.events[0].stored.blocks[1].mm_hashes: must be empty with tokens_hash, which already holds them"),
+            (events.stored([(1, [1, 2, 3, 4], range(65))]), "events.events[0].stored.blocks[0].mm_hashes: must hold at most 64 hashes (got 65)"),
         ]
         for ev, want in bad:
             with self.assertRaises(ValidationError) as cm:

@@ -7,12 +7,22 @@ export type { PublisherOptions, PublisherStats, KvEventInit, WorkerHelloInit, Lo
 export { Router, RouteHandle } from "./router.js";
 export type { RouterOptions, RouteInit } from "./router.js";
 export { errorInfo, errorReason, retryDelayMs, invalidArgument, WorkerSupersededError, PublisherFullError, PublisherClosedError, ERROR_DOMAIN } from "./errors.js";
-export { checkEvent, checkRouteRequest, checkRequestId, DEFAULT_MAX_PROMPT_TOKENS, MAX_REQUEST_ID_BYTES } from "./validate.js";
+export {
+  checkEvent,
+  checkRouteRequest,
+  checkRequestId,
+  checkLeaveReason,
+  DEFAULT_MAX_PROMPT_TOKENS,
+  MAX_REQUEST_ID_BYTES,
+  MAX_MULTIMODAL_OBJECTS,
+  MAX_BLOCK_MM_HASHES,
+  MAX_LEAVE_REASON_BYTES,
+} from "./validate.js";
 export { openTransport, baseUrl } from "./transport.js";
 export type { OwnedTransport, TransportOptions } from "./transport.js";
 export type { ErrorInfo } from "./errors.js";
-export { BlockHasher, loadBlockHasher, xxh3, BLOCK_HASH_SEED } from "./blockhash.js";
-export type { Tokens } from "./blockhash.js";
+export { BlockHasher, loadBlockHasher, xxh3, BLOCK_HASH_SEED, MULTIMODAL_ID_SEED } from "./blockhash.js";
+export type { Tokens, MultimodalObjectInit } from "./blockhash.js";
 export * from "./gen/kvrouter/v1/types_pb.js";
 export * from "./gen/kvrouter/v1/worker_pb.js";
 export * from "./gen/kvrouter/v1/router_pb.js";

@@ -11,13 +11,15 @@ import {
   type PublishResponse,
   type Registered,
   type WorkerHello,
+  type WorkerLeave,
   PublishRequestSchema,
+  WorkerLeaveSchema,
 } from "./gen/kvrouter/v1/worker_pb.js";
 import { WorkerRole } from "./gen/kvrouter/v1/types_pb.js";
 import { errorReason, invalidArgument, PublisherClosedError, PublisherFullError, WorkerSupersededError } from "./errors.js";
 import { openTransport, type OwnedTransport } from "./transport.js";
 import { loadBlockHasher, type BlockHasher } from "./blockhash.js";
-import { checkEvent, eventBlocks } from "./validate.js";
+import { checkEvent, checkLeaveReason, eventBlocks } from "./validate.js";
 
 /** A KV event as an object literal; event_id is assigned by the Publisher and dp_rank defaults to the hello's. */
 export type KvEventInit = MessageInitShape<typeof KvEventSchema>;
@@ -67,8 +69,9 @@ export interface PublisherOptions {
   interceptors?: Interceptor[];
   /**
    * Sends each stored block's tokens_hash (8 bytes: its local hash, computed here exactly as the router
-   * computes it, salted with the event's lora_name and cache_namespace) instead of its token_ids, as the
-   * Go client's HashTokens does. Blocks that already set tokens_hash are sent as they are. Default false.
+   * computes it, salted with the event's lora_name and cache_namespace, its mm_hashes folded in) instead
+   * of its token_ids and mm_hashes, as the Go client's HashTokens does. Blocks that already set
+   * tokens_hash are sent as they are. Default false.
    */
   hashTokens?: boolean;
 }
@@ -213,6 +216,9 @@ const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
  * ResyncRequest (and a router that lost acked events) with a KvDump of the dump function's events, in
  * parts. It stops for good on WORKER_SUPERSEDED (another stream registered the same worker rank), on
  * INVALID_ARGUMENT and other FAILED_PRECONDITION statuses, and on a single event too large to send.
+ * close() ends the stream once everything is acked (the router keeps the worker rank for a grace period,
+ * in case it reconnects); leave() has the router remove the rank at once, for a worker that stopped
+ * serving.
  */
 export class Publisher {
   private readonly opts: Required<Omit<PublisherOptions, "dump" | "log" | "hello" | "interceptors">> & Pick<PublisherOptions, "dump" | "log">;
@@ -232,6 +238,8 @@ export class Publisher {
   private batchBlocks: number;
   private dumping = false;
   private closing = false;
+  private leaving: WorkerLeave | undefined; // set by leave(): sent in place of anything else
+  private left = false; // the router removed the worker rank after the leave
   private flushWaiters = 0;
   private fatal: Error | undefined;
   private readonly done: Promise<void>;
@@ -438,6 +446,49 @@ export class Publisher {
     opts.signal?.throwIfAborted();
   }
 
+  /**
+   * Has the router remove the worker rank now, with its blocks, and closes the publisher: for a worker
+   * that stopped serving (its engine is down) and must get no more requests. After close() the router
+   * keeps the rank, and routes to it, for a grace period in case it reconnects. reason says why, for the
+   * router's log (at most 256 UTF-8 bytes). Events not acked yet are dropped, since the worker's blocks
+   * go with it. The leave is the last message of the stream (on a new one if the stream fails first,
+   * after the reconnects' backoff); the router confirms the removal by ending the stream with OK, and
+   * the promise resolves then. opts.signal abandons the wait (the promise rejects with its reason): the
+   * stream is cut, and the router removes the rank a grace period later, as after close(). The
+   * publisher is closed either way.
+   *
+   * A reason over 256 bytes rejects with INVALID_ARGUMENT and the router's message, and changes nothing.
+   * It rejects with the error that stopped the publisher, if one did (before or during the leave), and
+   * with PublisherClosedError after close() or a first leave().
+   */
+  async leave(reason: string, opts: { signal?: AbortSignal } = {}): Promise<void> {
+    const invalid = checkLeaveReason(reason);
+    if (invalid) {
+      throw invalid;
+    }
+    this.throwIfStopped();
+    opts.signal?.throwIfAborted();
+    this.closing = true;
+    this.leaving = create(WorkerLeaveSchema, { reason });
+    this.pending = [];
+    this.sent = 0;
+    this.changed.notify();
+    while (!this.left && !this.fatal && !opts.signal?.aborted) {
+      await this.changed.wait(undefined, opts.signal);
+    }
+    if (!this.left && !this.fatal) {
+      this.fatal = new ConnectError("kvrouter: the publisher was closed before the router confirmed the leave", Code.Canceled);
+      this.rejectReady(this.fatal);
+      this.stop.abort(opts.signal?.reason);
+    }
+    await this.done;
+    if (this.left) {
+      return;
+    }
+    opts.signal?.throwIfAborted();
+    throw this.fatal;
+  }
+
   private throwIfStopped(): void {
     if (this.fatal) {
       throw this.fatal;
@@ -524,7 +575,11 @@ export class Publisher {
         continue;
       }
       const st = e.ev.data.value;
-      const blocks = st.blocks.map((b) => (b.tokensHash !== undefined ? b : { ...b, tokenIds: [], tokensHash: bh.local(b.tokenIds, salt) }));
+      const blocks = st.blocks.map((b) =>
+        b.tokensHash !== undefined
+          ? b
+          : { ...b, tokenIds: [], mmHashes: [], tokensHash: b.mmHashes.length > 0 ? bh.localMultimodal(b.tokenIds, b.mmHashes, salt) : bh.local(b.tokenIds, salt) },
+      );
       e.ev.data = { case: "stored", value: { ...st, blocks } };
     }
   }
@@ -661,6 +716,22 @@ export class Publisher {
         }
         if (this.stop.signal.aborted) {
           throw new ConnectError("the publisher stopped", Code.Canceled);
+        }
+        if (this.leaving) {
+          if (readerDone) {
+            throw new ConnectError("the router ended the Publish stream", Code.Unavailable);
+          }
+          // The leave is the stream's last message. The router ends the stream with OK once it removed
+          // the rank: it read the leave then, since nothing follows the leave but the half-close.
+          out.push(create(PublishRequestSchema, { message: { case: "leave", value: this.leaving } }));
+          out.end();
+          await reader;
+          if (failed !== undefined) {
+            throw failed;
+          }
+          this.left = true;
+          this.changed.notify();
+          return true;
         }
         if (resync) {
           resync = false;

@@ -10,6 +10,15 @@ export const MAX_REQUEST_ID_BYTES = 512;
 /** The router's default max_prompt_tokens (1,048,576). */
 export const DEFAULT_MAX_PROMPT_TOKENS = 1 << 20;
 
+/** The most multimodal inputs of one RouteRequest (server/router.go): each costs the hashing of the blocks it touches. */
+export const MAX_MULTIMODAL_OBJECTS = 256;
+
+/** The most mm_hashes of one stored block (server/router.go). */
+export const MAX_BLOCK_MM_HASHES = 64;
+
+/** The longest WorkerLeave reason the router accepts, in UTF-8 bytes: it goes to the router's log. */
+export const MAX_LEAVE_REASON_BYTES = 256;
+
 /** Checks a request id as the router does; returns the router's error, or undefined when valid. */
 export function checkRequestId(id: string): ConnectError | undefined {
   if (id === "") {
@@ -22,10 +31,20 @@ export function checkRequestId(id: string): ConnectError | undefined {
   return undefined;
 }
 
+/** Checks a WorkerLeave reason as the router does (at most 256 UTF-8 bytes); returns the router's error, or undefined when valid. */
+export function checkLeaveReason(reason: string): ConnectError | undefined {
+  const n = Buffer.byteLength(reason, "utf8");
+  if (n > MAX_LEAVE_REASON_BYTES) {
+    return invalidArgument("leave.reason", `must be at most ${MAX_LEAVE_REASON_BYTES} bytes (got ${n})`);
+  }
+  return undefined;
+}
+
 /**
- * Checks a RouteRequest as the router does before routing: a request_id unless query_only, a model, and
- * between one and maxPromptTokens tokens. Returns the error the router would answer, with its message,
- * or undefined when the router would accept the request's shape.
+ * Checks a RouteRequest as the router does before routing: a request_id unless query_only, a model,
+ * between one and maxPromptTokens tokens, and multimodal inputs that are at most 256, each within the
+ * prompt (end > start, end <= the number of tokens), none overlapping another. Returns the error the
+ * router would answer, with its message, or undefined when the router would accept the request's shape.
  */
 export function checkRouteRequest(req: RouteRequest, maxPromptTokens: number): ConnectError | undefined {
   if (!req.queryOnly || req.requestId !== "") {
@@ -43,6 +62,34 @@ export function checkRouteRequest(req: RouteRequest, maxPromptTokens: number): C
   }
   if (n > maxPromptTokens) {
     return invalidArgument("token_ids", `has ${n} tokens, more than the maximum of ${maxPromptTokens} (max_prompt_tokens)`);
+  }
+  return checkMultimodalObjects(req, n);
+}
+
+/** Checks a RouteRequest's multimodal_objects against its n tokens, as the router does (server/router.go). */
+function checkMultimodalObjects(req: RouteRequest, n: number): ConnectError | undefined {
+  const objs = req.multimodalObjects;
+  if (objs.length > MAX_MULTIMODAL_OBJECTS) {
+    return invalidArgument("multimodal_objects", `must hold at most ${MAX_MULTIMODAL_OBJECTS} inputs (got ${objs.length})`);
+  }
+  for (const [i, o] of objs.entries()) {
+    if (o.end <= o.start) {
+      return invalidArgument(`multimodal_objects[${i}].end`, `must be greater than start ${o.start} (got ${o.end})`);
+    }
+    if (o.end > n) {
+      return invalidArgument(`multimodal_objects[${i}].end`, `must be at most the number of token_ids ${n} (got ${o.end})`);
+    }
+  }
+  // The router sorts them by their first token and names the first that overlaps the one before it.
+  const order = objs.map((_, i) => i).sort((a, b) => objs[a]!.start - objs[b]!.start);
+  for (let k = 1; k < order.length; k++) {
+    const p = order[k - 1]!;
+    const i = order[k]!;
+    const a = objs[p]!;
+    const b = objs[i]!;
+    if (a.end > b.start) {
+      return invalidArgument(`multimodal_objects[${i}]`, `tokens [${b.start}, ${b.end}) overlap those of multimodal_objects[${p}], [${a.start}, ${a.end})`);
+    }
   }
   return undefined;
 }
@@ -72,7 +119,8 @@ const TIER_NAMES: Record<number, string> = {
 /**
  * Checks one KV event as the router checks the events of a batch (field is its path, for example
  * "events.events[3]"): its dp_rank is the stream's, its tier is set, and a stored block sets exactly
- * one of token_ids and tokens_hash, with exactly blockSize tokens. Numbers that protobuf cannot encode
+ * one of token_ids and tokens_hash, with exactly blockSize tokens, and at most 64 mm_hashes, none beside
+ * a tokens_hash (which holds them already). Numbers that protobuf cannot encode
  * (a token that is not a uint32, a hash that is not a uint64) fail here too, as the router could never
  * receive them. Returns the router's error, with its message, or undefined when the router would
  * accept the event.
@@ -104,6 +152,9 @@ export function checkEvent(field: string, ev: KvEvent, dpRank: number, blockSize
         if (b.tokensHash !== undefined && b.tokenIds.length > 0) {
           return invalidArgument(bf, "must set exactly one of token_ids and tokens_hash (both are set)");
         }
+        if (b.tokensHash !== undefined && b.mmHashes.length > 0) {
+          return invalidArgument(`${bf}.mm_hashes`, "must be empty with tokens_hash, which already holds them");
+        }
         if (b.tokensHash !== undefined) {
           if (!isU64(b.tokensHash)) {
             return invalidArgument(`${bf}.tokens_hash`, `must be a uint64 (got ${String(b.tokensHash)})`);
@@ -119,6 +170,14 @@ export function checkEvent(field: string, ev: KvEvent, dpRank: number, blockSize
         const k = badToken(b.tokenIds);
         if (k >= 0) {
           return invalidArgument(`${bf}.token_ids[${k}]`, `must be a uint32 (got ${String(b.tokenIds[k])})`);
+        }
+        if (b.mmHashes.length > MAX_BLOCK_MM_HASHES) {
+          return invalidArgument(`${bf}.mm_hashes`, `must hold at most ${MAX_BLOCK_MM_HASHES} hashes (got ${b.mmHashes.length})`);
+        }
+        for (const [m, h] of b.mmHashes.entries()) {
+          if (!isU64(h)) {
+            return invalidArgument(`${bf}.mm_hashes[${m}]`, `must be a uint64 (got ${String(h)})`);
+          }
         }
       }
       return undefined;

@@ -2,8 +2,10 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import path from "node:path";
-import { BLOCK_HASH_SEED, loadBlockHasher, xxh3 } from "../src/index.js";
-import { REPO_DIR } from "./helpers.js";
+import { type Interceptor } from "@connectrpc/connect";
+import { isMessage, type Message } from "@bufbuild/protobuf";
+import { BLOCK_HASH_SEED, loadBlockHasher, Publisher, PublishRequestSchema, Router, StorageTier, WorkerRole, xxh3, type StoredBlock } from "../src/index.js";
+import { REPO_DIR, startRouter } from "./helpers.js";
 
 /** The router's golden vectors (kvstate/blockhash/testdata/hash_vectors.json); uint64s are decimal strings. */
 interface Vectors {
@@ -15,6 +17,21 @@ interface Vectors {
     cache_namespace: string;
     tokens: number[];
     salt: string;
+    local_hashes: string[];
+    sequence_hashes: string[];
+  }[];
+  multimodal_ids: { identifier: string; mm_hash: string }[];
+  multimodal_cases: {
+    name: string;
+    block_size: number;
+    lora_name: string;
+    cache_namespace: string;
+    tokens: number[];
+    /** In the order a caller sends them, not always sorted. */
+    objects: { hash: string; start: number; end: number }[];
+    salt: string;
+    /** Per block, the sorted hashes it carries. */
+    block_mm_hashes: string[][];
     local_hashes: string[];
     sequence_hashes: string[];
   }[];
@@ -76,4 +93,112 @@ test("a fresh BlockHasher hashes with 1337 at once and refuses salts it did not 
   assert.throws(() => fresh.chain(1n, 1n << 64n), RangeError);
   assert.deepEqual(fresh.locals(one.tokens, 0), []);
   assert.deepEqual(fresh.sequence([]), []);
+});
+
+test("multimodalHash matches every multimodal identifier vector", async () => {
+  assert.ok(vectors.multimodal_ids.length >= 10, `only ${vectors.multimodal_ids.length} identifiers`);
+  const bh = await loadBlockHasher();
+  for (const v of vectors.multimodal_ids) {
+    assert.equal(bh.multimodalHash(v.identifier), BigInt(v.mm_hash), JSON.stringify(v.identifier));
+  }
+});
+
+const objectsOf = (c: Vectors["multimodal_cases"][number]) => c.objects.map((o) => ({ mmHash: BigInt(o.hash), start: o.start, end: o.end }));
+
+test("locals with multimodal objects, localMultimodal and sequence match every multimodal case", async () => {
+  assert.ok(vectors.multimodal_cases.length >= 10, `only ${vectors.multimodal_cases.length} cases`);
+  const bh = await loadBlockHasher();
+  let carrying = 0;
+  for (const c of vectors.multimodal_cases) {
+    const salt = bh.salt(c.lora_name, c.cache_namespace);
+    assert.equal(salt, BigInt(c.salt), `${c.name}: salt`);
+    await bh.load(salt);
+    const want = big(c.local_hashes);
+    const objects = objectsOf(c); // in the order the file lists them
+    assert.deepEqual(bh.locals(c.tokens, c.block_size, salt, objects), want, `${c.name}: locals`);
+    assert.deepEqual(bh.locals(Uint32Array.from(c.tokens), c.block_size, salt, [...objects].reverse()), want, `${c.name}: locals of a Uint32Array, objects reversed`);
+    assert.deepEqual(bh.sequence(want), big(c.sequence_hashes), `${c.name}: sequence`);
+    assert.equal(c.block_mm_hashes.length, want.length, `${c.name}: blocks`);
+    for (const [i, mm] of c.block_mm_hashes.entries()) {
+      const block = c.tokens.slice(i * c.block_size, (i + 1) * c.block_size);
+      const hashes = big(mm);
+      assert.equal(bh.localMultimodal(block, hashes, salt), want[i], `${c.name}: localMultimodal ${i}`);
+      assert.equal(bh.localMultimodal(block, [...hashes].reverse(), salt), want[i], `${c.name}: localMultimodal ${i}, hashes reversed`);
+      if (hashes.length === 0) {
+        assert.equal(bh.local(block, salt), want[i], `${c.name}: block ${i} carries nothing`);
+      }
+      carrying += hashes.length > 0 ? 1 : 0;
+    }
+  }
+  assert.ok(carrying >= 15, `only ${carrying} blocks carry multimodal hashes`);
+  assert.throws(() => bh.localMultimodal([1, 2, 3, 4], [1n << 64n]), RangeError);
+  assert.throws(() => bh.locals([1, 2, 3, 4], 4, BLOCK_HASH_SEED, [{ mmHash: -1n, start: 0, end: 4 }]), RangeError);
+  assert.throws(() => bh.locals([1, 2, 3, 4], 4, BLOCK_HASH_SEED, [{ mmHash: 1n, start: -1, end: 4 }]), RangeError);
+  assert.throws(() => bh.locals([1, 2, 3, 4], 4, BLOCK_HASH_SEED, [{ mmHash: 1n, start: 0, end: 2 ** 32 }]), RangeError);
+  assert.equal(bh.localMultimodal([1, 2, 3, 4], []), bh.local([1, 2, 3, 4]));
+  const ten = Array.from({ length: 10 }, (_, i) => i);
+  assert.deepEqual(bh.locals(ten, 4, BLOCK_HASH_SEED, [{ mmHash: 7n, start: 8, end: 10 }, { mmHash: 7n, start: 3, end: 3 }]), bh.locals(ten, 4), "an object in the tail, or empty, changes nothing");
+});
+
+/** Records the stored blocks of every Publish request that goes out. */
+function recordBlocks(): { interceptor: Interceptor; blocks: StoredBlock[] } {
+  const blocks: StoredBlock[] = [];
+  const interceptor: Interceptor = (next) => async (req) => {
+    if (!req.stream) {
+      return next(req);
+    }
+    const source = req.message;
+    async function* recorded(): AsyncIterable<Message> {
+      for await (const m of source) {
+        if (isMessage(m, PublishRequestSchema) && m.message.case === "events") {
+          for (const ev of m.message.value.events) {
+            if (ev.data.case === "stored") {
+              blocks.push(...ev.data.value.blocks);
+            }
+          }
+        }
+        yield m;
+      }
+    }
+    return next({ ...req, message: recorded() });
+  };
+  return { interceptor, blocks };
+}
+
+test("hashTokens folds mm_hashes into the vectors' local hashes, and the router matches them", async () => {
+  const server = await startRouter();
+  const router = new Router({ address: server.addr });
+  try {
+    for (const [k, c] of vectors.multimodal_cases.entries()) {
+      // One worker per case, each its own model: block sizes differ between cases.
+      const model = `mm-${c.name}`;
+      const rec = recordBlocks();
+      const hello = { workerId: BigInt(100 + k), model, role: WorkerRole.AGGREGATED, blockSize: c.block_size, totalKvBlocks: 1000n, endpoint: `w${k}:1`, kvEventsEnabled: true, freshStart: true };
+      const pub = new Publisher({ addresses: [server.addr], hello, hashTokens: true, interceptors: [rec.interceptor] });
+      try {
+        const n = c.local_hashes.length;
+        const blocks = Array.from({ length: n }, (_, i) => ({
+          blockHash: BigInt(1000 * k + i + 1),
+          tokenIds: c.tokens.slice(i * c.block_size, (i + 1) * c.block_size),
+          mmHashes: big(c.block_mm_hashes[i]!).reverse(), // in any order
+        }));
+        await pub.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks, loraName: c.lora_name, cacheNamespace: c.cache_namespace } } }]);
+        await pub.flush({ signal: AbortSignal.timeout(5_000) });
+        assert.deepEqual(rec.blocks.map((b) => b.tokensHash), big(c.local_hashes), `${c.name}: the tokens_hash sent`);
+        assert.ok(rec.blocks.every((b) => b.tokenIds.length === 0 && b.mmHashes.length === 0), `${c.name}: sent without token ids and mm_hashes`);
+        assert.equal(blocks[0]!.tokenIds.length, c.block_size, `${c.name}: the caller's blocks are unchanged`);
+        // The router's own hashing of the prompt with its objects finds every block. (It refuses an empty
+        // object, which no block holds: it is left out.)
+        const multimodalObjects = objectsOf(c).filter((o) => o.end > o.start);
+        const r = await router.route({ model, tokenIds: c.tokens, loraName: c.lora_name, cacheNamespace: c.cache_namespace, multimodalObjects, queryOnly: true });
+        assert.equal(r.response.diagnostics?.decode?.overlapBlocks?.device, BigInt(n), `${c.name}: overlap`);
+        await pub.close();
+      } finally {
+        await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
+      }
+    }
+  } finally {
+    router.close();
+    await server.stop();
+  }
 });

@@ -1,15 +1,17 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
 import { Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
-import { create, isMessage, type Message } from "@bufbuild/protobuf";
+import { create, isMessage, type Message, type MessageInitShape } from "@bufbuild/protobuf";
 import {
   KvEventSchema,
   openTransport,
   Publisher,
   Router,
   errorInfo,
+  PublisherClosedError,
   PublisherFullError,
   PublishRequestSchema,
+  loadBlockHasher,
   PublishResponseSchema,
   StorageTier,
   WorkerRole,
@@ -18,7 +20,7 @@ import {
   type KvEventInit,
   type WorkerHelloInit,
 } from "../src/index.js";
-import { chain, freePort, Proxy, sleep, startRouter, startRouterOn, waitFor } from "./helpers.js";
+import { chain, freePort, Proxy, sleep, startRouter, startRouterOn, waitFor, type RouterProcess } from "./helpers.js";
 
 const BS = 4;
 const hello = (workerId: bigint, model: string): WorkerHelloInit => ({
@@ -711,6 +713,171 @@ test("errorInfo decodes the router's ErrorInfo: reason, domain and metadata", as
     assert.equal(errorInfo(new Error("plain")), undefined);
   } finally {
     t.close();
+    await server.stop();
+  }
+});
+
+/** Sends a hello and then msg on a raw Publish stream, and returns the error the router ends it with. */
+async function refusal(addr: string, workerId: bigint, model: string, msg: MessageInitShape<typeof PublishRequestSchema>): Promise<ConnectError> {
+  const t = openTransport(addr);
+  try {
+    const raw = createClient(WorkerService, t.transport);
+    async function* requests() {
+      yield create(PublishRequestSchema, { message: { case: "hello", value: { ...hello(workerId, model), freshStart: true } } });
+      yield create(PublishRequestSchema, msg);
+      await sleep(2_000); // keep the stream open until the router ends it
+    }
+    try {
+      for await (const _ of raw.publish(requests(), { timeoutMs: 5_000 })) {
+        void _;
+      }
+    } catch (e) {
+      return ConnectError.from(e);
+    }
+    return assert.fail("the router should refuse the message");
+  } finally {
+    t.close();
+  }
+}
+
+test("mm_hashes beside a tokens_hash, or more than 64, are refused before sending, as the router refuses them", async () => {
+  const server = await startRouter();
+  const pub = new Publisher({ addresses: [server.addr], hello: hello(97n, "mm-valid") });
+  try {
+    const bh = await loadBlockHasher();
+    const cases: [KvEventInit, string][] = [
+      [
+        { storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: [{ blockHash: 1n, tokenIds: [1, 2, 3, 4] }, { blockHash: 2n, tokensHash: bh.localMultimodal([5, 6, 7, 8], [9n]), mmHashes: [9n] }] } } },
+        "events.events[0].stored.blocks[1].mm_hashes: must be empty with tokens_hash, which already holds them",
+      ],
+      [
+        { storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: [{ blockHash: 1n, tokenIds: [1, 2, 3, 4], mmHashes: Array.from({ length: 65 }, (_, i) => BigInt(i)) }] } } },
+        "events.events[0].stored.blocks[0].mm_hashes: must hold at most 64 hashes (got 65)",
+      ],
+    ];
+    for (const [ev, want] of cases) {
+      const client = await pub.publish([ev]).then(() => assert.fail("publish should fail"), (e: unknown) => ConnectError.from(e));
+      assert.equal(client.code, Code.InvalidArgument);
+      assert.equal(client.rawMessage, want);
+      const fromServer = await refusal(server.addr, 98n, "mm-valid", { message: { case: "events", value: { events: [{ ...create(KvEventSchema, ev), eventId: 0n }] } } });
+      assert.equal(fromServer.code, Code.InvalidArgument);
+      assert.equal(fromServer.rawMessage, want, "the router says the same");
+    }
+    await assert.rejects(
+      pub.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: [{ blockHash: 1n, tokenIds: [1, 2, 3, 4], mmHashes: [-1n] }] } } }]),
+      /stored\.blocks\[0\]\.mm_hashes\[0\]: must be a uint64 \(got -1\)/,
+    );
+    assert.equal(pub.unacked, 0);
+    // 64 is the limit.
+    await pub.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: [{ blockHash: 1n, tokenIds: [1, 2, 3, 4], mmHashes: Array.from({ length: 64 }, (_, i) => BigInt(i)) }] } } }]);
+    await pub.flush({ signal: AbortSignal.timeout(5_000) });
+    assert.equal((await server.workers("mm-valid")).find((w) => w.worker?.workerId === 97n)?.cachedBlocks?.device, 1n);
+    await pub.close();
+  } finally {
+    await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
+    await server.stop();
+  }
+});
+
+/** Says whether the router lists worker id among the model's workers. */
+const listed = async (server: RouterProcess, model: string, id: bigint): Promise<boolean> => (await server.workers(model)).some((w) => w.worker?.workerId === id);
+
+/** Expects a Route for the model to fail with NOT_FOUND: no worker serves it. */
+async function assertNoWorker(server: RouterProcess, model: string): Promise<void> {
+  const router = new Router({ address: server.addr });
+  try {
+    const err = await router.route({ model, tokenIds: [1, 2, 3, 4], queryOnly: true }).then(() => assert.fail("the route should fail"), (e: unknown) => ConnectError.from(e));
+    assert.equal(err.code, Code.NotFound, `route: ${err.message}`);
+  } finally {
+    router.close();
+  }
+}
+
+test("leave removes the worker at once, blocks and all, and closes the publisher", async () => {
+  const server = await startRouter();
+  const pub = new Publisher({ addresses: [server.addr], hello: hello(111n, "leaving") });
+  try {
+    await pub.publish([stored(111_000n, 0, 3)]);
+    await pub.flush({ signal: AbortSignal.timeout(5_000) });
+    assert.equal((await server.workers("leaving"))[0]?.cachedBlocks?.device, 3n);
+    await pub.leave("engine down", { signal: AbortSignal.timeout(5_000) });
+    assert.equal(await listed(server, "leaving", 111n), false, "the router no longer lists the worker");
+    await assertNoWorker(server, "leaving");
+    // The server's stderr may reach this process after the stream's end does.
+    await waitFor("the router to log the leave", () => /"msg":"worker left: removed with its blocks","worker":"111\/0".*"reason":"engine down"/.test(server.log()));
+    await assert.rejects(pub.publish([stored(111_000n, 3, 1)]), PublisherClosedError);
+    await assert.rejects(pub.leave("again"), PublisherClosedError);
+    await pub.close(); // harmless after a leave
+  } finally {
+    await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
+    await server.stop();
+  }
+});
+
+test("leave drops unacked events and reconnects to send it", async () => {
+  const first = await startRouter();
+  const port = Number(first.addr.split(":")[1]);
+  let second: RouterProcess | undefined;
+  const pub = new Publisher({ addresses: [first.addr], hello: hello(112n, "leaving"), minBackoffMs: 10, maxBackoffMs: 100 });
+  try {
+    await pub.publish([stored(112_000n, 0, 3)]);
+    await pub.flush({ signal: AbortSignal.timeout(5_000) });
+    await first.stop(); // embedded mode: the next router on the port knows nothing of the worker
+    await pub.publish([stored(112_000n, 3, 2)]);
+    assert.equal(pub.unacked, 1);
+    let settled = false;
+    const leaving = pub.leave("engine down", { signal: AbortSignal.timeout(10_000) }).finally(() => (settled = true));
+    leaving.catch(() => undefined); // awaited below
+    assert.equal(pub.unacked, 0, "the unacked events were dropped");
+    await sleep(300);
+    assert.equal(settled, false, "leave() waits for a router to confirm it");
+    second = await startRouterOn(port);
+    await leaving;
+    assert.equal(pub.stats.registrations, 2, "the leave went on a new stream");
+    assert.equal(await listed(second, "leaving", 112n), false);
+    await assertNoWorker(second, "leaving");
+    const s = second;
+    await waitFor("the new router to log the leave", () => /"msg":"worker left: removed with its blocks","worker":"112\/0"/.test(s.log()));
+  } finally {
+    await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
+    await first.stop();
+    await second?.stop();
+  }
+});
+
+test("a leave abandoned by its signal closes the publisher", async () => {
+  const dead = `127.0.0.1:${await freePort()}`; // nobody listens there: nothing is confirmed
+  const pub = new Publisher({ addresses: [dead], hello: hello(113n, "leaving"), minBackoffMs: 10, maxBackoffMs: 50 });
+  await pub.publish([stored(113_000n, 0, 1)]);
+  const err = await pub.leave("engine down", { signal: AbortSignal.timeout(300) }).then(() => assert.fail("leave should fail"), (e: unknown) => e as Error);
+  assert.equal(err.name, "TimeoutError", "it rejects with the signal's reason");
+  assert.equal(pub.unacked, 0);
+  assert.match(String(pub.error), /closed before the router confirmed the leave/);
+  await assert.rejects(pub.publish([stored(113_000n, 1, 1)]), /closed before the router confirmed the leave/);
+});
+
+test("a leave reason over 256 bytes is refused before sending, as the router refuses it", async () => {
+  const server = await startRouter();
+  const pub = new Publisher({ addresses: [server.addr], hello: hello(114n, "leaving") });
+  try {
+    const reason = "é".repeat(128) + "x"; // 129 characters, 257 bytes: the limit is in bytes
+    const want = "leave.reason: must be at most 256 bytes (got 257)";
+    await pub.publish([stored(114_000n, 0, 1)]);
+    const client = await pub.leave(reason).then(() => assert.fail("leave should fail"), (e: unknown) => ConnectError.from(e));
+    assert.equal(client.code, Code.InvalidArgument);
+    assert.equal(client.rawMessage, want);
+    assert.equal(pub.error, undefined, "a refused leave changes nothing");
+    await pub.publish([stored(114_000n, 1, 1)]);
+    await pub.flush({ signal: AbortSignal.timeout(5_000) });
+    assert.equal((await server.workers("leaving")).find((w) => w.worker?.workerId === 114n)?.cachedBlocks?.device, 2n);
+    const fromServer = await refusal(server.addr, 115n, "leaving", { message: { case: "leave", value: { reason } } });
+    assert.equal(fromServer.code, Code.InvalidArgument);
+    assert.equal(fromServer.rawMessage, want, "the router says the same");
+    assert.equal(await listed(server, "leaving", 115n), true, "a refused leave removes nothing");
+    await pub.leave(reason.slice(0, -1), { signal: AbortSignal.timeout(5_000) }); // 256 bytes: at the limit
+    assert.equal(await listed(server, "leaving", 114n), false);
+  } finally {
+    await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
     await server.stop();
   }
 });

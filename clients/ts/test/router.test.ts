@@ -117,7 +117,21 @@ test("requests the router would refuse fail before sending, with the router's me
       { model: MODEL, tokenIds: [], requestId: "r-empty" },
       { model: "", tokenIds: prompt, requestId: "r-nomodel" },
       { model: MODEL, tokenIds: prompt, requestId: "x".repeat(513) },
+      // Multimodal inputs against the prompt's 20 tokens.
+      { model: MODEL, tokenIds: prompt, requestId: "r-mm", multimodalObjects: [{ mmHash: 1n, start: 2, end: 2 }] },
+      { model: MODEL, tokenIds: prompt, requestId: "r-mm", multimodalObjects: [{ mmHash: 1n, start: 0, end: 4 }, { mmHash: 2n, start: 18, end: 21 }] },
+      { model: MODEL, tokenIds: prompt, requestId: "r-mm", multimodalObjects: [{ mmHash: 1n, start: 0, end: 4 }, { mmHash: 2n, start: 3, end: 6 }] },
+      { model: MODEL, tokenIds: prompt, requestId: "r-mm", multimodalObjects: [{ mmHash: 1n, start: 5, end: 7 }, { mmHash: 2n, start: 0, end: 6 }] },
+      { model: MODEL, tokenIds: prompt, requestId: "r-mm", multimodalObjects: Array.from({ length: 257 }, (_, i) => ({ mmHash: BigInt(i), start: i % 20, end: (i % 20) + 1 })) },
     ];
+    const wantMultimodal = [
+      "multimodal_objects[0].end: must be greater than start 2 (got 2)",
+      "multimodal_objects[1].end: must be at most the number of token_ids 20 (got 21)",
+      "multimodal_objects[1]: tokens [3, 6) overlap those of multimodal_objects[0], [0, 4)",
+      "multimodal_objects[0]: tokens [5, 7) overlap those of multimodal_objects[1], [0, 6)",
+      "multimodal_objects: must hold at most 256 inputs (got 257)",
+    ];
+    const messages: string[] = [];
     for (const c of cases) {
       const client = await router.route(c).then(
         () => assert.fail("route should have failed"),
@@ -130,7 +144,9 @@ test("requests the router would refuse fail before sending, with the router's me
       assert.equal(client.code, Code.InvalidArgument);
       assert.equal(client.rawMessage, fromServer.rawMessage, "the client's message is the server's");
       assert.equal(fromServer.code, Code.InvalidArgument);
+      messages.push(client.rawMessage);
     }
+    assert.deepEqual(messages.slice(-wantMultimodal.length), wantMultimodal);
     assert.match((await router.route(cases[0]!).catch((e: unknown) => ConnectError.from(e))).toString(), /has 65 tokens, more than the maximum of 64/);
   } finally {
     t.close();
