@@ -183,12 +183,15 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 	if ev.HasParent {
 		ns = t.namespaces[ev.ParentHash].salt
 	}
+	eventNS := blockhash.NamespaceSalt(ev.CacheSalt) // SGLang names the salt on every event of the request
 	hashes := make([]uint64, keep)
 	blocks := make([]kvrouterv1.StoredBlock, keep) // one allocation for the event's blocks
 	stored := &kvrouterv1.BlocksStored{Blocks: make([]*kvrouterv1.StoredBlock, keep), LoraName: ev.LoraName}
 	for i := range keep {
 		tokens := ev.TokenIDs[i*t.blockSize : (i+1)*t.blockSize]
-		if e, ok := t.namespaces[ev.BlockHashes[i]]; ok {
+		if eventNS != 0 {
+			ns = eventNS
+		} else if e, ok := t.namespaces[ev.BlockHashes[i]]; ok {
 			ns = e.salt // stored before (in another tier): what it was then
 		}
 		if !mapKeys {

@@ -234,3 +234,26 @@ func TestTranslateRemainingCopies(t *testing.T) {
 		})
 	}
 }
+
+// TestTranslateSGLang: SGLang's metadata.cache_salt salts every block of its event (it names the salt
+// on each), keyed as Route keys the salted prompt.
+func TestTranslateSGLang(t *testing.T) {
+	tr := translator{blockSize: 4}
+	salted := chain(0, 2, "GPU")
+	salted.CacheSalt = "tenant-1"
+	next := chain(2, 1, "GPU")
+	next.CacheSalt = "tenant-1"
+	var got []uint64
+	for _, ev := range []enginefeed.Event{salted, next} {
+		out, d := tr.translate(&ev, nil)
+		if d.reason != "" {
+			t.Fatalf("dropped %+v", d)
+		}
+		for _, b := range out[0].GetStored().GetBlocks() {
+			got = append(got, b.GetTokensHash())
+		}
+	}
+	if diff := cmp.Diff([]uint64{want(0, "", "tenant-1"), want(1, "", "tenant-1"), want(2, "", "tenant-1")}, got); diff != "" {
+		t.Errorf("tokens_hash of SGLang's salted blocks (-want +got):\n%s", diff)
+	}
+}

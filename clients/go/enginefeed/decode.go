@@ -326,7 +326,13 @@ func decodeField(dec *msgpack.Decoder, name string, ev *Event) (int, error) {
 	case "medium":
 		ev.Medium, err = decodeOptionalString(dec)
 	case "lora_name":
+		if c, _ := dec.PeekCode(); isMap(c) { // SGLang's metadata takes this position
+			ev.CacheSalt, err = decodeMetadata(dec)
+			return 0, err
+		}
 		ev.LoraName, err = decodeOptionalString(dec)
+	case "metadata":
+		ev.CacheSalt, err = decodeMetadata(dec)
 	case "extra_keys":
 		ev.ExtraKeys, ev.ExtraKeyEnds, err = decodeExtraKeys(dec, ev.ExtraKeys[:0], ev.ExtraKeyEnds[:0])
 	case "group_idx":
@@ -453,6 +459,36 @@ func decodeHashes(dec *msgpack.Decoder, dst []uint64) ([]uint64, error) {
 	return dst, nil
 }
 
+// decodeMetadata reads SGLang's BlockStored metadata, a map, and returns its cache_salt ("" for none).
+func decodeMetadata(dec *msgpack.Decoder) (string, error) {
+	if isNilNext(dec) {
+		return "", dec.Skip()
+	}
+	n, err := dec.DecodeMapLen()
+	if err != nil || n < 0 {
+		return "", fmt.Errorf("not a map")
+	}
+	salt := ""
+	for i := 0; i < n; i++ {
+		key, err := dec.DecodeString()
+		if err != nil {
+			return "", fmt.Errorf("a key is not a string")
+		}
+		if key != "cache_salt" {
+			if err := dec.Skip(); err != nil {
+				return "", err
+			}
+			continue
+		}
+		if salt, err = decodeOptionalString(dec); err != nil {
+			return "", fmt.Errorf("cache_salt: %v", err)
+		}
+	}
+	return salt, nil
+}
+
+// decodeTokens reads token_ids: integers, or (SGLang with EAGLE speculative decoding) bigram pairs
+// [token, next token], of which the first is the block's token.
 func decodeTokens(dec *msgpack.Decoder, dst []uint32) ([]uint32, error) {
 	n, err := dec.DecodeArrayLen()
 	if err != nil || n < 0 {
@@ -460,24 +496,47 @@ func decodeTokens(dec *msgpack.Decoder, dst []uint32) ([]uint32, error) {
 	}
 	for i := 0; i < n; i++ {
 		c, _ := dec.PeekCode()
-		if !isInt(c) {
-			return dst, fmt.Errorf("[%d] is not an integer (code 0x%02x)", i, c)
-		}
-		if isSigned(c) {
-			t, err := dec.DecodeInt64()
-			if err != nil || t < 0 || t > math.MaxUint32 {
-				return dst, fmt.Errorf("[%d] = %d is not a token id", i, t)
+		if isArray(c) {
+			if m, err := dec.DecodeArrayLen(); err != nil || m != 2 {
+				return dst, fmt.Errorf("[%d] is neither a token id nor a pair of them", i)
 			}
-			dst = append(dst, uint32(t))
+			t, err := decodeToken(dec)
+			if err != nil {
+				return dst, fmt.Errorf("[%d][0]: %v", i, err)
+			}
+			if _, err := decodeToken(dec); err != nil {
+				return dst, fmt.Errorf("[%d][1]: %v", i, err)
+			}
+			dst = append(dst, t)
 			continue
 		}
-		t, err := dec.DecodeUint64()
-		if err != nil || t > math.MaxUint32 {
-			return dst, fmt.Errorf("[%d] = %d is not a token id", i, t)
+		t, err := decodeToken(dec)
+		if err != nil {
+			return dst, fmt.Errorf("[%d]: %v", i, err)
 		}
-		dst = append(dst, uint32(t))
+		dst = append(dst, t)
 	}
 	return dst, nil
+}
+
+// decodeToken reads one token id.
+func decodeToken(dec *msgpack.Decoder) (uint32, error) {
+	c, _ := dec.PeekCode()
+	if !isInt(c) {
+		return 0, fmt.Errorf("not an integer (code 0x%02x)", c)
+	}
+	if isSigned(c) {
+		t, err := dec.DecodeInt64()
+		if err != nil || t < 0 || t > math.MaxUint32 {
+			return 0, fmt.Errorf("%d is not a token id", t)
+		}
+		return uint32(t), nil
+	}
+	t, err := dec.DecodeUint64()
+	if err != nil || t > math.MaxUint32 {
+		return 0, fmt.Errorf("%d is not a token id", t)
+	}
+	return uint32(t), nil
 }
 
 // decodeCounts reads a list of non-negative integers, or nil (no list).

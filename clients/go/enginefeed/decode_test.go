@@ -52,6 +52,16 @@ const pythonKeyed = "93cb41daa8dbe0200000929cab426c6f636b53746f726564920b0cc0980
 //	    "remaining_copy_counts": [0, 2]}], 0], use_bin_type=True)
 const pythonCopiesMap = "93cb41daa8dbe02000009184a474797065ac426c6f636b52656d6f766564ac626c6f636b5f686173686573920b0ca66d656469756da3435055b572656d61696e696e675f636f70795f636f756e747392000200"
 
+// pythonSGLang is SGLang's positional events, written by the same encoder: a salted request's
+// BlockStored carries metadata where vLLM has lora_name, and with EAGLE speculative decoding a
+// page's token_ids are bigram pairs:
+//
+//	msgpack.packb([1789095808.5, [
+//	    ["BlockStored", [7], None, [1, 2, 3, 4], 4, None, "GPU", {"cache_salt": "tenant-1"}],
+//	    ["BlockStored", [8], 7, [[5, 6], [6, 7], [7, 8], [8, 9]], 4, None, "GPU"],
+//	    ["BlockRemoved", [7], "GPU"]], 0], use_bin_type=True)
+const pythonSGLang = "93cb41daa8dbe02000009398ab426c6f636b53746f7265649107c0940102030404c0a347505581aa63616368655f73616c74a874656e616e742d3197ab426c6f636b53746f7265649108079492050692060792070892080904c0a347505593ac426c6f636b52656d6f7665649107a347505500"
+
 func unhex(t testing.TB, s string) []byte {
 	b, err := hex.DecodeString(s)
 	if err != nil {
@@ -108,6 +118,15 @@ func TestDecodeEnginePayloads(t *testing.T) {
 					},
 					ExtraKeyEnds: []int32{3, 5}, HasGroup: true, SpecKind: "full_attention"},
 				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{11, 12, 13}, Medium: "GPU", HasGroup: true, RemainingCopies: []int64{1, 0, 0}},
+			}},
+		},
+		{
+			name:    "SGLang: metadata with a cache salt, EAGLE bigram tokens",
+			payload: pythonSGLang,
+			want: enginefeed.Batch{TS: 1789095808.5, HasDPRank: true, Events: []enginefeed.Event{
+				{Kind: enginefeed.BlockStored, BlockHashes: []uint64{7}, TokenIDs: []uint32{1, 2, 3, 4}, BlockSize: 4, Medium: "GPU", CacheSalt: "tenant-1"},
+				{Kind: enginefeed.BlockStored, BlockHashes: []uint64{8}, ParentHash: 7, HasParent: true, TokenIDs: []uint32{5, 6, 7, 8}, BlockSize: 4, Medium: "GPU"},
+				{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{7}, Medium: "GPU"},
 			}},
 		},
 		{
@@ -212,7 +231,7 @@ func TestBadPayloads(t *testing.T) {
 		{name: "empty event", payload: `[1.5, [[], ` + good + `], 0]`, wantSkip: enginefeed.MissingField},
 		{name: "event neither array nor map", payload: `[1.5, [3, ` + good + `], 0]`, wantSkip: enginefeed.WrongType},
 		{name: "token ids a string", payload: `[1.5, [["BlockStored", [1], null, "abcd", 4], ` + good + `], 0]`, wantSkip: enginefeed.WrongType, wantDetail: "token_ids"},
-		{name: "negative token id", payload: `[1.5, [["BlockStored", [1], null, [1, -2, 3, 4], 4], ` + good + `], 0]`, wantSkip: enginefeed.WrongType, wantDetail: "[1] = -2"},
+		{name: "negative token id", payload: `[1.5, [["BlockStored", [1], null, [1, -2, 3, 4], 4], ` + good + `], 0]`, wantSkip: enginefeed.WrongType, wantDetail: "[1]: -2 is not a token id"},
 		{name: "token id over uint32", payload: `[1.5, [["BlockStored", [1], null, [1, 4294967296, 3, 4], 4], ` + good + `], 0]`, wantSkip: enginefeed.WrongType},
 		{name: "hash a float", payload: `[1.5, [["BlockRemoved", [1.5]], ` + good + `], 0]`, wantSkip: enginefeed.WrongType, wantDetail: "block_hashes"},
 		{name: "empty bytes hash", payload: `[1.5, [["BlockRemoved", ["bytes:"]], ` + good + `], 0]`, wantSkip: enginefeed.WrongType},

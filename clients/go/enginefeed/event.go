@@ -53,7 +53,12 @@ type Event struct {
 	// Medium is where the blocks live ("GPU", "CPU", ...; "" when the engine sent nil or nothing).
 	Medium string
 	// LoraName is the LoRA adapter the stored blocks were computed with ("" for the base model).
+	// SGLang sends none; in its place a salted request's events carry metadata, whose cache_salt
+	// is CacheSalt.
 	LoraName string
+	// CacheSalt is the cache salt of every stored block of the event (SGLang's metadata.cache_salt;
+	// vLLM names its salt in ExtraKeys instead).
+	CacheSalt string
 	// ExtraKeys are the stored blocks' extra hash keys (the LoRA name, multimodal identifiers, a
 	// cache salt), block after block: block i's are ExtraKeys[ExtraKeyEnds[i-1]:ExtraKeyEnds[i]]
 	// (BlockExtraKeys). ExtraKeyEnds has one entry per block the engine listed, and none when it
