@@ -62,7 +62,7 @@ func TestBadBridgeConfigExits2(t *testing.T) {
 		{name: "no worker id", args: required[:2], want: "--worker-id: must be set, and not 0"},
 		{name: "no block size", args: []string{"--router-addrs", "a:1", "--worker-id", "7", "--model", "m"}, want: "--block-size: must be set to the engine's block size (> 0)"},
 		{name: "bad role from env", args: required, env: map[string]string{"KVROUTER_ROLE": "encoder"}, want: `KVROUTER_ROLE: must be prefill, decode or aggregated (got "encoder")`},
-		{name: "bad extra keys", args: append(required, "--extra-keys", "hash"), want: `--extra-keys: must be skip or ignore (got "hash")`},
+		{name: "bad extra keys", args: append(required, "--extra-keys", "drop"), want: `--extra-keys: must be hash, skip or ignore (got "drop")`},
 		{name: "ranks need tcp", args: append(required, "--dp-ranks", "2", "--engine-endpoint", "ipc:///tmp/kv"), want: `ranks after 0 need a tcp:// endpoint`},
 		{name: "not an endpoint", args: append(required, "--engine-endpoint", "127.0.0.1:5557"), want: `--engine-endpoint: must be a ZMQ endpoint such as tcp://127.0.0.1:5557 (got "127.0.0.1:5557")`},
 		{name: "negative worker id", args: []string{"--worker-id", "-3"}, want: `--worker-id: must be an unsigned integer (got "-3")`},
