@@ -168,8 +168,9 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 	switch {
 	case !ev.HasExtraKeys():
 	case t.extraKeys == ExtraKeysSkip:
-		keep = firstWithKeys(ev)
-		dropped = drop{ReasonExtraKeys, n - keep}
+		if keep = firstWithKeys(ev); keep < n {
+			dropped = drop{ReasonExtraKeys, n - keep}
+		}
 	case t.extraKeys == ExtraKeysHash && len(ev.ExtraKeyEnds) != n:
 		return out, drop{ReasonExtraKeys, n} // keys listed for another number of blocks: which are whose?
 	}
@@ -247,14 +248,14 @@ func (t *translator) remember(hash, ns uint64, tier kvrouterv1.StorageTier) {
 func (t *translator) blockKeys(ev *enginefeed.Event, i int) (mm []uint64, ns uint64, reason string) {
 	keys := ev.BlockExtraKeys(i)
 	first := i == 0 && !ev.HasParent
-	salt := -1 // the index of the cache salt among keys
+	saltAt := -1 // the index of the cache salt among keys
 	for k, key := range keys {
 		switch key.Kind {
 		case enginefeed.ExtraBytes:
 			return nil, 0, ReasonPromptEmbeds
 		case enginefeed.ExtraString:
 			if first && !(key.Text == ev.LoraName && ev.LoraName != "") && !blockhash.IsEngineDigest(key.Text) {
-				salt = k
+				saltAt = k
 			}
 		case enginefeed.ExtraPair:
 		default:
@@ -264,7 +265,7 @@ func (t *translator) blockKeys(ev *enginefeed.Event, i int) (mm []uint64, ns uin
 	mm = t.mm[:0]
 	for k, key := range keys {
 		switch {
-		case k == salt:
+		case k == saltAt:
 			ns = blockhash.NamespaceSalt(key.Text)
 		case key.Kind == enginefeed.ExtraPair:
 			mm = append(mm, blockhash.MultimodalHash(key.Text))
