@@ -4,8 +4,8 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"math/rand/v2"
-	"slices"
 	"os"
+	"slices"
 	"strconv"
 	"testing"
 

@@ -40,7 +40,9 @@ func keyed(ev enginefeed.Event, lora string, blocks ...[]enginefeed.ExtraKey) en
 	return ev
 }
 
-func str(s string) enginefeed.ExtraKey { return enginefeed.ExtraKey{Kind: enginefeed.ExtraString, Text: s} }
+func str(s string) enginefeed.ExtraKey {
+	return enginefeed.ExtraKey{Kind: enginefeed.ExtraString, Text: s}
+}
 func pair(id string, off int64) enginefeed.ExtraKey {
 	return enginefeed.ExtraKey{Kind: enginefeed.ExtraPair, Text: id, Offset: off}
 }
@@ -97,7 +99,7 @@ func TestTranslateExtraKeys(t *testing.T) {
 			want:   [][]uint64{{want(0, "a", "tenant-1", "cat.png"), want(1, "a", "tenant-1", "dog.png", "cat.png"), want(2, "a", "tenant-1")}},
 		},
 		{
-			name: "multimodal identifiers as strings (vLLM before 0.19): a digest anywhere, a chosen name past the first block",
+			name:   "multimodal identifiers as strings (vLLM before 0.19): a digest anywhere, a chosen name past the first block",
 			events: []enginefeed.Event{keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{str(digest), str("tenant-1")}, []enginefeed.ExtraKey{str("user-image-7")})},
 			want:   [][]uint64{{want(0, "", "tenant-1", digest), want(1, "", "tenant-1", "user-image-7")}},
 		},
