@@ -201,18 +201,26 @@ func waitForFeed(t *testing.T, e *pythonEngine, b *bridgeProcess) {
 	}
 }
 
+// startServerAndDial builds kvrouter, runs `kvrouter serve` and dials it; the connection closes at
+// cleanup.
+func startServerAndDial(t *testing.T) (bin, addr string, conn *grpc.ClientConn) {
+	t.Helper()
+	bin = buildBinary(t)
+	addr, _ = startServer(t, bin)
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return bin, addr, conn
+}
+
 // TestBridgeFromVLLMFeed drives `kvrouter bridge` with a vLLM-format feed (libzmq and msgpack,
 // not this repository's code) into a real `kvrouter serve`, and checks what Route sees: stores and
 // removes; a batch dropped on the way recovered from the replay endpoint; without a replay
 // endpoint, a gap clears the worker; malformed payloads counted and skipped.
 func TestBridgeFromVLLMFeed(t *testing.T) {
-	bin := buildBinary(t)
-	addr, _ := startServer(t, bin)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	bin, addr, conn := startServerAndDial(t)
 	router := kvrouterv1.NewRouterServiceClient(conn)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
 	defer cancel()
@@ -390,13 +398,7 @@ func (v *fleetView) overlap(n int) uint64 {
 // keys as vLLM writes them, and checks that Route finds them only when it names the same image, LoRA
 // adapter or cache salt: the bridge's keys and Route's agree.
 func TestBridgeKeyedRequests(t *testing.T) {
-	bin := buildBinary(t)
-	addr, _ := startServer(t, bin)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	bin, addr, conn := startServerAndDial(t)
 	router := kvrouterv1.NewRouterServiceClient(conn)
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
 	defer cancel()
@@ -468,13 +470,7 @@ func TestBridgeKeyedRequests(t *testing.T) {
 
 // checkpoint, when the worker is cleared and rebuilt from what the buffer holds.
 func TestBridgeRecovery(t *testing.T) {
-	bin := buildBinary(t)
-	addr, _ := startServer(t, bin)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	bin, addr, conn := startServerAndDial(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
 	defer cancel()
 	view := func(model string, id uint64) *fleetView {
@@ -620,13 +616,7 @@ func (e *pythonEngine) signal(sig syscall.Signal) {
 // worker leaves the router (removed at once, not after the grace period), and when the engine is
 // back, it registers afresh and the router again holds what the engine holds.
 func TestBridgeEngineDown(t *testing.T) {
-	bin := buildBinary(t)
-	addr, _ := startServer(t, bin)
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer conn.Close()
+	bin, addr, conn := startServerAndDial(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
 	defer cancel()
 	v := &fleetView{t: t, ctx: ctx, admin: kvrouterv1.NewAdminServiceClient(conn), router: kvrouterv1.NewRouterServiceClient(conn), model: "down", id: 31}
