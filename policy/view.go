@@ -59,19 +59,20 @@ var (
 
 // KeyedPrompt is a request's prompt keyed for its model: its token count and block size (Prompt),
 // and the local and sequence hashes of its complete blocks, salted by the request's LoRA name and
-// cache namespace and folding in its multimodal inputs. Hashing is the one part of a decision whose cost grows with the prompt (a
-// 32k-token prompt has 2,048 blocks to hash), so a Route keys its prompt once, before the decision,
-// and everything after reads that key: the booking cap's check, the queue's WSPT order, every try of
-// the decision while the request waits for capacity, and the blocks the decision books.
+// cache namespace, with its multimodal inputs folded in. Hashing is the one part of a decision
+// whose cost grows with the prompt (a 32k-token prompt has 2,048 blocks to hash), so a Route keys
+// its prompt once, before the decision, and everything after reads that key: the booking cap's
+// check, the queue's WSPT order, every try of the decision while the request waits for capacity,
+// and the blocks the decision books.
 //
 // The contract between a caller and the kernel is one rule: the kernel uses the key it is given
 // when that key was made for the model's block size, and keys the prompt itself (in its pooled
 // scratch) otherwise. A caller that keys passes the key; one with no use for the key before the
 // decision (a test, a one-off query) passes nil. A key made for another block size (the model went
 // and came back with a new one between the two calls) is never read. A key must be made from the
-// request it is passed with (its tokens, LoRA name, cache namespace and multimodal inputs): the kernel cannot tell a
-// key of another prompt. The kernel never keeps or changes a key, so its buffers may be reused once
-// the call returns.
+// request it is passed with (its tokens, LoRA name, cache namespace and multimodal inputs): the
+// kernel cannot tell a key of another prompt. The kernel never keeps or changes a key, so its
+// buffers may be reused once the call returns.
 type KeyedPrompt struct {
 	Prompt
 	// Locals are the local hashes of the prompt's complete blocks (blockhash.Locals).
