@@ -1,12 +1,14 @@
 package server
 
 import (
+	"cmp"
 	"context"
 	"io"
 	"log/slog"
 	"math"
 	"math/rand/v2"
 	"slices"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -147,6 +149,9 @@ func fuzzRouteSeeds() []*kvrouterv1.RouteRequest {
 				policy.PrefillContinueAnnotation, policy.PrefillContinueAnnotation + ":forged"}},
 		{RequestId: fuzzSetupBooking, Model: "m", TokenIds: promptTokens(1)},
 		{RequestId: "lora", Model: "m", TokenIds: promptTokens(4), LoraName: "adapter", CacheNamespace: "tenant"},
+		{Model: "m", TokenIds: promptTokens(4), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 3, End: 9}, {MmHash: 1 << 63, Start: 9, End: 16}}},
+		{Model: "agg", TokenIds: promptTokens(4), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 8, End: 12}, {MmHash: 8, Start: 2, End: 9}}},
+		{Model: "m", TokenIds: promptTokens(2), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 2, End: 2}}},
 		// TestRouteValidation.
 		with(func(r *kvrouterv1.RouteRequest) { r.Model = "" }),
 		with(func(r *kvrouterv1.RouteRequest) { r.Model = "other" }),
@@ -365,6 +370,8 @@ func requestSets(req *kvrouterv1.RouteRequest, field string) bool {
 	switch field {
 	case "request_id", "model", "token_ids":
 		return true
+	case "multimodal_objects":
+		return len(req.GetMultimodalObjects()) > 0
 	case "hints.prefill_dp_rank":
 		return h.PrefillDpRank != nil
 	case "hints.decode_dp_rank":
@@ -389,6 +396,13 @@ func requestSets(req *kvrouterv1.RouteRequest, field string) bool {
 		return cd.PrefillBusyThreshold != nil
 	case "config_override.conditional_disagg.decode_busy_threshold":
 		return cd.DecodeBusyThreshold != nil
+	}
+	// multimodal_objects[i] and multimodal_objects[i].end: a rule of an input the request sends (an
+	// input's end left 0 breaks "greater than start").
+	if rest, ok := strings.CutPrefix(field, "multimodal_objects["); ok {
+		rest = strings.TrimSuffix(rest, ".end")
+		i, err := strconv.Atoi(strings.TrimSuffix(rest, "]"))
+		return err == nil && strings.HasSuffix(rest, "]") && i >= 0 && i < len(req.GetMultimodalObjects())
 	}
 	return false
 }
@@ -435,6 +449,13 @@ func checkRouteAccepted(t *testing.T, r *fuzzRouter, req *kvrouterv1.RouteReques
 	if cd.Policy != nil {
 		_, err := policy.LookupCDPolicy(cd.GetPolicy())
 		rule(err == nil, "a registered policy")
+	}
+	mm := slices.Clone(req.GetMultimodalObjects())
+	slices.SortFunc(mm, func(a, b *kvrouterv1.MultimodalObject) int { return cmp.Compare(a.GetStart(), b.GetStart()) })
+	rule(len(mm) <= maxMultimodalObjects, "at most 256 multimodal inputs")
+	for k, o := range mm {
+		rule(o.GetStart() < o.GetEnd() && int(o.GetEnd()) <= n, "multimodal inputs within the prompt")
+		rule(k == 0 || mm[k-1].GetEnd() <= o.GetStart(), "multimodal inputs that do not overlap")
 	}
 
 	mode := resp.GetMode()
