@@ -394,14 +394,21 @@ def first_non_wrapping_namespace(lora_name):
     raise AssertionError("no non-wrapping namespace found")
 
 
-def build_cases():
+def collector(make):
+    """Returns a list of cases and add(), which makes a case with make and appends it (names unique)."""
     cases = []
 
     def add(*args, **kwargs):
-        c = make_case(*args, **kwargs)
+        c = make(*args, **kwargs)
         assert all(c["name"] != o["name"] for o in cases), c["name"]
         cases.append(c)
         return c
+
+    return cases, add
+
+
+def build_cases():
+    cases, add = collector(make_case)
 
     # -- trivial / boundary ---------------------------------------------------
     c = add("empty-b16", 16, [])
@@ -558,13 +565,7 @@ def make_mm_case(name, block_size, tokens, objects, lora_name="", cache_namespac
 
 
 def build_multimodal_cases():
-    cases = []
-
-    def add(*args, **kwargs):
-        c = make_mm_case(*args, **kwargs)
-        assert all(c["name"] != o["name"] for o in cases), c["name"]
-        cases.append(c)
-        return c
+    cases, add = collector(make_mm_case)
 
     cat, dog = multimodal_hash("cat.png"), multimodal_hash("user-image-42")
     high = 0xFFFFFFFFFFFFFF01

@@ -19,6 +19,7 @@ import (
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/server"
 )
@@ -98,8 +99,17 @@ func TestPublishAndClose(t *testing.T) {
 			onAck := func(id uint64) { acksMu.Lock(); acks = append(acks, id); acksMu.Unlock() }
 			p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(7), Conns: []grpc.ClientConnInterface{s.conn}, HashTokens: hashTokens, MaxBatchEvents: 16, OnAck: onAck})
 			const n = 100
+			// Blocks 5 and 6 hold an image and a clip: the router or the client folds their hashes in.
+			img, clip := blockhash.MultimodalHash("image.png"), blockhash.MultimodalHash("clip.wav")
 			for i := range n {
-				if err := p.Publish(ctx, storedEvent(i)); err != nil {
+				ev := storedEvent(i)
+				switch i {
+				case 5:
+					ev.GetStored().Blocks[0].MmHashes = []uint64{img}
+				case 6:
+					ev.GetStored().Blocks[0].MmHashes = []uint64{img, clip} // in any order
+				}
+				if err := p.Publish(ctx, ev); err != nil {
 					t.Fatalf("Publish(%d) = %v", i, err)
 				}
 			}
@@ -123,7 +133,11 @@ func TestPublishAndClose(t *testing.T) {
 			for i := range n {
 				tokens = append(tokens, promptTokens(i)...)
 			}
-			resp, err := s.raw.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: tokens, QueryOnly: true})
+			resp, err := s.raw.Route(ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: tokens, QueryOnly: true,
+				MultimodalObjects: []*kvrouterv1.MultimodalObject{
+					{MmHash: img, Start: 5*testBlockSize + 1, End: 7*testBlockSize - 1},
+					{MmHash: clip, Start: 7*testBlockSize - 1, End: 7 * testBlockSize},
+				}})
 			if err != nil {
 				t.Fatal(err)
 			}
@@ -261,6 +275,20 @@ func TestPublishChecksBlockSize(t *testing.T) {
 	ev.GetStored().Blocks[0].TokenIds = []uint32{1, 2, 3}
 	err := p.Publish(context.Background(), ev)
 	if want := "events[0].stored.blocks[0].token_ids: must hold exactly block_size 4 tokens (got 3)"; status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != want {
+		t.Errorf("Publish() = %v, want INVALID_ARGUMENT %q", err, want)
+	}
+}
+
+// TestPublishRefusesMMHashesWithTokensHash: a block's tokens_hash already holds its multimodal
+// hashes; sending both is refused before anything goes out, as the router would refuse it.
+func TestPublishRefusesMMHashesWithTokensHash(t *testing.T) {
+	s := startServer(t, 1<<20)
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(2), Conns: []grpc.ClientConnInterface{s.conn}})
+	ev := storedEvent(0)
+	h := uint64(9)
+	ev.GetStored().Blocks[0].TokenIds, ev.GetStored().Blocks[0].TokensHash, ev.GetStored().Blocks[0].MmHashes = nil, &h, []uint64{7}
+	err := p.Publish(context.Background(), ev)
+	if want := "events[0].stored.blocks[0].mm_hashes: must be empty with tokens_hash, which already holds them"; status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != want {
 		t.Errorf("Publish() = %v, want INVALID_ARGUMENT %q", err, want)
 	}
 }

@@ -2,10 +2,8 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import path from "node:path";
-import { type Interceptor } from "@connectrpc/connect";
-import { isMessage, type Message } from "@bufbuild/protobuf";
-import { BLOCK_HASH_SEED, loadBlockHasher, Publisher, PublishRequestSchema, Router, StorageTier, WorkerRole, xxh3, type StoredBlock } from "../src/index.js";
-import { REPO_DIR, startRouter } from "./helpers.js";
+import { BLOCK_HASH_SEED, loadBlockHasher, Publisher, Router, StorageTier, WorkerRole, xxh3 } from "../src/index.js";
+import { recordBlocks, REPO_DIR, startRouter } from "./helpers.js";
 
 /** The router's golden vectors (kvstate/blockhash/testdata/hash_vectors.json); uint64s are decimal strings. */
 interface Vectors {
@@ -139,31 +137,6 @@ test("locals with multimodal objects, localMultimodal and sequence match every m
   const ten = Array.from({ length: 10 }, (_, i) => i);
   assert.deepEqual(bh.locals(ten, 4, BLOCK_HASH_SEED, [{ mmHash: 7n, start: 8, end: 10 }, { mmHash: 7n, start: 3, end: 3 }]), bh.locals(ten, 4), "an object in the tail, or empty, changes nothing");
 });
-
-/** Records the stored blocks of every Publish request that goes out. */
-function recordBlocks(): { interceptor: Interceptor; blocks: StoredBlock[] } {
-  const blocks: StoredBlock[] = [];
-  const interceptor: Interceptor = (next) => async (req) => {
-    if (!req.stream) {
-      return next(req);
-    }
-    const source = req.message;
-    async function* recorded(): AsyncIterable<Message> {
-      for await (const m of source) {
-        if (isMessage(m, PublishRequestSchema) && m.message.case === "events") {
-          for (const ev of m.message.value.events) {
-            if (ev.data.case === "stored") {
-              blocks.push(...ev.data.value.blocks);
-            }
-          }
-        }
-        yield m;
-      }
-    }
-    return next({ ...req, message: recorded() });
-  };
-  return { interceptor, blocks };
-}
 
 test("hashTokens folds mm_hashes into the vectors' local hashes, and the router matches them", async () => {
   const server = await startRouter();

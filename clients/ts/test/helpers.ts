@@ -3,8 +3,9 @@ import { once } from "node:events";
 import { createServer, connect, type AddressInfo, type Socket } from "node:net";
 import { fileURLToPath } from "node:url";
 import path from "node:path";
-import { createClient, type Client } from "@connectrpc/connect";
-import { AdminService, openTransport, type OwnedTransport, type WorkerStatus } from "../src/index.js";
+import { createClient, type Client, type Interceptor } from "@connectrpc/connect";
+import { isMessage, type Message } from "@bufbuild/protobuf";
+import { AdminService, openTransport, PublishRequestSchema, type OwnedTransport, type StoredBlock, type WorkerStatus } from "../src/index.js";
 
 /** The client's directory (clients/ts), whether the tests run from test/ or dist/test/. */
 const here = path.dirname(fileURLToPath(import.meta.url));
@@ -216,4 +217,29 @@ export function chain(hashBase: bigint, first: number, n: number, blockSize: num
     const i = first + k;
     return { blockHash: hashBase + BigInt(i + 1), tokenIds: Array.from({ length: blockSize }, (_, j) => i * blockSize + j + 1) };
   });
+}
+
+/** Records the stored blocks of every Publish request (events and dumps) that goes out. */
+export function recordBlocks(): { interceptor: Interceptor; blocks: StoredBlock[] } {
+  const blocks: StoredBlock[] = [];
+  const interceptor: Interceptor = (next) => async (req) => {
+    if (!req.stream) {
+      return next(req);
+    }
+    const source = req.message;
+    async function* recorded(): AsyncIterable<Message> {
+      for await (const m of source) {
+        if (isMessage(m, PublishRequestSchema) && (m.message.case === "events" || m.message.case === "dump")) {
+          for (const ev of m.message.value.events) {
+            if (ev.data.case === "stored") {
+              blocks.push(...ev.data.value.blocks);
+            }
+          }
+        }
+        yield m;
+      }
+    }
+    return next({ ...req, message: recorded() });
+  };
+  return { interceptor, blocks };
 }

@@ -20,7 +20,7 @@ import {
   type KvEventInit,
   type WorkerHelloInit,
 } from "../src/index.js";
-import { chain, freePort, Proxy, sleep, startRouter, startRouterOn, waitFor, type RouterProcess } from "./helpers.js";
+import { chain, freePort, Proxy, recordBlocks, sleep, startRouter, startRouterOn, waitFor, type RouterProcess } from "./helpers.js";
 
 const BS = 4;
 const hello = (workerId: bigint, model: string): WorkerHelloInit => ({
@@ -502,31 +502,6 @@ test("a publisher without fresh_start continues the rank's numbering; the supers
     await server.stop();
   }
 });
-
-/** Records the stored blocks of every Publish request that goes out. */
-function recordBlocks(): { interceptor: Interceptor; blocks: { tokenIds: number[]; tokensHash?: bigint }[] } {
-  const blocks: { tokenIds: number[]; tokensHash?: bigint }[] = [];
-  const interceptor: Interceptor = (next) => async (req) => {
-    if (!req.stream) {
-      return next(req);
-    }
-    const source = req.message;
-    async function* recorded(): AsyncIterable<Message> {
-      for await (const m of source) {
-        if (isMessage(m, PublishRequestSchema) && (m.message.case === "events" || m.message.case === "dump")) {
-          for (const ev of m.message.value.events) {
-            if (ev.data.case === "stored") {
-              blocks.push(...ev.data.value.blocks);
-            }
-          }
-        }
-        yield m;
-      }
-    }
-    return next({ ...req, message: recorded() });
-  };
-  return { interceptor, blocks };
-}
 
 test("hashTokens sends tokens_hash, and the router's prompt hashes match them (salted too)", async () => {
   const server = await startRouter();
