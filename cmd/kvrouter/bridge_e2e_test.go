@@ -387,6 +387,49 @@ func (v *fleetView) overlap(n int) uint64 {
 	return resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice()
 }
 
+// TestBridgeCPUOffload copies blocks to the CPU as vLLM's OffloadingConnector reports them by
+// default (a stored event per block naming its hash only, no tokens), through real `kvrouter bridge`
+// and `kvrouter serve` processes: the router holds the copies on the host tier, keyed as on the GPU,
+// so that a prompt whose GPU blocks were evicted still finds them there.
+func TestBridgeCPUOffload(t *testing.T) {
+	bin, addr, conn := startServerAndDial(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
+	defer cancel()
+	v := &fleetView{t: t, ctx: ctx, admin: kvrouterv1.NewAdminServiceClient(conn), router: kvrouterv1.NewRouterServiceClient(conn), model: "offload", id: 31}
+	endpoint := "tcp://" + freePort(t)
+	engine := startPythonEngine(t, "--endpoint", endpoint, "--style", "maps")
+	b := startBridge(t, bin, "--router-addrs", addr, "--engine-endpoint", endpoint, "--worker-id", "31", "--model", "offload",
+		"--block-size", "4", "--total-kv-blocks", "100000", "--worker-endpoint", "10.0.0.1:8000")
+	waitForFeed(t, engine, b)
+
+	engine.do(map[string]any{"op": "store", "first": 0, "n": 8})
+	engine.do(map[string]any{"op": "offload", "first": 0, "n": 8})
+	engine.do(map[string]any{"op": "remove", "blocks": []int{4, 5, 6, 7}})
+	v.waitEqual(engine, b, 4)
+	hostOverlap := func() uint64 {
+		tokens := make([]uint32, 4*8)
+		for i := range tokens {
+			tokens[i] = uint32(i + 1)
+		}
+		resp, err := v.router.Route(ctx, &kvrouterv1.RouteRequest{Model: "offload", TokenIds: tokens, QueryOnly: true})
+		if err != nil {
+			t.Fatalf("Route() = %v", err)
+		}
+		return resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetHost()
+	}
+	if got := hostOverlap(); got != 4 {
+		t.Errorf("host overlap of the 8-block prompt = %d, want 4 (blocks 4-7, evicted from the GPU)", got)
+	}
+	engine.do(map[string]any{"op": "remove", "blocks": []int{6, 7}, "medium": "CPU"})
+	v.waitEqual(engine, b, 4)
+	if got := hostOverlap(); got != 2 {
+		t.Errorf("host overlap after the CPU evicted blocks 6 and 7 = %d, want 2", got)
+	}
+	if got := b.metric(t, `kvrouter_bridge_blocks_dropped_total{dp_rank="0",reason="unknown_block"}`); got != 0 {
+		t.Errorf("blocks dropped as unknown_block = %v, want 0", got)
+	}
+}
+
 // TestBridgeRecovery drives real `kvrouter bridge` and `kvrouter serve` processes with the vLLM
 // stand-in through what breaks a bridge in production, and checks after each that the router
 // holds what the engine holds: a payload damaged on the way, a bridge restarted beside an idle

@@ -1,6 +1,7 @@
 package bridge
 
 import (
+	"math"
 	"sync"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
@@ -23,6 +24,7 @@ type tierMirror struct {
 
 type mirroredBlock struct {
 	hash, parent, tokensHash uint64
+	copies                   uint32 // announcements not yet removed (releaseLocked)
 	hasParent, live          bool
 }
 
@@ -30,39 +32,75 @@ func newMirror() *mirror {
 	return &mirror{tiers: make(map[kvrouterv1.StorageTier]*tierMirror)}
 }
 
-// apply records kvrouter events before they are published; stored blocks carry their tokens_hash.
-// Recording first means a dump taken between the two already holds the events, which the router
-// then applies a second time: storing a block it holds, or removing one it lacks, changes nothing.
-func (m *mirror) apply(events []*kvrouterv1.KvEvent) {
-	m.mu.Lock()
-	defer m.mu.Unlock()
-	for _, ev := range events {
-		switch d := ev.GetData().(type) {
-		case *kvrouterv1.KvEvent_Stored:
-			t := m.tier(ev.GetStorageTier())
-			parent, hasParent := d.Stored.GetParentHash(), d.Stored.ParentHash != nil
-			for _, b := range d.Stored.GetBlocks() {
-				t.store(mirroredBlock{hash: b.GetBlockHash(), parent: parent, hasParent: hasParent, tokensHash: b.GetTokensHash(), live: true})
-				parent, hasParent = b.GetBlockHash(), true
-			}
-		case *kvrouterv1.KvEvent_Removed:
-			t := m.tier(ev.GetStorageTier())
-			for _, h := range d.Removed.GetBlockHashes() {
-				t.remove(h)
-			}
-		case *kvrouterv1.KvEvent_Cleared:
-			// The router drops every tier of the rank on a cleared event, whichever tier it names
-			// (§4.3); the mirror must hold what the router holds.
-			clear(m.tiers)
-		}
+// The methods below whose names end in Locked are called by the rank's translator with mu held:
+// it reads and records the mirror as it translates each event, so that an event sees every event
+// before it, in its own batch too, and a dump taken meanwhile sees whole events only. Events are
+// recorded before they are published: a dump taken between the two already holds them, and the
+// router then applies them a second time, which changes nothing (storing a block it holds, or
+// removing one it lacks).
+
+// storeLocked records a stored event of tier; its blocks carry their tokens_hash.
+func (m *mirror) storeLocked(tier kvrouterv1.StorageTier, st *kvrouterv1.BlocksStored) {
+	t := m.tier(tier)
+	parent, hasParent := st.GetParentHash(), st.ParentHash != nil
+	for _, b := range st.GetBlocks() {
+		t.store(mirroredBlock{hash: b.GetBlockHash(), parent: parent, hasParent: hasParent, tokensHash: b.GetTokensHash(), live: true})
+		parent, hasParent = b.GetBlockHash(), true
 	}
 }
+
+// releaseLocked takes one announcement of block hash off tier and reports whether the block is
+// gone from the tier, so that its removal is forwarded. Engines announce a block once per copy or
+// chunk that holds it (vLLM caches one hash in several GPU blocks; its offloading connector lists a
+// block shared by two chunks in both), and remove it as often: only the last removal empties the
+// tier. With counted, remaining is the engine's own count of the copies left (vLLM's
+// remaining_copy_counts), which replaces the mirror's. A block the mirror does not hold (stored
+// before the bridge started) is gone at its first removal: the router may hold it.
+func (m *mirror) releaseLocked(tier kvrouterv1.StorageTier, hash uint64, remaining int64, counted bool) (gone bool) {
+	t := m.tiers[tier]
+	var i int32
+	var ok bool
+	if t != nil {
+		i, ok = t.index[hash]
+	}
+	if counted && remaining > 0 {
+		if ok {
+			t.blocks[i].copies = uint32(min(remaining, math.MaxUint32))
+		}
+		return false
+	}
+	if !ok {
+		return true
+	}
+	if !counted && t.blocks[i].copies > 1 {
+		t.blocks[i].copies--
+		return false
+	}
+	t.remove(hash)
+	return true
+}
+
+// keyLocked returns how block hash was keyed on the first tier (fastest first) that holds it.
+func (m *mirror) keyLocked(hash uint64) (mirroredBlock, bool) {
+	for _, tier := range allTiers {
+		if t := m.tiers[tier]; t != nil {
+			if i, ok := t.index[hash]; ok {
+				return t.blocks[i], true
+			}
+		}
+	}
+	return mirroredBlock{}, false
+}
+
+// clearLocked forgets every tier: the router drops them all on a cleared event, whichever tier it
+// names (§4.3).
+func (m *mirror) clearLocked() { clear(m.tiers) }
 
 // clear forgets everything: the engine restarted, or events were lost and nothing can tell which.
 func (m *mirror) clear() {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	clear(m.tiers)
+	m.clearLocked()
 }
 
 func (m *mirror) tier(t kvrouterv1.StorageTier) *tierMirror {
@@ -76,9 +114,12 @@ func (m *mirror) tier(t kvrouterv1.StorageTier) *tierMirror {
 
 func (t *tierMirror) store(b mirroredBlock) {
 	if i, ok := t.index[b.hash]; ok {
-		t.blocks[i] = b // stored again (an engine reporting a prefix hit): same place, newest content
+		// Announced again (another copy, another chunk holding it): same place, newest content.
+		b.copies = min(t.blocks[i].copies, math.MaxUint32-1) + 1
+		t.blocks[i] = b
 		return
 	}
+	b.copies = 1
 	t.index[b.hash] = int32(len(t.blocks))
 	t.blocks = append(t.blocks, b)
 }
@@ -131,24 +172,36 @@ func (m *mirror) dump() []*kvrouterv1.KvEvent {
 		if t == nil {
 			continue
 		}
-		var cur *kvrouterv1.BlocksStored
-		var last uint64
+		runs := chainedRuns{tier: tier}
 		for _, b := range t.blocks {
-			if !b.live {
-				continue
+			if b.live {
+				runs.add(b)
 			}
-			if cur == nil || !b.hasParent || b.parent != last {
-				cur = &kvrouterv1.BlocksStored{}
-				if b.hasParent {
-					parent := b.parent
-					cur.ParentHash = &parent
-				}
-				out = append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Stored{Stored: cur}})
-			}
-			th := b.tokensHash
-			cur.Blocks = append(cur.Blocks, &kvrouterv1.StoredBlock{BlockHash: b.hash, TokensHash: &th})
-			last = b.hash
 		}
+		out = append(out, runs.events...)
 	}
 	return out
+}
+
+// chainedRuns builds stored events with tokens_hash from blocks in order, one event per run of
+// blocks that chain (each the parent of the next), so that a run travels as the engine sent it.
+type chainedRuns struct {
+	tier   kvrouterv1.StorageTier
+	events []*kvrouterv1.KvEvent
+	cur    *kvrouterv1.BlocksStored
+	last   uint64
+}
+
+func (r *chainedRuns) add(b mirroredBlock) {
+	if r.cur == nil || !b.hasParent || b.parent != r.last {
+		r.cur = &kvrouterv1.BlocksStored{}
+		if b.hasParent {
+			parent := b.parent
+			r.cur.ParentHash = &parent
+		}
+		r.events = append(r.events, &kvrouterv1.KvEvent{StorageTier: r.tier, Data: &kvrouterv1.KvEvent_Stored{Stored: r.cur}})
+	}
+	th := b.tokensHash
+	r.cur.Blocks = append(r.cur.Blocks, &kvrouterv1.StoredBlock{BlockHash: b.hash, TokensHash: &th})
+	r.last = b.hash
 }

@@ -92,13 +92,13 @@ func newRank(b *Bridge, dp int32, endpoint, replay string) (*rank, error) {
 	r := &rank{
 		b: b, dp: dp, label: strconv.Itoa(int(dp)), endpoint: endpoint, replay: replay,
 		mirror:     newMirror(),
-		tr:         translator{blockSize: int(b.opts.Hello.GetBlockSize()), group: b.opts.KVGroup, extraKeys: b.opts.ExtraKeys},
 		log:        b.opts.Logger.With("dp_rank", dp),
 		logged:     make(map[string]*logState),
 		dec:        enginefeed.NewDecoder(),
 		fromReplay: make(map[uint64]uint64),
 		health:     newHealth(),
 	}
+	r.tr = translator{m: r.mirror, blockSize: int(b.opts.Hello.GetBlockSize()), group: b.opts.KVGroup, extraKeys: b.opts.ExtraKeys}
 	r.hello = proto.Clone(b.opts.Hello).(*kvrouterv1.WorkerHello)
 	r.hello.DpRank, r.hello.FreshStart = uint32(dp), true
 	if b.opts.StateDir != "" {
@@ -208,8 +208,7 @@ func (r *rank) leave(ctx context.Context) error {
 	r.pub = nil
 	r.pubRef.Store(nil)
 	r.resumeCheckpoint = nil
-	r.mirror.clear()
-	r.tr.forget()
+	r.tr.forget() // and the mirror
 	r.b.metrics.mirrored.WithLabelValues(r.label).Set(0)
 	r.haveLast, r.next, r.inherited, r.started = false, 0, false, false
 	clear(r.fromReplay)
@@ -563,9 +562,7 @@ func (r *rank) replayFrom(ctx context.Context, from uint64, take func(enginefeed
 func (r *rank) reset(ctx context.Context, reason string) error {
 	r.b.metrics.resets.WithLabelValues(r.label, reason).Inc()
 	clearAll := enginefeed.Event{Kind: enginefeed.AllBlocksCleared}
-	events, _ := r.tr.translate(&clearAll, nil)
-	r.mirror.clear()
-	r.tr.forget()
+	events, _ := r.tr.translate(&clearAll, nil) // forgets the mirror and the namespaces
 	r.inherited = false
 	return r.publish(ctx, events)
 }
@@ -606,8 +603,7 @@ func (r *rank) forward(ctx context.Context, m enginefeed.Message, b *enginefeed.
 		r.noEvents()
 		return nil
 	}
-	r.mirror.apply(out)
-	if err := r.publish(ctx, out); err != nil {
+	if err := r.publish(ctx, out); err != nil { // the translator recorded them in the mirror first
 		return err
 	}
 	r.lagMu.Lock()

@@ -16,9 +16,12 @@ const (
 	ReasonDPRankMismatch = "dp_rank_mismatch"
 	// ReasonBlockSize: a stored event whose block_size is not the worker's registered one.
 	ReasonBlockSize = "block_size_mismatch"
-	// ReasonTokenCount: a stored event whose token ids are not block_size per block (offloading
-	// connectors that send no tokens, a truncated event).
+	// ReasonTokenCount: a stored event whose token ids are not block_size per block (a truncated
+	// event).
 	ReasonTokenCount = "token_count"
+	// ReasonUnknownBlock: a stored event without token ids (the placeholder vLLM's offloading
+	// connector sends) naming a block the bridge holds on no tier, so that nothing tells its key.
+	ReasonUnknownBlock = "unknown_block"
 	// ReasonExtraKeys: stored blocks with extra hash keys the bridge cannot map (a key of unknown
 	// shape, a list of extra keys for another number of blocks), or any extra keys with
 	// ExtraKeysSkip.
@@ -77,8 +80,11 @@ var allTiers = []kvrouterv1.StorageTier{
 	kvrouterv1.StorageTier_STORAGE_TIER_DISK, kvrouterv1.StorageTier_STORAGE_TIER_EXTERNAL,
 }
 
-// translator turns one rank's engine events into kvrouter events.
+// translator turns one rank's engine events into kvrouter events, and records them in the rank's
+// mirror as it goes: the mirror tells it how a block already held was keyed and how many
+// announcements of it are not yet removed.
 type translator struct {
+	m         *mirror
 	blockSize int
 	group     int64
 	extraKeys ExtraKeys
@@ -97,8 +103,12 @@ type namespaced struct {
 
 func tierBit(tier kvrouterv1.StorageTier) uint8 { return 1 << uint(tier) }
 
-// forget drops what the translator knows of stored blocks: the router no longer holds them.
-func (t *translator) forget() { clear(t.namespaces) }
+// forget drops what the translator and the mirror know of stored blocks: the router no longer
+// holds them.
+func (t *translator) forget() {
+	t.m.clear()
+	clear(t.namespaces)
+}
 
 // drop is what translate did not forward: blocks dropped, by reason.
 type drop struct {
@@ -106,11 +116,15 @@ type drop struct {
 	blocks int
 }
 
-// translate appends the kvrouter events an engine event stands for to out, and reports what it
-// dropped (reason "" when nothing). Stored blocks carry their tokens_hash, not their tokens.
+// translate appends the kvrouter events an engine event stands for to out, records them in the
+// mirror, and reports what it dropped (reason "" when nothing). Stored blocks carry their
+// tokens_hash, not their tokens.
 func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) ([]*kvrouterv1.KvEvent, drop) {
+	t.m.mu.Lock()
+	defer t.m.mu.Unlock()
 	if ev.Kind == enginefeed.AllBlocksCleared {
-		t.forget()
+		t.m.clearLocked()
+		clear(t.namespaces)
 		for _, tier := range allTiers {
 			out = append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Cleared{Cleared: &kvrouterv1.CacheCleared{}}})
 		}
@@ -130,33 +144,83 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 	if n == 0 {
 		return out, drop{}
 	}
-	if ev.Kind == enginefeed.BlockRemoved {
-		hashes := make([]uint64, 0, n)
-		for i, h := range ev.BlockHashes {
-			// vLLM may cache one hash in several blocks; a removal whose remaining copy count is not
-			// 0 evicted one copy, and the engine still holds the block. Without one count per hash
-			// the counts say nothing certain, and every hash is removed: a missed hit at worst.
-			if len(ev.RemainingCopies) == n && ev.RemainingCopies[i] > 0 {
-				continue
-			}
+	switch {
+	case ev.Kind == enginefeed.BlockRemoved:
+		return t.removed(ev, tier, out), drop{}
+	case len(ev.TokenIDs) == 0:
+		return t.storedWithoutTokens(ev, tier, out)
+	}
+	return t.stored(ev, tier, out)
+}
+
+// removed forwards the hashes of a removal that leave tier without the block (releaseLocked).
+func (t *translator) removed(ev *enginefeed.Event, tier kvrouterv1.StorageTier, out []*kvrouterv1.KvEvent) []*kvrouterv1.KvEvent {
+	n := len(ev.BlockHashes)
+	// Without one remaining count per hash the counts say nothing certain, and the mirror's are used.
+	counted := len(ev.RemainingCopies) == n
+	hashes := make([]uint64, 0, n)
+	for i, h := range ev.BlockHashes {
+		var remaining int64
+		if counted {
+			remaining = ev.RemainingCopies[i]
+		}
+		if t.m.releaseLocked(tier, h, remaining, counted) {
 			hashes = append(hashes, h)
 		}
-		if len(hashes) == 0 {
-			return out, drop{}
-		}
-		if len(t.namespaces) > 0 {
-			for _, h := range hashes {
-				if e, ok := t.namespaces[h]; ok {
-					if e.tiers &^= tierBit(tier); e.tiers == 0 {
-						delete(t.namespaces, h)
-					} else {
-						t.namespaces[h] = e
-					}
+	}
+	if len(hashes) == 0 {
+		return out
+	}
+	if len(t.namespaces) > 0 {
+		for _, h := range hashes {
+			if e, ok := t.namespaces[h]; ok {
+				if e.tiers &^= tierBit(tier); e.tiers == 0 {
+					delete(t.namespaces, h)
+				} else {
+					t.namespaces[h] = e
 				}
 			}
 		}
-		return append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Removed{Removed: &kvrouterv1.BlocksRemoved{BlockHashes: hashes}}}), drop{}
 	}
+	return append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Removed{Removed: &kvrouterv1.BlocksRemoved{BlockHashes: hashes}}})
+}
+
+// storedWithoutTokens forwards a stored event that names its blocks by hash only: what vLLM's
+// offloading connector sends for a block copied to the CPU or to storage (block_size 0, no parent,
+// no token ids) unless its self-describing events are on. A block the bridge holds on another tier
+// is keyed as it was there, with the parent it had; one it holds on no tier is dropped.
+//
+// The connector names an offloaded chunk by the hash of its last block. A chunk of one engine block
+// (the connector's default) is therefore the block itself. A chunk of several is forwarded as its
+// last block only: the router then counts the chunk's blocks on the slower tier only where the
+// faster one still holds them before it, a missed hit at worst.
+func (t *translator) storedWithoutTokens(ev *enginefeed.Event, tier kvrouterv1.StorageTier, out []*kvrouterv1.KvEvent) ([]*kvrouterv1.KvEvent, drop) {
+	runs := chainedRuns{tier: tier}
+	unknown := 0
+	for _, h := range ev.BlockHashes {
+		b, ok := t.m.keyLocked(h)
+		if !ok {
+			unknown++
+			continue
+		}
+		runs.add(b)
+		if e, ok := t.namespaces[h]; ok {
+			t.remember(h, e.salt, tier)
+		}
+	}
+	for _, e := range runs.events {
+		t.m.storeLocked(tier, e.GetStored())
+	}
+	out = append(out, runs.events...)
+	if unknown > 0 {
+		return out, drop{ReasonUnknownBlock, unknown}
+	}
+	return out, drop{}
+}
+
+// stored forwards a stored event with its blocks' token ids, keyed as Route keys a prompt.
+func (t *translator) stored(ev *enginefeed.Event, tier kvrouterv1.StorageTier, out []*kvrouterv1.KvEvent) ([]*kvrouterv1.KvEvent, drop) {
+	n := len(ev.BlockHashes)
 	if ev.BlockSize != t.blockSize {
 		return out, drop{ReasonBlockSize, n}
 	}
@@ -177,6 +241,10 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 	if keep == 0 {
 		return out, dropped
 	}
+	// A block copied to a slower tier without extra keys keeps the key it has on a faster one:
+	// vLLM's self-describing offloading events carry the tokens but not the extra keys, and an image
+	// block, or a salted one, keyed from its tokens alone would be another block.
+	reuseKeys := tier != kvrouterv1.StorageTier_STORAGE_TIER_DEVICE && !ev.HasExtraKeys()
 	// The bridge hashes the tokens itself (8 bytes a block on the wire instead of 4 per token),
 	// so that its mirror holds exactly what the router holds.
 	salt := blockhash.Salt(ev.LoraName, "")
@@ -195,9 +263,18 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 		} else if e, ok := t.namespaces[ev.BlockHashes[i]]; ok {
 			ns = e.salt // stored before (in another tier): what it was then
 		}
-		if !mapKeys {
+		known := false
+		if reuseKeys {
+			var k mirroredBlock
+			if k, known = t.m.keyLocked(ev.BlockHashes[i]); known {
+				hashes[i] = k.tokensHash
+			}
+		}
+		switch {
+		case known:
+		case !mapKeys:
 			hashes[i] = blockhash.Local(tokens, salt+ns)
-		} else {
+		default:
 			mm, salted, reason := t.blockKeys(ev, i)
 			if reason != "" {
 				keep, dropped = i, drop{reason, n - i}
@@ -207,6 +284,9 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 				ns = salted
 			}
 			hashes[i] = blockhash.LocalMultimodal(tokens, mm, salt+ns)
+		}
+		if keep == i {
+			break
 		}
 		blocks[i].BlockHash = ev.BlockHashes[i]
 		blocks[i].TokensHash = &hashes[i]
@@ -223,6 +303,7 @@ func (t *translator) translate(ev *enginefeed.Event, out []*kvrouterv1.KvEvent) 
 		parent := ev.ParentHash
 		stored.ParentHash = &parent
 	}
+	t.m.storeLocked(tier, stored)
 	return append(out, &kvrouterv1.KvEvent{StorageTier: tier, Data: &kvrouterv1.KvEvent_Stored{Stored: stored}}), dropped
 }
 

@@ -1,10 +1,14 @@
 package bridge
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
 	"github.com/google/go-cmp/cmp/cmpopts"
+
+	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 
 	"github.com/kvrouter/kvrouter/clients/go/enginefeed"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
@@ -142,7 +146,7 @@ func TestTranslateExtraKeys(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tr := translator{blockSize: 4, extraKeys: tt.mode}
+			tr := translator{m: newMirror(), blockSize: 4, extraKeys: tt.mode}
 			var got [][]uint64
 			var drops []drop
 			for i := range tt.events {
@@ -172,7 +176,7 @@ func TestTranslateExtraKeys(t *testing.T) {
 // the block, and forgotten once every tier removed it or the cache was cleared, so that memory
 // follows the engine's cache.
 func TestTranslateForgetsRemovedNamespaces(t *testing.T) {
-	tr := translator{blockSize: 4}
+	tr := translator{m: newMirror(), blockSize: 4}
 	salted := keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{str("tenant-1")}, nil)
 	offloaded := chain(0, 2, "CPU")
 	removedGPU := enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{100, 101}, Medium: "GPU"}
@@ -220,7 +224,7 @@ func TestTranslateRemainingCopies(t *testing.T) {
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
-			tr := translator{blockSize: 4}
+			tr := translator{m: newMirror(), blockSize: 4}
 			ev := enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{100, 101, 102}, Medium: "GPU", RemainingCopies: tt.copies}
 			out, d := tr.translate(&ev, nil)
 			var got []uint64
@@ -240,7 +244,7 @@ func TestTranslateRemainingCopies(t *testing.T) {
 // TestTranslateSGLang: SGLang's metadata.cache_salt salts every block of its event (it names the salt
 // on each), keyed as Route keys the salted prompt.
 func TestTranslateSGLang(t *testing.T) {
-	tr := translator{blockSize: 4}
+	tr := translator{m: newMirror(), blockSize: 4}
 	salted := chain(0, 2, "GPU")
 	salted.CacheSalt = "tenant-1"
 	next := chain(2, 1, "GPU")
@@ -257,5 +261,201 @@ func TestTranslateSGLang(t *testing.T) {
 	}
 	if diff := cmp.Diff([]uint64{want(0, "", "tenant-1"), want(1, "", "tenant-1"), want(2, "", "tenant-1")}, got); diff != "" {
 		t.Errorf("tokens_hash of SGLang's salted blocks (-want +got):\n%s", diff)
+	}
+}
+
+// forwarded is one kvrouter event as the tests compare it.
+type forwarded struct {
+	Tier    kvrouterv1.StorageTier
+	Parent  *uint64     // stored: the parent block, if any
+	Blocks  [][2]uint64 // stored: block hash, tokens_hash
+	Removed []uint64
+}
+
+func summarize(events []*kvrouterv1.KvEvent) []forwarded {
+	var out []forwarded
+	for _, ev := range events {
+		f := forwarded{Tier: ev.GetStorageTier(), Removed: ev.GetRemoved().GetBlockHashes()}
+		if st := ev.GetStored(); st != nil {
+			f.Parent = st.ParentHash
+			for _, b := range st.GetBlocks() {
+				f.Blocks = append(f.Blocks, [2]uint64{b.GetBlockHash(), b.GetTokensHash()})
+			}
+		}
+		out = append(out, f)
+	}
+	return out
+}
+
+const (
+	device = kvrouterv1.StorageTier_STORAGE_TIER_DEVICE
+	host   = kvrouterv1.StorageTier_STORAGE_TIER_HOST
+)
+
+// blk is block i of the test prompts as the router must hold it: engine hash 100+i, its tokens
+// hashed without salt.
+func blk(i int) [2]uint64 { return [2]uint64{uint64(100 + i), want(i, "", "")} }
+
+// TestEnginePayloads decodes payloads written as the engines write them (testdata, by
+// gen-engine-payloads.py with Debian's python3-msgpack) and checks what reaches the router:
+//   - vLLM's offloading placeholders name an offloaded block by hash only: a block the GPU events
+//     named is keyed as it was there, with its parent; another is dropped;
+//   - vLLM's self-describing offload events of chunks list a block that two chunks hold in both,
+//     and remove it with each: the router removes it with the last;
+//   - vLLM's remaining_copy_counts keep a block that still has a copy, and end one that has none
+//     however often it was announced;
+//   - SGLang's metadata.cache_salt salts its event's blocks, and EAGLE's bigram pairs are read by
+//     their first token.
+func TestEnginePayloads(t *testing.T) {
+	tests := []struct {
+		file  string
+		want  [][]forwarded // per engine event
+		drops []drop
+		held  []forwarded // the mirror's dump after the batch
+	}{
+		{
+			file: "vllm_offload_placeholder.msgpack",
+			want: [][]forwarded{
+				{{Tier: device, Blocks: [][2]uint64{blk(0), blk(1), blk(2), blk(3)}}},
+				{{Tier: host, Blocks: [][2]uint64{blk(0)}}},
+				{{Tier: host, Parent: ptr(uint64(100)), Blocks: [][2]uint64{blk(1)}}},
+				nil,
+				{{Tier: device, Removed: []uint64{100, 101, 102, 103}}},
+				{{Tier: host, Removed: []uint64{100}}},
+			},
+			drops: []drop{{ReasonUnknownBlock, 1}},
+			held:  []forwarded{{Tier: host, Parent: ptr(uint64(100)), Blocks: [][2]uint64{blk(1)}}},
+		},
+		{
+			file: "vllm_offload_chunks.msgpack",
+			want: [][]forwarded{
+				{{Tier: host, Blocks: [][2]uint64{blk(0), blk(1)}}},
+				{{Tier: host, Parent: ptr(uint64(101)), Blocks: [][2]uint64{blk(2), blk(3)}}},
+				{{Tier: host, Parent: ptr(uint64(101)), Blocks: [][2]uint64{blk(2), {203, want(7, "", "")}}}},
+				{{Tier: host, Removed: []uint64{103}}}, // block 2 is still in prompt B's chunk
+				{{Tier: host, Removed: []uint64{102, 203}}},
+			},
+			held: []forwarded{{Tier: host, Blocks: [][2]uint64{blk(0), blk(1)}}},
+		},
+		{
+			file: "vllm_copies.msgpack",
+			want: [][]forwarded{
+				{{Tier: device, Blocks: [][2]uint64{blk(0), blk(1)}}},
+				{{Tier: device, Blocks: [][2]uint64{blk(0), blk(1)}}},
+				{{Tier: device, Removed: []uint64{101}}}, // block 0 has a copy left
+				{{Tier: device, Removed: []uint64{100}}},
+			},
+		},
+		{
+			file: "sglang_salted_eagle.msgpack",
+			want: [][]forwarded{
+				{{Tier: device, Blocks: [][2]uint64{{100, want(0, "", "tenant-1")}}}},
+				{{Tier: device, Parent: ptr(uint64(100)), Blocks: [][2]uint64{{101, want(1, "", "tenant-1")}}}},
+				{{Tier: device, Removed: []uint64{101}}},
+			},
+			held: []forwarded{{Tier: device, Blocks: [][2]uint64{{100, want(0, "", "tenant-1")}}}},
+		},
+	}
+	for _, tt := range tests {
+		t.Run(tt.file, func(t *testing.T) {
+			payload, err := os.ReadFile(filepath.Join("testdata", tt.file))
+			if err != nil {
+				t.Fatal(err)
+			}
+			var b enginefeed.Batch
+			if err := enginefeed.NewDecoder().Decode(payload, &b); err != nil {
+				t.Fatalf("Decode() = %v", err)
+			}
+			if len(b.Skipped) > 0 {
+				t.Fatalf("the decoder skipped %+v", b.Skipped)
+			}
+			tr := translator{m: newMirror(), blockSize: 4}
+			var got [][]forwarded
+			var drops []drop
+			for i := range b.Events {
+				out, d := tr.translate(&b.Events[i], nil)
+				got = append(got, summarize(out))
+				if d.reason != "" {
+					drops = append(drops, d)
+				}
+			}
+			opts := []cmp.Option{cmp.AllowUnexported(drop{}), cmpopts.EquateEmpty()}
+			if diff := cmp.Diff(tt.want, got, opts...); diff != "" {
+				t.Errorf("forwarded, per engine event (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tt.drops, drops, opts...); diff != "" {
+				t.Errorf("drops (-want +got):\n%s", diff)
+			}
+			if diff := cmp.Diff(tt.held, summarize(tr.m.dump()), opts...); diff != "" {
+				t.Errorf("the mirror after the batch (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestTranslateCountsCopies: a block announced n times is removed at the router with its n-th
+// removal; the engine's remaining copy counts, when it sends them, replace the bridge's count; a
+// cleared cache starts the counts afresh.
+func TestTranslateCountsCopies(t *testing.T) {
+	removal := func(copies ...int64) enginefeed.Event {
+		return enginefeed.Event{Kind: enginefeed.BlockRemoved, BlockHashes: []uint64{100}, Medium: "GPU", RemainingCopies: copies}
+	}
+	stored, cleared := chain(0, 1, "GPU"), enginefeed.Event{Kind: enginefeed.AllBlocksCleared}
+	tests := []struct {
+		name   string
+		events []enginefeed.Event
+		want   []bool // per removal: forwarded
+	}{
+		{"stored once", []enginefeed.Event{stored, removal()}, []bool{true}},
+		{"stored twice", []enginefeed.Event{stored, stored, removal(), removal()}, []bool{false, true}},
+		{"stored twice, removed three times", []enginefeed.Event{stored, stored, removal(), removal(), removal()}, []bool{false, true, true}},
+		{"stored again after its removal", []enginefeed.Event{stored, removal(), stored, removal()}, []bool{true, true}},
+		{"the engine's count: one copy left", []enginefeed.Event{stored, removal(1), removal(0)}, []bool{false, true}},
+		{"the engine's count: none left of two", []enginefeed.Event{stored, stored, removal(0)}, []bool{true}},
+		{"the engine's count, then the bridge's", []enginefeed.Event{stored, removal(2), removal(), removal()}, []bool{false, false, true}},
+		{"cleared between", []enginefeed.Event{stored, stored, cleared, stored, removal()}, []bool{true}},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			tr := translator{m: newMirror(), blockSize: 4}
+			var got []bool
+			for _, ev := range tt.events {
+				out, d := tr.translate(&ev, nil)
+				if d.reason != "" {
+					t.Fatalf("dropped %+v", d)
+				}
+				if ev.Kind == enginefeed.BlockRemoved {
+					got = append(got, len(out) == 1)
+				}
+			}
+			if diff := cmp.Diff(tt.want, got); diff != "" {
+				t.Errorf("removals forwarded (-want +got):\n%s", diff)
+			}
+		})
+	}
+}
+
+// TestTranslateOffloadKeepsKeys: vLLM's self-describing offloading events carry a block's tokens
+// but not its extra keys, so a block copied to the CPU takes the key its GPU copy has (an image's
+// hash, a cache salt). A block the GPU never reported is keyed from its tokens.
+func TestTranslateOffloadKeepsKeys(t *testing.T) {
+	tr := translator{m: newMirror(), blockSize: 4}
+	onGPU := keyed(chain(0, 2, "GPU"), "", []enginefeed.ExtraKey{pair(digest, 0), str("tenant-1")}, nil)
+	offloaded := chain(0, 3, "CPU") // blocks 0 and 1 are on the GPU, block 2 is not
+	var got [][]forwarded
+	for _, ev := range []enginefeed.Event{onGPU, offloaded} {
+		out, d := tr.translate(&ev, nil)
+		if d.reason != "" {
+			t.Fatalf("dropped %+v", d)
+		}
+		got = append(got, summarize(out))
+	}
+	image, second := want(0, "", "tenant-1", digest), want(1, "", "tenant-1")
+	w := [][]forwarded{
+		{{Tier: device, Blocks: [][2]uint64{{100, image}, {101, second}}}},
+		{{Tier: host, Blocks: [][2]uint64{{100, image}, {101, second}, {102, want(2, "", "tenant-1")}}}},
+	}
+	if diff := cmp.Diff(w, got, cmpopts.EquateEmpty()); diff != "" {
+		t.Errorf("forwarded (-want +got):\n%s", diff)
 	}
 }

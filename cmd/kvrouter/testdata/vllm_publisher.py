@@ -23,6 +23,9 @@ Commands come on stdin, one JSON object a line; after each, one line "ok <last s
       tokens (absolute prompt positions [start, end)) the block holds + [cache salt] on the prompt's
       first block; and block hashes that depend on them)
   {"op": "remove", "blocks": [6, 7]}                      ("medium", "lora", "cache_salt", "images" as for store)
+  {"op": "offload", "first": 0, "n": 4}                    blocks first..first+n-1 copied to the CPU as vLLM's
+      OffloadingConnector reports them by default: one BlockStored per block with its hash only (no
+      parent, no token ids, block_size 0, medium CPU); "remove" with "medium": "CPU" evicts them
   {"op": "clear"}
   {"op": "ping"}                                           a batch without events
   {"op": "raw", "hex": "c1"}                               a payload as given (malformed input)
@@ -125,10 +128,23 @@ class Engine:
                     router.send_multipart((client, b"", self.topic, seq.to_bytes(8, "big"), payload))
             router.send_multipart((client, b"", b"", END_SEQ, b""))
 
-    def event(self, cmd):
+    def events(self, cmd):
         bs = self.args.block_size
         op = cmd["op"]
         medium = cmd.get("medium", "GPU")
+        if op == "offload":
+            out = []
+            for i in range(cmd["first"], cmd["first"] + cmd["n"]):
+                h = block_hash(i, cmd)
+                fields = dict(block_hashes=[h], parent_block_hash=None, token_ids=[], block_size=0, lora_id=None,
+                              medium="CPU", lora_name=None, extra_keys=None, group_idx=0,
+                              kv_cache_spec_kind="full_attention", kv_cache_spec_sliding_window=None)
+                self.cache["CPU"].add(h)
+                out.append(self.encode("BlockStored", fields))
+            return out
+        return [self.event(cmd, bs, op, medium)]
+
+    def event(self, cmd, bs, op, medium):
         if op == "store":
             first, n = cmd["first"], cmd["n"]
             hashes = [block_hash(i, cmd) for i in range(first, first + n)]
@@ -171,7 +187,7 @@ class Engine:
         if op == "raw":
             payload = bytes.fromhex(cmd["hex"])
         else:
-            events = [] if op == "ping" else [self.event(cmd)]
+            events = [] if op == "ping" else self.events(cmd)
             payload = msgpack.packb([time.time(), events, self.args.dp_rank], use_bin_type=True)
         with self.lock:
             seq = self.seq
