@@ -81,6 +81,9 @@ type Request struct {
 	PrefillPin     *Pin
 	DecodePin      *Pin
 	AllowedWorkers []uint64 // empty = all
+	// AllowedEndpoints, when not nil, are the only worker endpoints either hop may choose: the
+	// candidate subset a gateway's proxy sends its endpoint picker. Empty but not nil allows none.
+	AllowedEndpoints []string
 	Override       Override
 	CDOverride     CDOverride
 	// SessionWorker is the decode worker the request's session is bound to (session affinity), as
@@ -315,10 +318,21 @@ func sessionTarget(req *Request, decodePool []*kvstate.Worker) (pin *Pin, stale 
 	}
 	for _, w := range decodePool {
 		if w.Info.Key == *key {
+			if !req.allows(w) {
+				return nil, true // outside the candidates this request may use: choose afresh
+			}
 			return &Pin{Worker: key.ID, Rank: &key.Rank}, false
 		}
 	}
 	return nil, true
+}
+
+// allows reports whether the request's allow-lists (worker ids, endpoints) let it use w.
+func (req *Request) allows(w *kvstate.Worker) bool {
+	if len(req.AllowedWorkers) > 0 && !containsID(req.AllowedWorkers, w.Info.Key.ID) {
+		return false
+	}
+	return req.AllowedEndpoints == nil || slices.Contains(req.AllowedEndpoints, w.Info.Endpoint)
 }
 
 // DecodeHopWeights returns the weights of the decode hop after a remote prefill (§5.3): active
@@ -340,10 +354,7 @@ func (r *Kernel) choose(rc *routeCtx, hop string, pool []*kvstate.Worker, w Weig
 	sc.slots = sc.slots[:0]
 	eligible := sc.eligible[:0]
 	for _, wk := range pool {
-		if len(req.AllowedWorkers) > 0 && !containsID(req.AllowedWorkers, wk.Info.Key.ID) {
-			continue
-		}
-		if !pin.matches(wk.Info.Key) {
+		if !req.allows(wk) || !pin.matches(wk.Info.Key) {
 			continue
 		}
 		eligible = append(eligible, wk)
@@ -416,6 +427,8 @@ func noEligibleWorker(req *Request, hop string, pin *Pin) error {
 		return fmt.Errorf("%w: %s hop has no worker %s", ErrPinnedWorkerNotFound, hop, pin)
 	case len(req.AllowedWorkers) > 0:
 		return fmt.Errorf("%w: %s hop: none of allowed_worker_ids %v serves model %q", ErrNoEligibleWorkers, hop, req.AllowedWorkers, req.Model)
+	case req.AllowedEndpoints != nil:
+		return fmt.Errorf("%w: %s hop: none of the %d candidate endpoints is a %s worker of model %q", ErrNoEligibleWorkers, hop, len(req.AllowedEndpoints), hopRole(hop), req.Model)
 	default:
 		return fmt.Errorf("%w: model %q has no %s workers", ErrNoWorkers, req.Model, hopRole(hop))
 	}

@@ -1,0 +1,272 @@
+// Package frontdoor turns the OpenAI requests a gateway forwards (/v1/completions and
+// /v1/chat/completions) into what routing needs: the model and the prompt's token ids, tokenized
+// as the model's engine tokenizes them. It knows nothing of gRPC or Envoy: the endpoint picker
+// (server) reads the body off the proxy's stream and hands it here.
+package frontdoor
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+)
+
+// Kind is the OpenAI API a request calls.
+type Kind uint8
+
+// The APIs the front door routes.
+const (
+	Completions Kind = iota + 1
+	ChatCompletions
+)
+
+// String returns the API's path.
+func (k Kind) String() string {
+	switch k {
+	case Completions:
+		return CompletionsPath
+	case ChatCompletions:
+		return ChatCompletionsPath
+	}
+	return "unknown"
+}
+
+// The paths of the routed APIs.
+const (
+	CompletionsPath     = "/v1/completions"
+	ChatCompletionsPath = "/v1/chat/completions"
+)
+
+// KindOf returns the API a request path calls; the query string is ignored. ok is false for a path
+// the front door does not route.
+func KindOf(path string) (k Kind, ok bool) {
+	if i := strings.IndexByte(path, '?'); i >= 0 {
+		path = path[:i]
+	}
+	switch strings.TrimSuffix(path, "/") {
+	case CompletionsPath:
+		return Completions, true
+	case ChatCompletionsPath:
+		return ChatCompletions, true
+	}
+	return 0, false
+}
+
+// Request is what the front door reads of an OpenAI request body; the rest of the body (sampling
+// parameters, stream) is the engine's business and passes through untouched.
+type Request struct {
+	Kind  Kind
+	Model string
+	// Completions: the prompt as text, or as token ids (TokenIDs non-nil).
+	Prompt   string
+	TokenIDs []uint32
+	// Chat completions: the messages and what the chat template is given beside them.
+	Messages []Message
+	Tools    []json.RawMessage
+	// TemplateKwargs are the body's chat_template_kwargs (vLLM's extension, e.g. enable_thinking).
+	TemplateKwargs map[string]any
+	// AddGenerationPrompt is true unless the body continues the last assistant message
+	// (continue_final_message, or add_generation_prompt false: vLLM's extensions).
+	AddGenerationPrompt bool
+}
+
+// Message is one chat message as the OpenAI API carries it. Content is the text, with the text
+// parts of a list of parts joined by newlines, as vLLM's "string" content format renders them.
+type Message struct {
+	Role             string            `json:"role"`
+	Content          string            `json:"content"`
+	Name             string            `json:"name,omitempty"`
+	ToolCallID       string            `json:"tool_call_id,omitempty"`
+	ToolCalls        []json.RawMessage `json:"tool_calls,omitempty"`
+	ReasoningContent string            `json:"reasoning_content,omitempty"`
+}
+
+// BadRequestError is a body the front door cannot read, naming the field and the rule; the picker
+// answers it with HTTP 400.
+type BadRequestError struct {
+	Field, Rule string
+}
+
+func (e *BadRequestError) Error() string {
+	if e.Field == "" {
+		return e.Rule
+	}
+	return e.Field + ": " + e.Rule
+}
+
+func badRequest(field, format string, args ...any) error {
+	return &BadRequestError{Field: field, Rule: fmt.Sprintf(format, args...)}
+}
+
+// wireRequest is the part of both APIs' bodies the front door reads.
+type wireRequest struct {
+	Model                *string           `json:"model"`
+	Prompt               json.RawMessage   `json:"prompt"`
+	Messages             []wireMessage     `json:"messages"`
+	Tools                []json.RawMessage `json:"tools"`
+	ChatTemplateKwargs   map[string]any    `json:"chat_template_kwargs"`
+	AddGenerationPrompt  *bool             `json:"add_generation_prompt"`
+	ContinueFinalMessage bool              `json:"continue_final_message"`
+}
+
+type wireMessage struct {
+	Role             string            `json:"role"`
+	Content          json.RawMessage   `json:"content"`
+	Name             string            `json:"name"`
+	ToolCallID       string            `json:"tool_call_id"`
+	ToolCalls        []json.RawMessage `json:"tool_calls"`
+	ReasoningContent string            `json:"reasoning_content"`
+}
+
+// Parse reads the body of a request to the API kind. A body that is not a JSON object of that API,
+// or whose prompt the router cannot route (several prompts in one completions request), is a
+// *BadRequestError.
+func Parse(kind Kind, body []byte) (*Request, error) {
+	var w wireRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.UseNumber()
+	if err := dec.Decode(&w); err != nil {
+		return nil, badRequest("", "the body is not a JSON object of %s: %v", kind, jsonError(err))
+	}
+	if dec.More() {
+		return nil, badRequest("", "the body holds more than one JSON value")
+	}
+	r := &Request{Kind: kind, AddGenerationPrompt: true}
+	if w.Model != nil {
+		r.Model = *w.Model
+	}
+	switch kind {
+	case Completions:
+		if err := r.readPrompt(w.Prompt); err != nil {
+			return nil, err
+		}
+	case ChatCompletions:
+		if len(w.Messages) == 0 {
+			return nil, badRequest("messages", "must hold at least one message")
+		}
+		r.Messages = make([]Message, len(w.Messages))
+		for i, m := range w.Messages {
+			text, err := contentText(m.Content)
+			if err != nil {
+				return nil, badRequest(fmt.Sprintf("messages[%d].content", i), "%v", err)
+			}
+			if m.Role == "" {
+				return nil, badRequest(fmt.Sprintf("messages[%d].role", i), "must not be empty")
+			}
+			r.Messages[i] = Message{Role: m.Role, Content: text, Name: m.Name, ToolCallID: m.ToolCallID,
+				ToolCalls: m.ToolCalls, ReasoningContent: m.ReasoningContent}
+		}
+		r.Tools = w.Tools
+		r.TemplateKwargs = w.ChatTemplateKwargs
+		if w.AddGenerationPrompt != nil {
+			r.AddGenerationPrompt = *w.AddGenerationPrompt
+		}
+		if w.ContinueFinalMessage {
+			r.AddGenerationPrompt = false
+		}
+	default:
+		return nil, badRequest("", "unknown API")
+	}
+	return r, nil
+}
+
+// readPrompt reads a completions prompt: a string, a list of token ids, or a list of one of
+// either. vLLM answers a list of several prompts with one completion each; they would need one
+// routing decision each, so the front door refuses them rather than route all by the first.
+func (r *Request) readPrompt(raw json.RawMessage) error {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return badRequest("prompt", "must be set")
+	}
+	switch raw[0] {
+	case '"':
+		return json.Unmarshal(raw, &r.Prompt)
+	case '[':
+	default:
+		return badRequest("prompt", "must be a string, a list of token ids, or a list of one of either")
+	}
+	var items []json.RawMessage
+	if err := json.Unmarshal(raw, &items); err != nil {
+		return badRequest("prompt", "is not a JSON list: %v", jsonError(err))
+	}
+	if len(items) == 0 {
+		return badRequest("prompt", "must not be empty")
+	}
+	switch first := bytes.TrimSpace(items[0]); first[0] {
+	case '"', '[':
+		if len(items) > 1 {
+			return badRequest("prompt", "holds %d prompts; the router routes one prompt per request", len(items))
+		}
+		return r.readPrompt(first)
+	}
+	ids := make([]uint32, len(items))
+	for i, it := range items {
+		var n json.Number
+		if err := json.Unmarshal(it, &n); err != nil {
+			return badRequest(fmt.Sprintf("prompt[%d]", i), "must be a token id (a whole number)")
+		}
+		v, err := n.Int64()
+		if err != nil || v < 0 || v > 1<<32-1 {
+			return badRequest(fmt.Sprintf("prompt[%d]", i), "%s is not a token id (0 to 4294967295)", n)
+		}
+		ids[i] = uint32(v)
+	}
+	r.TokenIDs = ids
+	return nil
+}
+
+// contentText returns a message's content as text: a string, null (no content: an assistant turn
+// of tool calls), or a list of parts whose text parts are joined by newlines. A part that is not
+// text (an image) is refused: the front door cannot key it as the engine would.
+func contentText(raw json.RawMessage) (string, error) {
+	raw = bytes.TrimSpace(raw)
+	if len(raw) == 0 || string(raw) == "null" {
+		return "", nil
+	}
+	if raw[0] == '"' {
+		var s string
+		err := json.Unmarshal(raw, &s)
+		return s, err
+	}
+	var parts []struct {
+		Type string  `json:"type"`
+		Text *string `json:"text"`
+	}
+	if err := json.Unmarshal(raw, &parts); err != nil {
+		return "", fmt.Errorf("must be a string or a list of content parts")
+	}
+	texts := make([]string, 0, len(parts))
+	for i, p := range parts {
+		if p.Type != "text" || p.Text == nil {
+			return "", fmt.Errorf("part %d is of type %q; the front door routes text parts only", i, p.Type)
+		}
+		texts = append(texts, *p.Text)
+	}
+	return strings.Join(texts, "\n"), nil
+}
+
+// jsonError shortens encoding/json's errors to what a caller can act on.
+func jsonError(err error) string {
+	var syn *json.SyntaxError
+	if errors.As(err, &syn) {
+		return fmt.Sprintf("%v (at byte %d)", syn, syn.Offset)
+	}
+	var typ *json.UnmarshalTypeError
+	if errors.As(err, &typ) {
+		return fmt.Sprintf("%s must be a JSON %s", typ.Field, jsonKind(typ.Type.Kind().String()))
+	}
+	return err.Error()
+}
+
+func jsonKind(k string) string {
+	switch k {
+	case "slice":
+		return "list"
+	case "map", "struct":
+		return "object"
+	case "ptr":
+		return "value"
+	}
+	return k
+}
