@@ -84,8 +84,8 @@ type Request struct {
 	// AllowedEndpoints, when not nil, are the only worker endpoints either hop may choose: the
 	// candidate subset a gateway's proxy sends its endpoint picker. Empty but not nil allows none.
 	AllowedEndpoints []string
-	Override       Override
-	CDOverride     CDOverride
+	Override         Override
+	CDOverride       CDOverride
 	// SessionWorker is the decode worker the request's session is bound to (session affinity), as
 	// the caller found it in the state; nil when there is none. An explicit DecodePin wins over it.
 	SessionWorker *kvstate.WorkerKey

@@ -425,4 +425,3 @@ func (f *pickerFleet) oneRequest(client extprocv3.ExternalProcessorClient, rng *
 	}
 	return stream.CloseSend()
 }
-

@@ -11,6 +11,7 @@ import (
 	"sync"
 	"time"
 
+	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/logging"
 	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
@@ -85,6 +86,9 @@ type Options struct {
 	// TracerProvider records the spans of kvrouter.v1 calls and Publish messages (server/tracing.go);
 	// nil turns tracing off: no stats handler runs and no span is made.
 	TracerProvider trace.TracerProvider
+	// Picker configures the ext_proc endpoint picker (ServePicker); its Dispatcher, metrics and
+	// logger are the server's. Nil serves no picker.
+	Picker *PickerOptions
 }
 
 // Services maps each service to the role (server/auth) its callers need.
@@ -92,6 +96,8 @@ var Services = map[string]auth.Role{
 	kvrouterv1.RouterService_ServiceDesc.ServiceName: auth.RoleFrontend,
 	kvrouterv1.WorkerService_ServiceDesc.ServiceName: auth.RoleWorker,
 	kvrouterv1.AdminService_ServiceDesc.ServiceName:  auth.RoleAdmin,
+	// The endpoint picker routes and books, as a frontend does.
+	extprocv3.ExternalProcessor_ServiceDesc.ServiceName: auth.RoleFrontend,
 }
 
 // Health and reflection service names, which the configuration may open to callers without
@@ -117,6 +123,9 @@ type Server struct {
 	// healthOnly serves the health service alone, in plaintext (ServeHealth): probes that cannot
 	// speak TLS or carry credentials (Kubernetes' gRPC probes) check it there.
 	healthOnly *grpc.Server
+	// picker serves the ext_proc endpoint picker and health on a port of its own (ServePicker),
+	// with the main port's transport security, credentials and limits; nil without one.
+	picker *grpc.Server
 	// Connection caps of the two ports (limitListener).
 	maxConns, healthMaxConns int
 	connsOpen                *prometheus.GaugeVec
@@ -293,6 +302,15 @@ func New(o Options) *Server {
 		grpc.KeepaliveEnforcementPolicy(keepalive.EnforcementPolicy{MinTime: o.KeepaliveMinTime}),
 		grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionIdle: time.Minute, Time: 30 * time.Second, Timeout: 10 * time.Second}))
 	healthpb.RegisterHealthServer(s.healthOnly, s.health)
+	if o.Picker != nil {
+		po := *o.Picker
+		po.Dispatcher, po.Logger, po.MaxPromptTokens = o.Dispatcher, o.Logger, o.MaxPromptTokens
+		po.Metrics = NewPickerMetrics(o.Registry)
+		s.picker = grpc.NewServer(opts...)
+		extprocv3.RegisterExternalProcessorServer(s.picker, NewPicker(po))
+		healthpb.RegisterHealthServer(s.picker, s.health) // the protocol asks for health on the picker's port
+		grpcMetrics.InitializeMetrics(s.picker)
+	}
 	reflection.Register(s.grpc)
 	grpcMetrics.InitializeMetrics(s.grpc)
 	serving := healthpb.HealthCheckResponse_SERVING
@@ -378,6 +396,17 @@ func (s *Server) ServeHealth(lis net.Listener) error {
 	return err
 }
 
+// ServePicker serves the ext_proc endpoint picker on lis until Shutdown; New must have been given
+// PickerOptions. Its connections count against max_connections with the main port's.
+func (s *Server) ServePicker(lis net.Listener) error {
+	lis = limitConnections(lis, s.maxConns, s.connsOpen.WithLabelValues("picker"), s.connsRefused.WithLabelValues("picker"), s.conns)
+	err := s.picker.Serve(lis)
+	if err == grpc.ErrServerStopped {
+		return nil
+	}
+	return err
+}
+
 // Shutdown stops the server in order: health turns NOT_SERVING so balancers stop sending new calls,
 // the drain period lets them notice, Publish streams end with UNAVAILABLE so workers reconnect to
 // another replica, in-flight calls finish, and whatever still runs when ctx ends is cut.
@@ -389,17 +418,19 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 	case <-ctx.Done():
 	}
 	s.stopOnce.Do(func() { close(s.stopping) })
-	done := make(chan struct{})
-	go func() {
-		s.grpc.GracefulStop()
-		close(done)
-	}()
-	select {
-	case <-done:
-	case <-ctx.Done():
-		s.logger.Warn("graceful stop timed out; closing remaining connections")
-		s.grpc.Stop()
-		<-done
+	for _, g := range s.grpcServers() {
+		done := make(chan struct{})
+		go func() {
+			g.GracefulStop()
+			close(done)
+		}()
+		select {
+		case <-done:
+		case <-ctx.Done():
+			s.logger.Warn("graceful stop timed out; closing remaining connections")
+			g.Stop()
+			<-done
+		}
 	}
 	s.healthOnly.Stop() // last: probes see NOT_SERVING until the end
 	s.bg.Wait()
@@ -408,7 +439,18 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 // Stop ends the server at once: streams and calls are cut, and the server's goroutines joined.
 func (s *Server) Stop() {
 	s.stopOnce.Do(func() { close(s.stopping) })
-	s.grpc.Stop()
+	for _, g := range s.grpcServers() {
+		g.Stop()
+	}
 	s.healthOnly.Stop()
 	s.bg.Wait()
+}
+
+// grpcServers are the servers of the main port and of the picker's, in the order they stop: the
+// picker's streams end their bookings through the dispatcher, which outlives both.
+func (s *Server) grpcServers() []*grpc.Server {
+	if s.picker == nil {
+		return []*grpc.Server{s.grpc}
+	}
+	return []*grpc.Server{s.picker, s.grpc}
 }

@@ -116,6 +116,13 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 	opts := rep.ServerOptions()
 	opts.Registry, opts.Creds, opts.Auth, opts.TracerProvider = registry, sec.creds, sec.auth, tracerProvider
+	if cfg.PickerListen != "" {
+		opts.Picker = &server.PickerOptions{
+			Headers: server.PickerHeaders{Destination: cfg.PickerDestinationHeader, Prefill: cfg.PickerPrefillHeader,
+				Session: cfg.PickerSessionHeader, Model: cfg.PickerModelHeader},
+			MaxBodyBytes: cfg.PickerMaxBodyBytes,
+		}
+	}
 	srv := server.New(opts)
 
 	lis, err := net.Listen("tcp", cfg.Listen)
@@ -127,6 +134,24 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		if hlis, err = net.Listen("tcp", cfg.HealthListen); err != nil {
 			lis.Close()
 			return fmt.Errorf("--health-listen %s: %w", cfg.HealthListen, err)
+		}
+	}
+	var plis net.Listener
+	if cfg.PickerListen != "" {
+		if plis, err = net.Listen("tcp", cfg.PickerListen); err != nil {
+			lis.Close()
+			if hlis != nil {
+				hlis.Close()
+			}
+			return fmt.Errorf("--picker-listen %s: %w", cfg.PickerListen, err)
+		}
+	}
+	closeListeners := func() {
+		lis.Close()
+		for _, l := range []net.Listener{hlis, plis} {
+			if l != nil {
+				l.Close()
+			}
 		}
 	}
 	// The HTTP servers: /metrics, and Go's profiler on a listener of its own (--pprof).
@@ -156,10 +181,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		mux := http.NewServeMux()
 		mux.Handle("/metrics", promhttp.HandlerFor(registry, promhttp.HandlerOpts{Registry: registry}))
 		if err := serveHTTP("metrics", "--metrics-listen", cfg.MetricsListen, mux); err != nil {
-			lis.Close()
-			if hlis != nil {
-				hlis.Close()
-			}
+			closeListeners()
 			return err
 		}
 	}
@@ -167,10 +189,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		mux := http.NewServeMux()
 		servePprof(mux)
 		if err := serveHTTP("pprof", "--pprof-listen", cfg.PprofListen, mux); err != nil {
-			lis.Close()
-			if hlis != nil {
-				hlis.Close()
-			}
+			closeListeners()
 			closeHTTP()
 			return err
 		}
@@ -184,6 +203,16 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 			return nil
 		})
 		logger.Info("serving health", "addr", hlis.Addr().String())
+	}
+
+	if plis != nil {
+		background.Go(func() error {
+			if err := srv.ServePicker(plis); err != nil {
+				logger.Error("endpoint picker failed", "err", err)
+			}
+			return nil
+		})
+		logger.Info("serving the endpoint picker (ext_proc)", "addr", plis.Addr().String())
 	}
 
 	background.Go(func() error { return rep.Run(runCtx) })

@@ -168,8 +168,12 @@ func exportedMetrics(t *testing.T, doc *metricsDoc) map[string]*family {
 	driveEmbedded(t, embedded.addr)
 
 	secureMetrics := freePort(t)
-	secure := startSecureRouter(t, "--metrics-listen", secureMetrics, "--redis-addr", redis.Addr, "--snapshot-every", "1")
+	securePicker := freePort(t)
+	secure := startSecureRouter(t, "--metrics-listen", secureMetrics, "--redis-addr", redis.Addr, "--snapshot-every", "1", "--picker-listen", securePicker)
 	driveSecure(t, secure)
+	if _, err := pickOnce(t, secure, securePicker, "frontend", true); err != nil { // the picker's series
+		t.Fatalf("a request through the endpoint picker = %v", err)
+	}
 
 	bridgeFamilies := bridgeMetrics(t, bin, embedded.addr)
 

@@ -89,6 +89,14 @@ type Options struct {
 	ShutdownDrain          time.Duration // NOT_SERVING before stopping
 	ShutdownTimeout        time.Duration // graceful stop deadline
 
+	// The ext_proc endpoint picker for gateways (docs/gateway.md); PickerListen "" turns it off.
+	PickerListen            string // gRPC address of the picker, with the main port's TLS and credentials
+	PickerDestinationHeader string // header naming the picked worker
+	PickerPrefillHeader     string // header naming a disaggregated request's prefill worker
+	PickerSessionHeader     string // header binding a conversation to its decode worker ("" = none)
+	PickerModelHeader       string // header naming the model instead of the body ("" = the body only)
+	PickerMaxBodyBytes      int    // largest request body the picker buffers
+
 	// Security (docs/security.md): TLS, credentials and per-credential limits.
 	Plaintext                    bool          // serve without TLS on a non-loopback address
 	TLSCertFile                  string        // server certificate chain (PEM); with TLSKeyFile turns TLS on
@@ -172,6 +180,9 @@ func New() *Options {
 		BookingExpiry:                300 * time.Second,
 		ShutdownDrain:                2 * time.Second,
 		ShutdownTimeout:              15 * time.Second,
+		PickerDestinationHeader:      "x-gateway-destination-endpoint",
+		PickerPrefillHeader:          "x-prefiller-host-port",
+		PickerMaxBodyBytes:           32 << 20,
 		TLSClientAuth:                "require",
 		TLSMinVersion:                tls.VersionTLS12,
 		AuthOpenHealth:               true,

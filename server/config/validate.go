@@ -46,6 +46,20 @@ func (o *Options) Validate() error {
 	if o.Listen == "" {
 		return fmt.Errorf("%s: must not be empty", o.describe("listen"))
 	}
+	for _, h := range []struct {
+		key, value string
+		optional   bool
+	}{
+		{"picker_destination_header", o.PickerDestinationHeader, false}, {"picker_prefill_header", o.PickerPrefillHeader, false},
+		{"picker_session_header", o.PickerSessionHeader, true}, {"picker_model_header", o.PickerModelHeader, true},
+	} {
+		if h.value == "" && h.optional {
+			continue
+		}
+		if !isHeaderName(h.value) {
+			return fmt.Errorf("%s: must be an HTTP header name in lower case (letters, digits and - . _; got %q)", o.describe(h.key), h.value)
+		}
+	}
 	if o.Pprof && o.MetricsListen == "" {
 		return fmt.Errorf("%s: needs %s, where the profiler is served", o.describe("pprof"), o.describe("metrics_listen"))
 	}
@@ -124,6 +138,9 @@ func (o *Options) validateSecurity() error {
 	case o.TLSCertFile == "" && !o.Plaintext && !IsLoopback(o.Listen):
 		return fmt.Errorf("%s %q: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
 			o.describe("listen"), o.Listen, layered.FlagOf("tls_cert_file"), layered.FlagOf("tls_key_file"), layered.FlagOf("plaintext"))
+	case o.PickerListen != "" && o.TLSCertFile == "" && !o.Plaintext && !IsLoopback(o.PickerListen):
+		return fmt.Errorf("%s %q: other hosts can reach it, so it serves TLS: set %s and %s, or %s to serve without TLS",
+			o.describe("picker_listen"), o.PickerListen, layered.FlagOf("tls_cert_file"), layered.FlagOf("tls_key_file"), layered.FlagOf("plaintext"))
 	case o.TLSClientAuth != "require" && o.TLSClientAuth != "optional":
 		return fmt.Errorf("%s: must be require or optional (got %q)", o.describe("tls_client_auth"), o.TLSClientAuth)
 	case o.FileReloadInterval < 10*time.Millisecond:
@@ -219,3 +236,17 @@ func (o *Options) LogDerived(logger *slog.Logger) {
 // describe names a key as the user set it, for error messages: its flag, its environment variable,
 // or its key in the file.
 func (o *Options) describe(key string) string { return o.layers.Describe(key) }
+
+// isHeaderName reports whether s is a lower-case HTTP header name that is not a pseudo-header:
+// HTTP/2, which carries the proxy's headers to the picker, has lower-case names only.
+func isHeaderName(s string) bool {
+	if s == "" {
+		return false
+	}
+	for _, c := range s {
+		if !(c >= 'a' && c <= 'z' || c >= '0' && c <= '9' || c == '-' || c == '.' || c == '_') {
+			return false
+		}
+	}
+	return true
+}
