@@ -490,6 +490,8 @@ func renderKustomization(t *testing.T, dir string) []manifest {
 var mergeKeys = map[string]string{
 	"containers": "name", "initContainers": "name", "env": "name", "volumes": "name",
 	"volumeMounts": "mountPath", "imagePullSecrets": "name",
+	// A container's ports; a Service's merge by "port", and no patch here patches a Service.
+	"ports": "containerPort",
 }
 
 func strategicMerge(dst, patch any, field string) any {
@@ -1452,4 +1454,121 @@ func lintDockerfile(t reporter, src, goVersion string) {
 			t.Errorf("Dockerfile line %d: HEALTHCHECK runs %s, which the run stage does not hold", health.line, a[0])
 		}
 	}
+}
+
+// TestInferencePool checks the gateway overlay's wiring as a gateway would follow it: the HTTPRoute
+// sends to an InferencePool of the unit; the pool's endpointPickerRef names a Service port that
+// reaches a router container serving the picker (KVROUTER_PICKER_LISTEN or --picker-listen) on
+// that port; and the pool selects the model servers of examples/vllm-with-bridge.yaml on the port
+// their bridges register as the worker's endpoint, which is what the picker names to the proxy.
+func TestInferencePool(t *testing.T) {
+	var engines unit
+	for _, u := range units(t) {
+		if u.name == "examples/vllm-with-bridge.yaml" {
+			engines = u
+		}
+	}
+	found := 0
+	for _, u := range units(t) {
+		for _, pool := range u.docs {
+			if pool.kind() != "InferencePool" {
+				continue
+			}
+			found++
+			t.Run(u.name+"/"+pool.name(), func(t *testing.T) { checkInferencePool(t, u, pool, engines) })
+		}
+	}
+	if found == 0 {
+		t.Error("no InferencePool in any unit: overlays/gateway should have one")
+	}
+}
+
+func checkInferencePool(t *testing.T, u unit, pool manifest, engines unit) {
+	checkPoolEngines(t, pool, engines)
+	routed := false
+	for _, m := range u.docs {
+		if m.kind() != "HTTPRoute" {
+			continue
+		}
+		for _, rule := range list(m.doc, "spec", "rules") {
+			for _, ref := range list(rule, "backendRefs") {
+				if str(ref, "kind") == "InferencePool" && str(ref, "group") == "inference.networking.k8s.io" && str(ref, "name") == pool.name() {
+					routed = true
+				}
+			}
+		}
+	}
+	if !routed {
+		t.Errorf("%s: no HTTPRoute of the unit sends to it", pool)
+	}
+	picker := str(pool.doc, "spec", "endpointPickerRef", "name")
+	pickerPort, _ := get(pool.doc, "spec", "endpointPickerRef", "port", "number").(int)
+	var target string
+	for _, m := range u.docs {
+		if m.kind() != "Service" || m.name() != picker {
+			continue
+		}
+		for _, p := range list(m.doc, "spec", "ports") {
+			if n, _ := get(p, "port").(int); n == pickerPort {
+				target = fmt.Sprint(get(p, "targetPort"))
+			}
+		}
+		routers := selected(u, labels(m.doc, "spec", "selector"))
+		if len(routers) != 1 {
+			t.Fatalf("%s: selects %d workloads, want the routers", m, len(routers))
+		}
+		for _, c := range list(podSpec(routers[0].doc), "containers") {
+			for _, p := range list(c, "ports") {
+				if str(p, "name") != target && fmt.Sprint(get(p, "containerPort")) != target {
+					continue
+				}
+				port := fmt.Sprint(get(p, "containerPort"))
+				listen := ""
+				for _, e := range list(c, "env") {
+					if str(e, "name") == "KVROUTER_PICKER_LISTEN" {
+						listen = str(e, "value")
+					}
+				}
+				for _, a := range stringList(c, "args") {
+					if v, ok := strings.CutPrefix(a, "--picker-listen="); ok {
+						listen = v
+					}
+				}
+				if _, p, _ := net.SplitHostPort(listen); p != port {
+					t.Errorf("%s: the picker Service reaches container port %s, where kvrouter serves no picker (picker_listen %q)", routers[0], port, listen)
+				}
+				return
+			}
+		}
+		t.Fatalf("%s: port %d targets %q, which names no port of the routers", m, pickerPort, target)
+	}
+	if target == "" {
+		t.Fatalf("%s: endpointPickerRef %s:%d names no Service port of the unit", pool, picker, pickerPort)
+	}
+}
+
+// checkPoolEngines: the pool selects the engine pods of engines, on the port of their engine
+// container that their bridges register as the worker's endpoint.
+func checkPoolEngines(t *testing.T, pool manifest, engines unit) {
+	t.Helper()
+	pods := selected(engines, labels(pool.doc, "spec", "selector", "matchLabels"))
+	if len(pods) != 1 {
+		t.Fatalf("%s: selector selects %d workloads of %s, want its engines", pool, len(pods), engines.name)
+	}
+	ports := list(pool.doc, "spec", "targetPorts")
+	if len(ports) != 1 {
+		t.Fatalf("%s: %d targetPorts, want the engine's one", pool, len(ports))
+	}
+	want := fmt.Sprint(get(ports[0], "number"))
+	for _, c := range list(podSpec(pods[0].doc), "containers") {
+		for _, a := range stringList(c, "args") {
+			if v, ok := strings.CutPrefix(a, "--worker-endpoint="); ok {
+				if _, p, _ := net.SplitHostPort(v); p != want {
+					t.Errorf("%s: targetPort %s, but the bridge registers the worker at %s: the picker would name endpoints the pool does not hold", pool, want, v)
+				}
+				return
+			}
+		}
+	}
+	t.Errorf("%s: no bridge of %s registers a --worker-endpoint", pool, pods[0])
 }
