@@ -16,6 +16,10 @@ import (
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
+	"go.opentelemetry.io/otel/attribute"
+	otelcodes "go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/propagation"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/structpb"
@@ -76,6 +80,8 @@ type PickerOptions struct {
 	FreeTimeout time.Duration
 	Logger      *slog.Logger
 	Metrics     *PickerMetrics // nil: not measured
+	// Tracer makes a span of each picked request (SpanPick); nil makes none.
+	Tracer trace.Tracer
 }
 
 // Picker is kvrouter's endpoint picker for Envoy-based inference gateways: an ext_proc server
@@ -148,6 +154,8 @@ type exchange struct {
 
 	requestMode, responseMode extprocfilterv3.ProcessingMode_BodySendMode
 	path, modelHeader         string
+	traceHeaders              propagation.MapCarrier // the request's trace context headers
+	span                      trace.Span             // SpanPick, once picking; nil without a tracer
 	session, requestID        string
 	candidates                []string // nil: any worker
 	body                      []byte
@@ -200,6 +208,12 @@ func (x *exchange) requestHeaders(req *extprocv3.ProcessingRequest, h *extprocv3
 		case strings.ToLower(hd.RequestID):
 			x.requestID = v
 		}
+		if x.p.opts.Tracer != nil && (strings.EqualFold(kv.GetKey(), "traceparent") || strings.EqualFold(kv.GetKey(), "tracestate")) {
+			if x.traceHeaders == nil {
+				x.traceHeaders = propagation.MapCarrier{}
+			}
+			x.traceHeaders[strings.ToLower(kv.GetKey())] = v
+		}
 		if hd.Session != "" && strings.EqualFold(kv.GetKey(), hd.Session) {
 			x.session = v
 		}
@@ -247,6 +261,7 @@ func (x *exchange) requestBody(b *extprocv3.HttpBody) []*extprocv3.ProcessingRes
 // pick routes the buffered request and answers with the destination, or refuses it.
 func (x *exchange) pick() []*extprocv3.ProcessingResponse {
 	x.picked = true
+	x.startSpan()
 	start := time.Now()
 	kind, _ := frontdoor.KindOf(x.path)
 	freq, err := frontdoor.Parse(kind, x.body)
@@ -297,6 +312,9 @@ func (x *exchange) pick() []*extprocv3.ProcessingResponse {
 	}
 	x.booking = id
 	x.p.m.observePick(dec, time.Since(tokenized))
+	if x.span != nil {
+		x.span.SetAttributes(appendDecision([]attribute.KeyValue{AttrModel.String(freq.Model), AttrRequestID.String(id)}, dec)...)
+	}
 	x.p.log.DebugContext(x.ctx, "picked", "request_id", x.requestID, "booking", id, "model", freq.Model,
 		"mode", dec.Mode.String(), "decode", dec.Decode.Worker.Info.Endpoint, "prompt_tokens", len(tokens))
 	return x.destination(dec)
@@ -361,6 +379,9 @@ func (x *exchange) responseBody(b *extprocv3.HttpBody) []*extprocv3.ProcessingRe
 	if len(b.GetBody()) > 0 && !x.prefillMarked && x.booking != "" && x.responseStatus < 300 {
 		// The first token is out: the prefill worker's part is done.
 		x.prefillMarked = true
+		if x.span != nil {
+			x.span.AddEvent("prefill_complete")
+		}
 		if err := x.p.opts.Dispatcher.PrefillComplete(x.ctx, x.booking); err != nil {
 			x.p.log.DebugContext(x.ctx, "prefill complete failed", "booking", x.booking, "error", err)
 		}
@@ -412,6 +433,26 @@ func (x *exchange) free(ctx context.Context, cause string) {
 		x.p.log.WarnContext(ctx, "free failed; the booking is left to its expiry", "booking", x.booking, "request_id", x.requestID, "error", err)
 	}
 	x.p.m.observeFreed(cause)
+	if x.span != nil {
+		x.span.SetAttributes(AttrFreeCause.String(cause))
+		if x.responseStatus != 0 {
+			x.span.SetAttributes(AttrHTTPStatus.Int(x.responseStatus))
+		}
+		x.span.End()
+	}
+}
+
+// startSpan starts the request's SpanPick as a child of the trace context its headers carry (the
+// gateway's or the client's), so the decision shows in the request's own trace.
+func (x *exchange) startSpan() {
+	if x.p.opts.Tracer == nil {
+		return
+	}
+	parent := x.ctx
+	if x.traceHeaders != nil {
+		parent = propagator.Extract(context.WithoutCancel(x.ctx), x.traceHeaders)
+	}
+	_, x.span = x.p.opts.Tracer.Start(parent, SpanPick, trace.WithSpanKind(trace.SpanKindServer))
 }
 
 // refuseErr answers an error of the front door or of routing with the HTTP status that says whose
@@ -451,6 +492,11 @@ func httpStatus(c codes.Code) (typev3.StatusCode, string) {
 func (x *exchange) refuse(code typev3.StatusCode, kind, message string) []*extprocv3.ProcessingResponse {
 	x.closed, x.picked = true, true
 	x.p.m.observeRefused(int(code))
+	if x.span != nil {
+		x.span.SetAttributes(AttrHTTPStatus.Int(int(code)))
+		x.span.SetStatus(otelcodes.Error, message)
+		x.span.End()
+	}
 	body, _ := json.Marshal(map[string]any{"error": map[string]any{"message": message, "type": kind, "code": int(code)}})
 	return []*extprocv3.ProcessingResponse{{Response: &extprocv3.ProcessingResponse_ImmediateResponse{ImmediateResponse: &extprocv3.ImmediateResponse{
 		Status:  &typev3.HttpStatus{Code: code},

@@ -17,6 +17,9 @@ import (
 	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"github.com/go-logr/logr"
 	"github.com/google/go-cmp/cmp"
+	"go.opentelemetry.io/otel/attribute"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/testing/protocmp"
@@ -43,7 +46,7 @@ type pickerFleet struct {
 
 func pickerEndpoint(id uint64) string { return fmt.Sprintf("10.0.0.%d:8000", id) }
 
-func newPickerFleet(t *testing.T, cfg policy.Config, withPrefill bool) *pickerFleet {
+func newPickerFleet(t *testing.T, cfg policy.Config, withPrefill bool, mutate ...func(*PickerOptions)) *pickerFleet {
 	t.Helper()
 	state := kvstate.NewState()
 	f := &pickerFleet{t: t, state: state, log: kvstate.NewMemLog(state), freed: newFreedCounter()}
@@ -61,7 +64,11 @@ func newPickerFleet(t *testing.T, cfg policy.Config, withPrefill bool) *pickerFl
 	}
 	kernel := policy.NewKernel(policy.StateView(state), cfg)
 	d := app.New(state, f.log, kernel, app.Options{Outcomes: f.freed})
-	picker := NewPicker(PickerOptions{Dispatcher: d, MaxPromptTokens: 1 << 20, Headers: PickerHeaders{Session: "x-session-id"}})
+	po := PickerOptions{Dispatcher: d, MaxPromptTokens: 1 << 20, Headers: PickerHeaders{Session: "x-session-id"}}
+	for _, m := range mutate {
+		m(&po)
+	}
+	picker := NewPicker(po)
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -424,4 +431,52 @@ func (f *pickerFleet) oneRequest(client extprocv3.ExternalProcessorClient, rng *
 		}
 	}
 	return stream.CloseSend()
+}
+
+// TestPickerTracesTheRequest: a picked request's span is a child of the trace context its HTTP
+// headers carry, holds the decision, and ends when the booking is freed, with its cause.
+func TestPickerTracesTheRequest(t *testing.T) {
+	exp := tracetest.NewInMemoryExporter()
+	tp := sdktrace.NewTracerProvider(sdktrace.WithSyncer(exp))
+	f := newPickerFleet(t, policy.DefaultConfig(), false, func(o *PickerOptions) { o.Tracer = tp.Tracer(TracerName) })
+	tokens := pickerTokens(8*pickerBlockSize, 9)
+	f.cache(1, tokens, 8)
+	headers := postHeaders("/v1/completions")
+	const traceID, parentID = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+	headers["traceparent"] = "00-" + traceID + "-" + parentID + "-01"
+	reqs := integration.ReqRaw(headers, completionsBody(t, tokens))
+	reqs = append(reqs,
+		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseHeaders{ResponseHeaders: &extprocv3.HttpHeaders{
+			Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{{Key: ":status", RawValue: []byte("200")}}}}}},
+		&extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_ResponseBody{ResponseBody: &extprocv3.HttpBody{
+			Body: []byte("{}"), EndOfStream: true}}})
+	if _, err := integration.StreamedRequest(t, f.stream(t.Context()), reqs, 4); err != nil {
+		t.Fatal(err)
+	}
+	var spans tracetest.SpanStubs
+	deadline := time.Now().Add(10 * time.Second)
+	for len(spans) == 0 && time.Now().Before(deadline) { // the span ends as the picker frees: wait for it
+		spans = exp.GetSpans()
+		time.Sleep(5 * time.Millisecond)
+	}
+	if len(spans) != 1 {
+		t.Fatalf("%d spans, want the pick's", len(spans))
+	}
+	s := spans[0]
+	if s.Name != SpanPick || s.SpanContext.TraceID().String() != traceID || s.Parent.SpanID().String() != parentID {
+		t.Errorf("span %s in trace %s under %s, want %s in trace %s under %s", s.Name, s.SpanContext.TraceID(), s.Parent.SpanID(), SpanPick, traceID, parentID)
+	}
+	got := map[attribute.Key]string{}
+	for _, a := range s.Attributes {
+		got[a.Key] = a.Value.Emit()
+	}
+	want := map[attribute.Key]string{AttrModel: "m", AttrMode: "aggregated", AttrDecodeWorker: "1/0", AttrOverlapBlocks: "8", AttrFreeCause: FreedCompleted, AttrHTTPStatus: "200"}
+	for k, v := range want {
+		if got[k] != v {
+			t.Errorf("attribute %s = %q, want %q (all: %v)", k, got[k], v, got)
+		}
+	}
+	if len(s.Events) != 1 || s.Events[0].Name != "prefill_complete" {
+		t.Errorf("events %v, want prefill_complete", s.Events)
+	}
 }

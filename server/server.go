@@ -305,7 +305,7 @@ func New(o Options) *Server {
 	if o.Picker != nil {
 		po := *o.Picker
 		po.Dispatcher, po.Logger, po.MaxPromptTokens = o.Dispatcher, o.Logger, o.MaxPromptTokens
-		po.Metrics = NewPickerMetrics(o.Registry)
+		po.Metrics, po.Tracer = NewPickerMetrics(o.Registry), tracer
 		s.picker = grpc.NewServer(opts...)
 		extprocv3.RegisterExternalProcessorServer(s.picker, NewPicker(po))
 		healthpb.RegisterHealthServer(s.picker, s.health) // the protocol asks for health on the picker's port

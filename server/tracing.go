@@ -26,6 +26,10 @@ import (
 // TracerName is the instrumentation scope of kvrouter's own spans.
 const TracerName = "github.com/kvrouter/kvrouter/server"
 
+// SpanPick is the endpoint picker's span of one HTTP request, from its pick to the end of its
+// booking, a child of the request's own trace context (its traceparent header).
+const SpanPick = "kvrouter.pick"
+
 // Names of the spans of Publish messages.
 const (
 	SpanPublishHello  = "kvrouter.publish.hello"
@@ -52,6 +56,8 @@ const (
 	AttrEffectiveISL   = attribute.Key("kvrouter.effective_isl")
 	AttrQueryOnly      = attribute.Key("kvrouter.query_only")
 	AttrBooked         = attribute.Key("kvrouter.booked")
+	AttrHTTPStatus     = attribute.Key("http.response.status_code")
+	AttrFreeCause      = attribute.Key("kvrouter.free_cause")
 
 	AttrWorkerID    = attribute.Key("kvrouter.worker_id")
 	AttrDPRank      = attribute.Key("kvrouter.dp_rank")
@@ -106,6 +112,11 @@ func routeAttributes(req *kvrouterv1.RouteRequest, dec *policy.Decision) []attri
 	if dec == nil {
 		return append(attrs, AttrPromptTokens.Int(len(req.GetTokenIds())))
 	}
+	return appendDecision(attrs, dec)
+}
+
+// appendDecision appends a decision's mode, reason, workers and overlap to attrs.
+func appendDecision(attrs []attribute.KeyValue, dec *policy.Decision) []attribute.KeyValue {
 	attrs = append(attrs,
 		AttrPromptTokens.Int64(int64(dec.PromptTokens)),
 		AttrMode.String(dec.Mode.String()),
