@@ -3,6 +3,8 @@ package frontdoor
 import (
 	"encoding/json"
 	"errors"
+	"slices"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -21,6 +23,9 @@ func TestParse(t *testing.T) {
 			&Request{Kind: Completions, Model: "m", Prompt: "hi", AddGenerationPrompt: true}},
 		{"completions token ids", Completions, `{"model": "m", "prompt": [1, 2, 4294967295]}`,
 			&Request{Kind: Completions, Model: "m", TokenIDs: []uint32{1, 2, 4294967295}, AddGenerationPrompt: true}},
+		{"completions token ids with spaces", Completions, `{"model": "m", "prompt": [ 1 ,2,
+ 3 ]}`,
+			&Request{Kind: Completions, Model: "m", TokenIDs: []uint32{1, 2, 3}, AddGenerationPrompt: true}},
 		{"completions list of one text", Completions, `{"model": "m", "prompt": ["hi"]}`,
 			&Request{Kind: Completions, Model: "m", Prompt: "hi", AddGenerationPrompt: true}},
 		{"completions list of one list of ids", Completions, `{"model": "m", "prompt": [[5, 6]]}`,
@@ -51,7 +56,9 @@ func TestParseRefuses(t *testing.T) {
 		kind                    Kind
 	}{
 		{"not JSON", `{"prompt": `, "", "not a JSON object", Completions},
-		{"two values", `{"prompt": "a"} {}`, "", "more than one JSON value", Completions},
+		{"two values", `{"prompt": "a"} {}`, "", "after top-level value", Completions},
+		{"a string among ids", `{"prompt": [1, "a"]}`, "prompt[1]", "not a token id", Completions},
+		{"an exponent", `{"prompt": [1e3]}`, "prompt[0]", "not a token id", Completions},
 		{"no prompt", `{"model": "m"}`, "prompt", "must be set", Completions},
 		{"empty prompt list", `{"prompt": []}`, "prompt", "must not be empty", Completions},
 		{"several prompts", `{"prompt": ["a", "b"]}`, "prompt", "holds 2 prompts", Completions},
@@ -80,4 +87,54 @@ func TestKindOf(t *testing.T) {
 			t.Errorf("KindOf(%q) = %v, %v; want %v", path, got, ok, want)
 		}
 	}
+}
+
+// FuzzTokenIDs: whatever list of numbers a body holds, the fast reader of token ids agrees with
+// encoding/json (and the rules of a token id) on what it is.
+func FuzzTokenIDs(f *testing.F) {
+	for _, s := range []string{`[1, 2, 3]`, `[]`, `[4294967295]`, `[4294967296]`, `[-1]`, `[1.0]`, `[ 7 ]`, `[1,]`, `[01]`} {
+		f.Add(s)
+	}
+	f.Fuzz(func(t *testing.T, list string) {
+		if !strings.HasPrefix(strings.TrimSpace(list), "[") {
+			return // a text prompt, or no list: TestParseRefuses covers those
+		}
+		got, err := Parse(Completions, []byte(`{"prompt": `+list+`}`))
+		var items []any
+		if json.Unmarshal([]byte(list), &items) != nil {
+			if err == nil {
+				t.Fatalf("Parse(%q) = %v, but it is no JSON list", list, got)
+			}
+			return
+		}
+		if slices.ContainsFunc(items, func(v any) bool { _, num := v.(float64); return !num }) {
+			return // texts or lists: TestParse and TestParseRefuses cover those
+		}
+		var want []json.Number
+		if err := json.Unmarshal([]byte(list), &want); err != nil {
+			t.Fatal(err)
+		}
+		valid := len(want) > 0
+		ids := make([]uint32, 0, len(want))
+		for _, n := range want {
+			v, err := strconv.ParseUint(n.String(), 10, 32)
+			if err != nil {
+				valid = false
+				break
+			}
+			ids = append(ids, uint32(v))
+		}
+		if !valid {
+			if err == nil {
+				t.Fatalf("Parse(%q) = %v, want a refusal", list, got.TokenIDs)
+			}
+			return
+		}
+		if err != nil {
+			t.Fatalf("Parse(%q) = %v, want %v", list, err, ids)
+		}
+		if diff := cmp.Diff(ids, got.TokenIDs); diff != "" {
+			t.Fatalf("Parse(%q) (-want +got):\n%s", list, diff)
+		}
+	})
 }
