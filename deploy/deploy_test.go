@@ -1494,6 +1494,12 @@ func checkInferencePool(t *testing.T, u unit, pool manifest, engines unit) {
 			for _, ref := range list(rule, "backendRefs") {
 				if str(ref, "kind") == "InferencePool" && str(ref, "group") == "inference.networking.k8s.io" && str(ref, "name") == pool.name() {
 					routed = true
+					// The picker answers other paths 404: the route must not send them.
+					for _, match := range list(rule, "matches") {
+						if path := str(match, "path", "value"); str(match, "path", "type") != "Exact" || path != "/v1/completions" && path != "/v1/chat/completions" {
+							t.Errorf("%s: sends path %s %q to the pool, which the picker does not route", m, str(match, "path", "type"), path)
+						}
+					}
 				}
 			}
 		}
