@@ -480,3 +480,35 @@ func TestPickerTracesTheRequest(t *testing.T) {
 		t.Errorf("events %v, want prefill_complete", s.Events)
 	}
 }
+
+// TestPickerSessionAffinity: requests carrying the same session header land on the decode worker
+// of the session's first request, even where another worker caches the later prompt better.
+func TestPickerSessionAffinity(t *testing.T) {
+	cfg := policy.DefaultConfig()
+	cfg.SessionAffinityTTL = time.Minute
+	f := newPickerFleet(t, cfg, false)
+	first, second := pickerTokens(32*pickerBlockSize, 11), pickerTokens(32*pickerBlockSize, 12)
+	f.cache(1, first, 32)
+	f.cache(2, second, 32)
+	pick := func(tokens []uint32, session string) string {
+		t.Helper()
+		headers := postHeaders("/v1/completions")
+		if session != "" {
+			headers["x-session-id"] = session
+		}
+		got, err := integration.StreamedRequest(t, f.stream(t.Context()), integration.ReqRaw(headers, completionsBody(t, tokens)), 2)
+		if err != nil || len(got) != 2 {
+			t.Fatalf("responses = %v, %v", got, err)
+		}
+		return got[0].GetDynamicMetadata().GetFields()[destinationNamespace].GetStructValue().GetFields()[DefaultDestinationHeader].GetStringValue()
+	}
+	if got := pick(first, "chat-1"); got != pickerEndpoint(1) {
+		t.Fatalf("the session's first request went to %s, want %s (it caches the prompt)", got, pickerEndpoint(1))
+	}
+	if got := pick(second, "chat-1"); got != pickerEndpoint(1) {
+		t.Errorf("the session's second request went to %s, want the session's %s", got, pickerEndpoint(1))
+	}
+	if got := pick(second, ""); got != pickerEndpoint(2) {
+		t.Errorf("without the session the second prompt went to %s, want %s (it caches it)", got, pickerEndpoint(2))
+	}
+}
