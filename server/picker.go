@@ -160,6 +160,7 @@ type exchange struct {
 	candidates                []string // nil: any worker
 	body                      []byte
 	picked                    bool
+	trailers                  bool // the request's body ended with trailers, not end_of_stream
 	closed                    bool // an immediate response was sent: the stream is over
 
 	booking        string // the booking's id; "" until booked
@@ -182,7 +183,9 @@ func (x *exchange) handle(req *extprocv3.ProcessingRequest) []*extprocv3.Process
 		if x.picked {
 			return []*extprocv3.ProcessingResponse{requestTrailersResponse()}
 		}
-		// Full duplex: a body without end_of_stream ends with the trailers.
+		// Full duplex: a body without end_of_stream ends with the trailers, which then end the
+		// stream the picker sends back too.
+		x.trailers = true
 		return append(x.pick(), requestTrailersResponse())
 	case *extprocv3.ProcessingRequest_ResponseHeaders:
 		return x.responseHeaders(r.ResponseHeaders)
@@ -356,7 +359,7 @@ func (x *exchange) destination(dec *policy.Decision) []*extprocv3.ProcessingResp
 	body := x.body
 	for first := true; first || len(body) > 0; first = false {
 		n := min(len(body), bodyChunkBytes)
-		out = append(out, streamedBody(false, body[:n], n == len(body)))
+		out = append(out, streamedBody(false, body[:n], n == len(body) && !x.trailers))
 		body = body[n:]
 	}
 	x.body = nil

@@ -512,3 +512,24 @@ func TestPickerSessionAffinity(t *testing.T) {
 		t.Errorf("without the session the second prompt went to %s, want %s (it caches it)", got, pickerEndpoint(2))
 	}
 }
+
+// TestPickerRequestTrailers: a full-duplex body that ends with trailers is picked at the trailers,
+// its body sent back without end_of_stream, and the trailers answered.
+func TestPickerRequestTrailers(t *testing.T) {
+	f := newPickerFleet(t, policy.DefaultConfig(), false)
+	body := completionsBody(t, pickerTokens(4*pickerBlockSize, 13))
+	reqs := integration.ReqRaw(postHeaders("/v1/completions"), body)
+	reqs[1].GetRequestBody().EndOfStream = false
+	reqs = append(reqs, &extprocv3.ProcessingRequest{Request: &extprocv3.ProcessingRequest_RequestTrailers{RequestTrailers: &extprocv3.HttpTrailers{}}})
+	got, err := integration.StreamedRequest(t, f.stream(t.Context()), reqs, 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(got) != 3 || got[0].GetRequestHeaders() == nil || got[2].GetRequestTrailers() == nil {
+		t.Fatalf("responses = %v, want the headers', the body's and the trailers'", got)
+	}
+	sr := got[1].GetRequestBody().GetResponse().GetBodyMutation().GetStreamedResponse()
+	if string(sr.GetBody()) != body || sr.GetEndOfStream() {
+		t.Errorf("body sent back = %d bytes, end_of_stream %v; want the body, without end_of_stream", len(sr.GetBody()), sr.GetEndOfStream())
+	}
+}
