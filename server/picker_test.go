@@ -42,6 +42,9 @@ type pickerFleet struct {
 	log   *kvstate.MemLog
 	port  int
 	freed *freedCounter
+	d     *app.Dispatcher
+	// events is the id of each worker's next KV event.
+	events map[uint64]uint64
 }
 
 func pickerEndpoint(id uint64) string { return fmt.Sprintf("10.0.0.%d:8000", id) }
@@ -49,7 +52,7 @@ func pickerEndpoint(id uint64) string { return fmt.Sprintf("10.0.0.%d:8000", id)
 func newPickerFleet(t *testing.T, cfg policy.Config, withPrefill bool, mutate ...func(*PickerOptions)) *pickerFleet {
 	t.Helper()
 	state := kvstate.NewState()
-	f := &pickerFleet{t: t, state: state, log: kvstate.NewMemLog(state), freed: newFreedCounter()}
+	f := &pickerFleet{t: t, state: state, log: kvstate.NewMemLog(state), freed: newFreedCounter(), events: map[uint64]uint64{}}
 	for _, w := range []struct {
 		id   uint64
 		role kvstate.Role
@@ -64,6 +67,7 @@ func newPickerFleet(t *testing.T, cfg policy.Config, withPrefill bool, mutate ..
 	}
 	kernel := policy.NewKernel(policy.StateView(state), cfg)
 	d := app.New(state, f.log, kernel, app.Options{Outcomes: f.freed})
+	f.d = d
 	po := PickerOptions{Dispatcher: d, MaxPromptTokens: 1 << 20, Headers: PickerHeaders{Session: "x-session-id"}}
 	for _, m := range mutate {
 		m(&po)
@@ -92,13 +96,17 @@ func (f *pickerFleet) append(c kvstate.Change) {
 func (f *pickerFleet) cache(id uint64, tokens []uint32, n int) {
 	f.t.Helper()
 	local := blockhash.Locals(nil, tokens, pickerBlockSize, blockhash.Salt("", ""))[:n]
+	seq := blockhash.Sequence(nil, local)
 	blocks := make([]kvstate.Block, n)
 	for i, h := range local {
-		blocks[i] = kvstate.Block{Hash: id<<32 | uint64(i), Local: h}
+		// The engine's hash follows the prefix, as vLLM's does: a block stored again (the
+		// history of a conversation's next turn) has the hash it had.
+		blocks[i] = kvstate.Block{Hash: seq[i] ^ id, Local: h}
 	}
 	f.append(kvstate.KVEvents{Worker: kvstate.WorkerKey{ID: id}, Events: []kvstate.Event{
-		{Tier: kvstate.TierDevice, Kind: kvstate.EventStored, Blocks: blocks},
+		{ID: f.events[id], Tier: kvstate.TierDevice, Kind: kvstate.EventStored, Blocks: blocks},
 	}})
+	f.events[id]++ // each worker's events are numbered from 0, as an engine's are
 }
 
 // stream opens an ext_proc stream with the Gateway API Inference Extension's own test client.
@@ -109,10 +117,12 @@ func (f *pickerFleet) stream(ctx context.Context) extprocv3.ExternalProcessor_Pr
 	return client
 }
 
-// freedCounter counts each request's bookings and frees, from the dispatcher's outcomes.
+// freedCounter counts each request's bookings and frees, from the dispatcher's outcomes, and
+// keeps the last booking's outcome.
 type freedCounter struct {
 	mu            sync.Mutex
 	booked, freed map[string]int
+	last          app.BookedOutcome
 }
 
 func newFreedCounter() *freedCounter {
@@ -122,7 +132,15 @@ func newFreedCounter() *freedCounter {
 func (c *freedCounter) Booked(_ context.Context, o app.BookedOutcome) {
 	c.mu.Lock()
 	c.booked[o.RequestID]++
+	c.last = o
 	c.mu.Unlock()
+}
+
+// lastBooked returns the outcome of the last booking.
+func (c *freedCounter) lastBooked() app.BookedOutcome {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.last
 }
 func (c *freedCounter) PrefillDone(context.Context, app.EndedOutcome) {}
 func (c *freedCounter) Freed(_ context.Context, o app.EndedOutcome) {

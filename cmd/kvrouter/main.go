@@ -15,10 +15,12 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"maps"
 	"net"
 	"net/http"
 	"os"
 	"os/signal"
+	"slices"
 	"strings"
 	"syscall"
 	"time"
@@ -30,6 +32,7 @@ import (
 
 	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/config"
+	"github.com/kvrouter/kvrouter/server/frontdoor"
 	"github.com/kvrouter/kvrouter/server/replica"
 )
 
@@ -89,6 +92,12 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}
 	defer stopTracing() // last: the spans of the server's last calls are flushed
 
+	// The picker's models load first: a tokenizer that cannot load stops the start before any
+	// state or port opens.
+	models, err := loadPickerModels(cfg, logger)
+	if err != nil {
+		return err
+	}
 	rep, err := replica.Build(replica.Options{Config: cfg, Logger: logger})
 	if err != nil {
 		return err
@@ -121,6 +130,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 			Headers: server.PickerHeaders{Destination: cfg.PickerDestinationHeader, Prefill: cfg.PickerPrefillHeader,
 				Session: cfg.PickerSessionHeader, Model: cfg.PickerModelHeader},
 			MaxBodyBytes: cfg.PickerMaxBodyBytes,
+			Models:       models,
 		}
 	}
 	srv := server.New(opts)
@@ -272,4 +282,23 @@ func cleartextSecrets(cfg *config.Options, redisAddrs []string) []string {
 		}
 	}
 	return out
+}
+
+// loadPickerModels loads picker_models' tokenizers and chat templates; nil without any.
+func loadPickerModels(cfg *config.Options, logger *slog.Logger) (*frontdoor.Models, error) {
+	dirs, err := cfg.PickerModelDirs()
+	if err != nil || len(dirs) == 0 {
+		return nil, err
+	}
+	start := time.Now()
+	models, err := frontdoor.LoadModels(dirs)
+	if err != nil {
+		return nil, fmt.Errorf("picker_models: %w", err)
+	}
+	for _, name := range slices.Sorted(maps.Keys(dirs)) {
+		m, _ := models.Lookup(name)
+		logger.Info("endpoint picker model loaded", "model", name, "dir", dirs[name], "chat_template", m.Template != nil)
+	}
+	logger.Info("endpoint picker models loaded", "models", len(dirs), "took", time.Since(start).Round(time.Millisecond).String())
+	return models, nil
 }

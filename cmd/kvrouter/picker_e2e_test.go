@@ -1,17 +1,23 @@
 package main
 
 import (
+	"bytes"
+	"path/filepath"
+	"strings"
 	"testing"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
 	extprocv3 "github.com/envoyproxy/go-control-plane/envoy/service/ext_proc/v3"
+	typev3 "github.com/envoyproxy/go-control-plane/envoy/type/v3"
 	"github.com/google/go-cmp/cmp"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/protobuf/testing/protocmp"
 	"sigs.k8s.io/gateway-api-inference-extension/test/integration"
+
+	"github.com/kvrouter/kvrouter/server/frontdoor/testmodels"
 )
 
 // pickerBody is the completions request the picker tests send: llama, whose worker 7 serveLlama
@@ -24,6 +30,12 @@ const pickerBody = `{"model": "llama", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_
 // the booking.
 func pickOnce(t *testing.T, r *secureRouter, addr, name string, respond bool) ([]*extprocv3.ProcessingResponse, error) {
 	t.Helper()
+	return pick(t, r, addr, name, "/v1/completions", pickerBody, respond)
+}
+
+// pick is pickOnce with the request's path and body.
+func pick(t *testing.T, r *secureRouter, addr, name, path, body string, respond bool) ([]*extprocv3.ProcessingResponse, error) {
+	t.Helper()
 	conn, err := grpc.NewClient("passthrough:///"+addr, grpc.WithTransportCredentials(credentials.NewTLS(r.clientTLS(nil))))
 	if err != nil {
 		t.Fatal(err)
@@ -35,7 +47,7 @@ func pickOnce(t *testing.T, r *secureRouter, addr, name string, respond bool) ([
 	if err != nil {
 		return nil, err
 	}
-	reqs := integration.ReqRaw(map[string]string{":path": "/v1/completions", ":method": "POST"}, pickerBody)
+	reqs := integration.ReqRaw(map[string]string{":path": path, ":method": "POST"}, body)
 	reqs[0].ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
 		ResponseBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
 	if respond {
@@ -60,7 +72,7 @@ func pickOnce(t *testing.T, r *secureRouter, addr, name string, respond bool) ([
 	if err != nil {
 		return nil, err
 	}
-	return got[:2], stream.CloseSend()
+	return got[:min(2, len(got))], stream.CloseSend() // a refusal is one answer
 }
 
 // TestPickerPort runs `kvrouter serve --picker-listen` with TLS and credentials and drives its
@@ -83,5 +95,48 @@ func TestPickerPort(t *testing.T) {
 	want[0].GetRequestHeaders().Response.HeaderMutation.RemoveHeaders = []string{"x-prefiller-host-port"}
 	if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
 		t.Errorf("responses (-want +got):\n%s", diff)
+	}
+}
+
+// TestPickerModels runs `kvrouter serve --picker-models` with Llama 3.1's real tokenizer files:
+// a chat request and a completions text are tokenized and picked, a model without files is
+// answered 503 naming it, and a directory that does not load stops the start with status 1,
+// naming the model and the file.
+func TestPickerModels(t *testing.T) {
+	dir := testmodels.Dir(t, "llama-3.1")
+	pickerAddr := freePort(t)
+	r := startSecureRouter(t, "--picker-listen", pickerAddr, "--picker-models", "llama="+dir)
+	r.serveLlama()
+	for _, tc := range []struct{ name, path, body string }{
+		{"chat", "/v1/chat/completions", `{"model": "llama", "messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello, wörld!"}]}`},
+		{"completions text", "/v1/completions", `{"model": "llama", "prompt": "Once upon a time", "max_tokens": 4}`},
+	} {
+		got, err := pick(t, r, pickerAddr, "frontend", tc.path, tc.body, true)
+		if err != nil {
+			t.Fatalf("%s: %v", tc.name, err)
+		}
+		if ir := got[0].GetImmediateResponse(); ir != nil {
+			t.Fatalf("%s: refused %d %s", tc.name, ir.GetStatus().GetCode(), ir.GetBody())
+		}
+		want := integration.NewRequestBufferedResponse("w7", []byte(tc.body))
+		want[0].GetRequestHeaders().Response.HeaderMutation.RemoveHeaders = []string{"x-prefiller-host-port"}
+		if diff := cmp.Diff(want, got, protocmp.Transform()); diff != "" {
+			t.Errorf("%s: responses (-want +got):\n%s", tc.name, diff)
+		}
+	}
+	got, err := pick(t, r, pickerAddr, "frontend", "/v1/completions", `{"model": "qwen", "prompt": "hi"}`, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ir := got[0].GetImmediateResponse()
+	if ir.GetStatus().GetCode() != typev3.StatusCode_ServiceUnavailable || !strings.Contains(string(ir.GetBody()), `model \"qwen\" has no tokenizer`) {
+		t.Errorf("a model without files: %d %s; want 503 naming it", ir.GetStatus().GetCode(), ir.GetBody())
+	}
+
+	var stderr bytes.Buffer
+	empty := t.TempDir()
+	code := run(t.Context(), []string{"serve", "--picker-listen", freePort(t), "--picker-models", "broken=" + empty}, func(string) string { return "" }, &stderr)
+	if want := `picker_models: model "broken" (` + empty + `): tokenizer: open ` + filepath.Join(empty, "tokenizer.json"); code != 1 || !strings.Contains(stderr.String(), want) {
+		t.Errorf("run() with a model directory without files = %d, %q; want 1 and %q", code, stderr.String(), want)
 	}
 }

@@ -419,8 +419,26 @@ const llama = [
 
 const models = { "llama-3.1": llama, qwen3 };
 
+// The Rust tokenizer (the `tokenizers` Node binding of the library vLLM runs), when installed in
+// .tmp/hf-rust as gen-tokenizer-goldens.mjs describes, is the second oracle for the prompt's ids.
+let rust = null;
+try {
+  rust = createRequire(path.join(repo, ".tmp/hf-rust/package.json"))("tokenizers");
+} catch {}
+const versionOfRust = () =>
+  JSON.parse(fs.readFileSync(path.join(repo, ".tmp/hf-rust/node_modules/tokenizers/package.json"), "utf8")).version;
+
+// idsDigest is a long prompt's ids in brief: their count and the sha256 of their little-endian
+// uint32 bytes.
+const idsDigest = (ids) => {
+  const buf = Buffer.alloc(4 * ids.length);
+  ids.forEach((id, i) => buf.writeUInt32LE(id, 4 * i));
+  return { count: ids.length, sha256: createHash("sha256").update(buf).digest("hex") };
+};
+
 for (const [model, cases] of Object.entries(models)) {
   const tok = await AutoTokenizer.from_pretrained(model);
+  const rtok = rust ? rust.Tokenizer.fromFile(path.join(modelsDir, model, "tokenizer.json")) : null;
   const out = [];
   for (const c of cases) {
     const req = { ...(c.request || {}) };
@@ -441,11 +459,21 @@ for (const [model, cases] of Object.entries(models)) {
       entry.request = c.request;
     }
     const bytes = Buffer.from(prompt, "utf8");
+    // The prompt's token ids, as apply_chat_template(tokenize=true) makes them: the rendered text
+    // encoded without adding special tokens (the template wrote them). rust_want_ids are the Rust
+    // tokenizer's where they differ; the Go front door must match those.
+    const ids = tok.encode(prompt, { add_special_tokens: false });
+    const rids = rtok ? Array.from((await rtok.encode(prompt, null, { addSpecialTokens: false })).getIds()) : null;
+    const differs = rids && (rids.length !== ids.length || rids.some((id, i) => id !== ids[i]));
     if (bytes.length > inlineLimit) {
       entry.want_sha256 = createHash("sha256").update(bytes).digest("hex");
       entry.want_len = bytes.length;
+      entry.want_ids_digest = idsDigest(ids);
+      if (differs) entry.rust_want_ids_digest = idsDigest(rids);
     } else {
       entry.want = prompt;
+      entry.want_ids = ids;
+      if (differs) entry.rust_want_ids = rids;
     }
     out.push(entry);
   }
@@ -454,6 +482,7 @@ for (const [model, cases] of Object.entries(models)) {
     comment: "Written by scripts/goldens/gen-chat-goldens.mjs; do not edit.",
     model,
     renderer: `@huggingface/transformers ${transformersVersion} (@huggingface/jinja ${jinjaVersion})`,
+    tokenizer: rtok ? `@huggingface/transformers ${transformersVersion}; tokenizers ${versionOfRust()} (npm)` : `@huggingface/transformers ${transformersVersion}`,
     cases: out,
   };
   fs.mkdirSync(outDir, { recursive: true });

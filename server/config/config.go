@@ -96,6 +96,7 @@ type Options struct {
 	PickerSessionHeader     string // header binding a conversation to its decode worker ("" = none)
 	PickerModelHeader       string // header naming the model instead of the body ("" = the body only)
 	PickerMaxBodyBytes      int    // largest request body the picker buffers
+	PickerModels            string // comma-separated model=directory pairs: each model's tokenizer files
 
 	// Security (docs/security.md): TLS, credentials and per-credential limits.
 	Plaintext                    bool          // serve without TLS on a non-loopback address

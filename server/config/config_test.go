@@ -138,6 +138,12 @@ func TestBadConfig(t *testing.T) {
 			want: `redis_models (config file): model 2 is empty (got "a,,b")`},
 		{name: "a model twice", env: map[string]string{"KVROUTER_REDIS_MODELS": "a, b,a"}, args: []string{"--redis-addr", "127.0.0.1:6379", "--redis-shard-by-model"},
 			want: `KVROUTER_REDIS_MODELS: model "a" is listed twice`},
+		{name: "picker models without the picker", args: []string{"--picker-models", "m=/models/m"},
+			want: "--picker-models: needs picker_listen (default) (the models are the endpoint picker's)"},
+		{name: "a picker model without a directory", args: []string{"--picker-listen", "127.0.0.1:9002", "--picker-models", "a=/m/a,b"},
+			want: `--picker-models: entry 2 must be name=directory (got "b")`},
+		{name: "a picker model twice", env: map[string]string{"KVROUTER_PICKER_MODELS": "a=/m/a, a=/m/b"}, args: []string{"--picker-listen", "127.0.0.1:9002"},
+			want: `KVROUTER_PICKER_MODELS: model "a" is listed twice`},
 		{name: "missing config file", args: []string{"--config", "/nonexistent/kvrouter.yaml"}, want: "no such file or directory"},
 	}
 	for _, tt := range tests {
@@ -458,5 +464,23 @@ func TestOneRuleEverywhere(t *testing.T) {
 		if err == nil || err.Error() != want {
 			t.Errorf("%s: Load() = %v, want %q", name, err, want)
 		}
+	}
+}
+
+// TestPickerModelDirs: picker_models reads as model -> directory, spaces trimmed, a directory
+// keeping any "=" after the first.
+func TestPickerModelDirs(t *testing.T) {
+	o, _, err := load(t, []string{"--picker-listen", "127.0.0.1:9002"}, nil,
+		"picker_models: \" meta-llama/Llama-3.1-8B-Instruct = /models/llama ,Qwen/Qwen3-8B=/models/a=b\"\n")
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := o.PickerModelDirs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := map[string]string{"meta-llama/Llama-3.1-8B-Instruct": "/models/llama", "Qwen/Qwen3-8B": "/models/a=b"}
+	if diff := cmp.Diff(want, got); diff != "" {
+		t.Errorf("PickerModelDirs() (-want +got):\n%s", diff)
 	}
 }

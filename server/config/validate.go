@@ -60,6 +60,9 @@ func (o *Options) Validate() error {
 			return fmt.Errorf("%s: must be an HTTP header name in lower case (letters, digits and - . _; got %q)", o.describe(h.key), h.value)
 		}
 	}
+	if _, err := o.PickerModelDirs(); err != nil {
+		return err
+	}
 	if o.Pprof && o.MetricsListen == "" {
 		return fmt.Errorf("%s: needs %s, where the profiler is served", o.describe("pprof"), o.describe("metrics_listen"))
 	}
@@ -123,6 +126,32 @@ func (o *Options) Models() []string {
 		models[i] = strings.TrimSpace(m)
 	}
 	return models
+}
+
+// PickerModelDirs returns picker_models as model name -> directory. The rules: each entry is
+// name=directory, neither empty, no name twice, and picker_listen set (the models serve nothing
+// else). The first "=" ends the name: model names (meta-llama/Llama-3.1-8B-Instruct) hold none,
+// directories may.
+func (o *Options) PickerModelDirs() (map[string]string, error) {
+	if o.PickerModels == "" {
+		return nil, nil
+	}
+	if o.PickerListen == "" {
+		return nil, fmt.Errorf("%s: needs %s (the models are the endpoint picker's)", o.describe("picker_models"), o.describe("picker_listen"))
+	}
+	dirs := map[string]string{}
+	for i, entry := range strings.Split(o.PickerModels, ",") {
+		name, dir, ok := strings.Cut(strings.TrimSpace(entry), "=")
+		name, dir = strings.TrimSpace(name), strings.TrimSpace(dir)
+		switch {
+		case !ok || name == "" || dir == "":
+			return nil, fmt.Errorf("%s: entry %d must be name=directory (got %q)", o.describe("picker_models"), i+1, entry)
+		case dirs[name] != "":
+			return nil, fmt.Errorf("%s: model %q is listed twice", o.describe("picker_models"), name)
+		}
+		dirs[name] = dir
+	}
+	return dirs, nil
 }
 
 // validateSecurity checks the TLS, credentials and Redis-credential settings: files come in pairs,

@@ -35,6 +35,15 @@ func NewModels(byName map[string]Model) *Models {
 	return &Models{byName: byName}
 }
 
+// Lookup returns the model named name, and whether the front door holds it.
+func (m *Models) Lookup(name string) (Model, bool) {
+	if m == nil {
+		return Model{}, false
+	}
+	mod, ok := m.byName[name]
+	return mod, ok
+}
+
 // UnservableError is a request the front door reads but cannot tokenize: its model has no
 // tokenizer or chat template configured. The picker answers it with HTTP 503: the request is
 // fine, the router is not set up for it.
@@ -56,9 +65,10 @@ func (e *TemplateError) Error() string {
 func (e *TemplateError) Unwrap() error { return e.Err }
 
 // Tokens returns the prompt's token ids as the engine serving r.Model sees them: a completions
-// prompt of token ids as given; a completions text with the tokenizer's special tokens (vLLM's
-// default, add_special_tokens true); chat messages rendered by the chat template and tokenized
-// without adding special tokens again (the template writes them).
+// prompt of token ids as given; a completions text tokenized, with the tokenizer's special tokens
+// unless the body's add_special_tokens is false (vLLM's default is true); chat messages rendered
+// by the chat template and tokenized without adding special tokens again (the template writes
+// them) unless add_special_tokens is true.
 func (m *Models) Tokens(r *Request) ([]uint32, error) {
 	if r.Kind == Completions && r.TokenIDs != nil {
 		return r.TokenIDs, nil
@@ -71,7 +81,7 @@ func (m *Models) Tokens(r *Request) ([]uint32, error) {
 		return nil, &UnservableError{Model: r.Model, Missing: "tokenizer"}
 	}
 	if r.Kind == Completions {
-		return mod.Tokenizer.Encode(r.Prompt, true), nil
+		return mod.Tokenizer.Encode(r.Prompt, r.AddSpecialTokens), nil
 	}
 	if mod.Template == nil {
 		return nil, &UnservableError{Model: r.Model, Missing: "chat template"}
@@ -80,5 +90,5 @@ func (m *Models) Tokens(r *Request) ([]uint32, error) {
 	if err != nil {
 		return nil, &TemplateError{Err: err}
 	}
-	return mod.Tokenizer.Encode(text, false), nil
+	return mod.Tokenizer.Encode(text, r.AddSpecialTokens), nil
 }

@@ -64,18 +64,26 @@ type Request struct {
 	// Chat completions: the messages and what the chat template is given beside them.
 	Messages []Message
 	Tools    []json.RawMessage
-	// TemplateKwargs are the body's chat_template_kwargs (vLLM's extension, e.g. enable_thinking).
-	TemplateKwargs map[string]any
+	// TemplateKwargs are the body's chat_template_kwargs (vLLM's extension, e.g. enable_thinking),
+	// each value as sent, so that numbers and the order of object keys reach the template as
+	// Python's json.loads gives them.
+	TemplateKwargs map[string]json.RawMessage
+	// AddSpecialTokens has the tokenizer add its special tokens (Llama's <|begin_of_text|>) around
+	// the prompt: the body's add_special_tokens (vLLM's extension), by default true for completions
+	// and false for chat, whose template writes them.
+	AddSpecialTokens bool
 	// AddGenerationPrompt is true unless the body continues the last assistant message
 	// (continue_final_message, or add_generation_prompt false: vLLM's extensions).
 	AddGenerationPrompt bool
 }
 
 // Message is one chat message as the OpenAI API carries it. Content is the text, with the text
-// parts of a list of parts joined by newlines, as vLLM's "string" content format renders them.
+// parts of a list of parts joined by newlines, as vLLM's "string" content format renders them;
+// Parts keeps the list for templates that loop over a message's parts (vLLM's "openai" format).
 type Message struct {
 	Role             string            `json:"role"`
 	Content          string            `json:"content"`
+	Parts            []string          `json:"parts,omitempty"` // the text parts; nil for a string or null content
 	Name             string            `json:"name,omitempty"`
 	ToolCallID       string            `json:"tool_call_id,omitempty"`
 	ToolCalls        []json.RawMessage `json:"tool_calls,omitempty"`
@@ -101,13 +109,14 @@ func badRequest(field, format string, args ...any) error {
 
 // wireRequest is the part of both APIs' bodies the front door reads.
 type wireRequest struct {
-	Model                *string           `json:"model"`
-	Prompt               json.RawMessage   `json:"prompt"`
-	Messages             []wireMessage     `json:"messages"`
-	Tools                []json.RawMessage `json:"tools"`
-	ChatTemplateKwargs   map[string]any    `json:"chat_template_kwargs"`
-	AddGenerationPrompt  *bool             `json:"add_generation_prompt"`
-	ContinueFinalMessage bool              `json:"continue_final_message"`
+	Model                *string                    `json:"model"`
+	Prompt               json.RawMessage            `json:"prompt"`
+	Messages             []wireMessage              `json:"messages"`
+	Tools                []json.RawMessage          `json:"tools"`
+	ChatTemplateKwargs   map[string]json.RawMessage `json:"chat_template_kwargs"`
+	AddGenerationPrompt  *bool                      `json:"add_generation_prompt"`
+	AddSpecialTokens     *bool                      `json:"add_special_tokens"`
+	ContinueFinalMessage bool                       `json:"continue_final_message"`
 }
 
 type wireMessage struct {
@@ -144,14 +153,14 @@ func Parse(kind Kind, body []byte) (*Request, error) {
 		}
 		r.Messages = make([]Message, len(w.Messages))
 		for i, m := range w.Messages {
-			text, err := contentText(m.Content)
+			text, parts, err := content(m.Content)
 			if err != nil {
 				return nil, badRequest(fmt.Sprintf("messages[%d].content", i), "%v", err)
 			}
 			if m.Role == "" {
 				return nil, badRequest(fmt.Sprintf("messages[%d].role", i), "must not be empty")
 			}
-			r.Messages[i] = Message{Role: m.Role, Content: text, Name: m.Name, ToolCallID: m.ToolCallID,
+			r.Messages[i] = Message{Role: m.Role, Content: text, Parts: parts, Name: m.Name, ToolCallID: m.ToolCallID,
 				ToolCalls: m.ToolCalls, ReasoningContent: m.ReasoningContent}
 		}
 		r.Tools = w.Tools
@@ -164,6 +173,10 @@ func Parse(kind Kind, body []byte) (*Request, error) {
 		}
 	default:
 		return nil, badRequest("", "unknown API")
+	}
+	r.AddSpecialTokens = kind == Completions
+	if w.AddSpecialTokens != nil {
+		r.AddSpecialTokens = *w.AddSpecialTokens
 	}
 	return r, nil
 }
@@ -259,34 +272,35 @@ func numberAt(raw []byte, i int) string {
 	return string(raw[i:end])
 }
 
-// contentText returns a message's content as text: a string, null (no content: an assistant turn
-// of tool calls), or a list of parts whose text parts are joined by newlines. A part that is not
-// text (an image) is refused: the front door cannot key it as the engine would.
-func contentText(raw json.RawMessage) (string, error) {
+// content returns a message's content as text: a string, null (no content: an assistant turn
+// of tool calls), or a list of parts whose text parts are joined by newlines, which it also
+// returns one by one. A part that is not text (an image) is refused: the front door cannot key it
+// as the engine would.
+func content(raw json.RawMessage) (string, []string, error) {
 	raw = bytes.TrimSpace(raw)
 	if len(raw) == 0 || string(raw) == "null" {
-		return "", nil
+		return "", nil, nil
 	}
 	if raw[0] == '"' {
 		var s string
 		err := json.Unmarshal(raw, &s)
-		return s, err
+		return s, nil, err
 	}
 	var parts []struct {
 		Type string  `json:"type"`
 		Text *string `json:"text"`
 	}
 	if err := json.Unmarshal(raw, &parts); err != nil {
-		return "", fmt.Errorf("must be a string or a list of content parts")
+		return "", nil, fmt.Errorf("must be a string or a list of content parts")
 	}
 	texts := make([]string, 0, len(parts))
 	for i, p := range parts {
 		if p.Type != "text" || p.Text == nil {
-			return "", fmt.Errorf("part %d is of type %q; the front door routes text parts only", i, p.Type)
+			return "", nil, fmt.Errorf("part %d is of type %q; the front door routes text parts only", i, p.Type)
 		}
 		texts = append(texts, *p.Text)
 	}
-	return strings.Join(texts, "\n"), nil
+	return strings.Join(texts, "\n"), texts, nil
 }
 
 // jsonError shortens encoding/json's errors to what a caller can act on.

@@ -8,30 +8,17 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"runtime"
 	"testing"
 	"time"
 
 	"github.com/google/go-cmp/cmp"
+	"github.com/kvrouter/kvrouter/server/frontdoor/testmodels"
 )
-
-// modelsDir is where scripts/models.sh puts the models' tokenizer files: $KVROUTER_MODELS, or
-// .tmp/models at the repository root.
-func modelsDir() string {
-	if d := os.Getenv("KVROUTER_MODELS"); d != "" {
-		return d
-	}
-	_, file, _, _ := runtime.Caller(0)
-	return filepath.Join(filepath.Dir(file), "../../../.tmp/models")
-}
 
 // loadModel loads a model's real chat template, or skips the test when the files are missing.
 func loadModel(t testing.TB, model string) *Template {
 	t.Helper()
-	dir := filepath.Join(modelsDir(), model)
-	if _, err := os.Stat(filepath.Join(dir, "tokenizer_config.json")); err != nil {
-		t.Skipf("no %s tokenizer files in %s: run scripts/models.sh (or set KVROUTER_MODELS)", model, modelsDir())
-	}
+	dir := testmodels.Dir(t, model)
 	tmpl, err := Load(dir)
 	if err != nil {
 		t.Fatalf("Load(%s): %v", dir, err)

@@ -223,9 +223,13 @@ func specialToken(raw json.RawMessage) (string, error) {
 	return *obj.Content, nil
 }
 
+// ErrNoTemplate is Load's error for a model without a chat template (a base model): its
+// tokenizer_config.json has no chat_template and there is no chat_template.jinja.
+var ErrNoTemplate = errors.New("the tokenizer has no chat template")
+
 func readTemplates(raw json.RawMessage, into map[string]string) error {
 	if len(raw) == 0 || string(raw) == "null" {
-		return errors.New("the tokenizer has no chat template")
+		return ErrNoTemplate
 	}
 	var s string
 	if json.Unmarshal(raw, &s) == nil {
