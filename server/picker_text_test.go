@@ -2,9 +2,6 @@ package server
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"os"
 	"path/filepath"
@@ -129,10 +126,7 @@ type chatCase struct {
 	Synthetic *testmodels.Synth          `json:"synthetic"`
 	WantIDs   []uint32                   `json:"want_ids"`
 	RustIDs   []uint32                   `json:"rust_want_ids"`
-	Digest    *struct {
-		Count  int    `json:"count"`
-		SHA256 string `json:"sha256"`
-	} `json:"want_ids_digest"`
+	Digest    *testmodels.IDsDigest      `json:"want_ids_digest"`
 }
 
 func readChatCases(t *testing.T, model string) []chatCase {
@@ -175,12 +169,7 @@ func (c chatCase) referenceIDs(t *testing.T, models *frontdoor.Models) []uint32 
 	if err != nil {
 		t.Fatal(err)
 	}
-	buf := make([]byte, 4*len(ids))
-	for i, id := range ids {
-		binary.LittleEndian.PutUint32(buf[4*i:], id)
-	}
-	sum := sha256.Sum256(buf)
-	if len(ids) != c.Digest.Count || hex.EncodeToString(sum[:]) != c.Digest.SHA256 {
+	if testmodels.DigestOf(ids) != *c.Digest {
 		t.Fatalf("%s: the front door's %d ids are not the golden's %d", c.Name, len(ids), c.Digest.Count)
 	}
 	return ids

@@ -1,9 +1,6 @@
 package frontdoor
 
 import (
-	"crypto/sha256"
-	"encoding/binary"
-	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"os"
@@ -37,22 +34,6 @@ func realModels(t *testing.T) *Models {
 	return models
 }
 
-// idsDigest is how the goldens write a long prompt's ids: their count and the sha256 of their
-// little-endian uint32 bytes.
-type idsDigest struct {
-	Count  int    `json:"count"`
-	SHA256 string `json:"sha256"`
-}
-
-func digestOf(ids []uint32) idsDigest {
-	buf := make([]byte, 4*len(ids))
-	for i, id := range ids {
-		binary.LittleEndian.PutUint32(buf[4*i:], id)
-	}
-	sum := sha256.Sum256(buf)
-	return idsDigest{Count: len(ids), SHA256: hex.EncodeToString(sum[:])}
-}
-
 // chatGolden is a case of chattemplate/testdata/<model>.golden.json, which
 // scripts/goldens/gen-chat-goldens.mjs writes from Hugging Face's apply_chat_template and its
 // tokenizers: the request, and the prompt's token ids (the Rust tokenizer's where it differs).
@@ -61,10 +42,10 @@ type chatGolden struct {
 	Request   map[string]json.RawMessage `json:"request"`
 	Synthetic *testmodels.Synth          `json:"synthetic"`
 
-	WantIDs           []uint32   `json:"want_ids"`
-	RustWantIDs       []uint32   `json:"rust_want_ids"`
-	WantIDsDigest     *idsDigest `json:"want_ids_digest"`
-	RustWantIDsDigest *idsDigest `json:"rust_want_ids_digest"`
+	WantIDs           []uint32              `json:"want_ids"`
+	RustWantIDs       []uint32              `json:"rust_want_ids"`
+	WantIDsDigest     *testmodels.IDsDigest `json:"want_ids_digest"`
+	RustWantIDsDigest *testmodels.IDsDigest `json:"rust_want_ids_digest"`
 }
 
 // TestChatGoldens sends every chat golden case through the front door as the picker does, as
@@ -106,7 +87,7 @@ func TestChatGoldens(t *testing.T) {
 					if want == nil {
 						want = c.WantIDsDigest
 					}
-					if diff := cmp.Diff(*want, digestOf(got)); diff != "" {
+					if diff := cmp.Diff(*want, testmodels.DigestOf(got)); diff != "" {
 						t.Errorf("ids (-want +got):\n%s", diff)
 					}
 				default:

@@ -73,10 +73,7 @@ func (m *Models) Tokens(r *Request) ([]uint32, error) {
 	if r.Kind == Completions && r.TokenIDs != nil {
 		return r.TokenIDs, nil
 	}
-	var mod Model
-	if m != nil {
-		mod = m.byName[r.Model]
-	}
+	mod, _ := m.Lookup(r.Model)
 	if mod.Tokenizer == nil {
 		return nil, &UnservableError{Model: r.Model, Missing: "tokenizer"}
 	}

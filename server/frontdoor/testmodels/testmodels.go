@@ -6,6 +6,9 @@
 package testmodels
 
 import (
+	"crypto/sha256"
+	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"fmt"
 	"os"
@@ -112,4 +115,21 @@ func ChatBody(tb testing.TB, model string, request map[string]json.RawMessage, s
 		tb.Fatal(err)
 	}
 	return data
+}
+
+// IDsDigest is how the goldens write a long prompt's ids: their count and the sha256 of their
+// little-endian uint32 bytes.
+type IDsDigest struct {
+	Count  int    `json:"count"`
+	SHA256 string `json:"sha256"`
+}
+
+// DigestOf returns the ids' digest.
+func DigestOf(ids []uint32) IDsDigest {
+	buf := make([]byte, 4*len(ids))
+	for i, id := range ids {
+		binary.LittleEndian.PutUint32(buf[4*i:], id)
+	}
+	sum := sha256.Sum256(buf)
+	return IDsDigest{Count: len(ids), SHA256: hex.EncodeToString(sum[:])}
 }
