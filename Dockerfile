@@ -1,7 +1,7 @@
 # kvrouter's container image: a static binary on distroless (no shell, no package manager), run as
 # a non-root user. The entry point is the binary: `serve` by default, `bridge` for the engine bridge.
 #
-#   docker build -t kvrouter:v0.1.0 .
+#   docker build -t kvrouter:v0.1.0 --build-arg KVROUTER_COMMIT=$(git rev-parse HEAD) .
 #   docker run --rm -p 50051:50051 -v "$PWD/tls:/tls:ro" kvrouter:v0.1.0 serve --listen :50051 \
 #     --tls-cert-file /tls/tls.crt --tls-key-file /tls/tls.key
 #
@@ -12,12 +12,19 @@
 # The builder's Go is go.mod's go version (the test checks it).
 FROM golang:1.26.8 AS build
 WORKDIR /src
+# The client, the contract's code and the block hashing are modules of their own that go.mod
+# replaces with these directories: their go.mod files come first too.
 COPY go.mod go.sum ./
+COPY clients/go/go.mod clients/go/go.sum ./clients/go/
+COPY gen/go.mod gen/go.sum ./gen/
+COPY kvstate/blockhash/go.mod kvstate/blockhash/go.sum ./kvstate/blockhash/
 RUN go mod download
 COPY . .
 # Static (no cgo, so no libc needed at run time) and reproducible (no build paths in the binary).
 ENV CGO_ENABLED=0
-RUN go build -trimpath -ldflags="-s -w" -o /out/kvrouter ./cmd/kvrouter
+# `kvrouter --version` names the commit given here: docker build --build-arg KVROUTER_COMMIT=$(git rev-parse HEAD) .
+ARG KVROUTER_COMMIT=""
+RUN go build -trimpath -ldflags="-s -w -X main.commit=${KVROUTER_COMMIT}" -o /out/kvrouter ./cmd/kvrouter
 # A probe for Docker's HEALTHCHECK (the image has no shell to run anything else). Kubernetes does
 # not need it: its native gRPC probes call the health service themselves (deploy/kubernetes).
 RUN GOBIN=/out go install -trimpath -ldflags="-s -w" github.com/grpc-ecosystem/grpc-health-probe@v0.4.63

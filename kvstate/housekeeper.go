@@ -62,17 +62,24 @@ func (h *Housekeeper) Sweep(ctx context.Context) {
 func (h *Housekeeper) removeWorker(ctx context.Context, shards []*Shard, key WorkerKey, d Disconnection) bool {
 	done := true
 	for _, sh := range shards {
-		if len(shards) > 1 && sh.State.Worker(key) == nil {
+		w := sh.State.Worker(key)
+		if len(shards) > 1 && w == nil {
 			continue
+		}
+		// The worker's own model, as "worker connected" logged it: a shard serving every model
+		// has none of its own.
+		model := sh.Model
+		if w != nil {
+			model = w.Info.Model
 		}
 		res, err := sh.Log.Append(ctx, WorkerRemoved{Key: key, Epoch: d.Epoch})
 		if err != nil {
-			h.logger().Warn("removing disconnected worker failed", "worker", key, "model", sh.Model, "err", err)
+			h.logger().Warn("removing disconnected worker failed", "worker", key.String(), "model", model, "err", err)
 			done = false
 			continue
 		}
 		if !res.Skipped {
-			h.logger().Info("removed worker after grace period", "worker", key, "model", sh.Model, "grace", h.Grace)
+			h.logger().Info("removed worker after grace period", "worker", key.String(), "model", model, "grace", h.Grace)
 		}
 	}
 	return done

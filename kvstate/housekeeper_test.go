@@ -1,7 +1,9 @@
 package kvstate
 
 import (
+	"bytes"
 	"context"
+	"encoding/json"
 	"log/slog"
 	"testing"
 	"time"
@@ -236,5 +238,26 @@ func TestHousekeeperRemovesOnce(t *testing.T) {
 	}
 	if s.Worker(w0r0) == nil {
 		t.Error("the worker that registered elsewhere was removed")
+	}
+}
+
+// TestHousekeeperLogsTheWorker: the removal's log line names the worker as "worker connected"
+// does (id/rank, a string also in JSON) and the worker's own model, not the shard's (which a
+// shard serving every model does not have).
+func TestHousekeeperLogsTheWorker(t *testing.T) {
+	s := NewState()
+	run(t, s, []step{up(w0r0), connect(w0r0), disconnect(w0r0, 100)})
+	model := s.Worker(w0r0).Info.Model
+	var logs bytes.Buffer
+	h := &Housekeeper{State: s, Log: NewMemLog(s), Presence: presenceOf(s), Grace: time.Second, BookingExpiry: time.Hour,
+		Clock: ClockFunc(func() time.Time { return time.Unix(0, 100).Add(time.Minute) }), Logger: slog.New(slog.NewJSONHandler(&logs, nil))}
+	h.Sweep(context.Background())
+	var line struct{ Msg, Worker, Model string }
+	if err := json.Unmarshal(logs.Bytes(), &line); err != nil {
+		t.Fatalf("log %q: %v", logs.String(), err)
+	}
+	want := struct{ Msg, Worker, Model string }{"removed worker after grace period", w0r0.String(), model}
+	if diff := cmp.Diff(want, line); diff != "" || model == "" {
+		t.Errorf("log line (-want +got):\n%s", diff)
 	}
 }

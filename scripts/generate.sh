@@ -9,6 +9,7 @@ scripts/tools.sh protoc-gen-go protoc-gen-go-grpc buf
 export PATH="$PWD/.tmp/bin:$PATH"
 buf format -w
 buf lint
+rm -rf gen/kvrouter # what proto/ no longer declares goes too; gen/go.mod stays
 buf generate
 scripts/need.sh protoc=protobuf-compiler grpc_python_plugin=protobuf-compiler-grpc
 clients/python/generate.sh

@@ -46,6 +46,12 @@ func workerInfo(h *kvrouterv1.WorkerHello) (kvstate.WorkerInfo, error) {
 		return kvstate.WorkerInfo{}, invalidArgumentf("hello.role", "must be PREFILL, DECODE or AGGREGATED (got %v)", h.GetRole())
 	case h.GetBlockSize() == 0:
 		return kvstate.WorkerInfo{}, invalidArgument("hello.block_size", "must be > 0")
+	case h.GetEndpoint() == "" && !h.GetNoEndpoint():
+		// A frontend handed an empty target cannot reach the worker: say so at registration rather
+		// than in every routing decision.
+		return kvstate.WorkerInfo{}, invalidArgument("hello.endpoint", "must be set to the address frontends reach the worker at (or set hello.no_endpoint for a fleet whose frontends find workers by worker_id)")
+	case h.GetEndpoint() != "" && h.GetNoEndpoint():
+		return kvstate.WorkerInfo{}, invalidArgument("hello.no_endpoint", "must not be set with hello.endpoint")
 	case len(h.GetEndpoint()) > maxEndpointBytes:
 		// Every Route answer and ListWorkers carries it: a 4 MB endpoint broke ListWorkers for
 		// clients with the default 4 MiB receive limit.

@@ -385,6 +385,16 @@ func TestPublishHelloValidation(t *testing.T) {
 			h.GetHello().Endpoint = strings.Repeat("e", 1025)
 			return h
 		}(), code: codes.InvalidArgument, msg: "hello.endpoint: must be at most 1024 bytes (got 1025)"},
+		{name: "no endpoint", first: func() *kvrouterv1.PublishRequest {
+			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
+			h.GetHello().Endpoint = ""
+			return h
+		}(), code: codes.InvalidArgument, msg: "hello.endpoint: must be set to the address frontends reach the worker at (or set hello.no_endpoint for a fleet whose frontends find workers by worker_id)"},
+		{name: "endpoint and no_endpoint", first: func() *kvrouterv1.PublishRequest {
+			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
+			h.GetHello().NoEndpoint = true
+			return h
+		}(), code: codes.InvalidArgument, msg: "hello.no_endpoint: must not be set with hello.endpoint"},
 		{name: "hello too large to decode", first: func() *kvrouterv1.PublishRequest {
 			h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, 4)
 			h.GetHello().Endpoint = strings.Repeat("e", 1<<20)
@@ -408,6 +418,24 @@ func TestPublishHelloValidation(t *testing.T) {
 				t.Errorf("models after a rejected hello = %d, want %d", got, before)
 			}
 		})
+	}
+}
+
+// TestPublishHelloWithoutEndpoint: a worker that says it has no endpoint registers, and routing
+// decisions name it by worker id with an empty endpoint.
+func TestPublishHelloWithoutEndpoint(t *testing.T) {
+	e := newTestEnv(t)
+	p := e.publish()
+	h := hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, 4)
+	h.GetHello().Endpoint, h.GetHello().NoEndpoint = "", true
+	p.send(h)
+	wantMsg(t, p.recv(), registered(nil))
+	resp, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: []uint32{1, 2, 3, 4}, QueryOnly: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d := resp.GetDecode(); d.GetWorkerId() != 1 || d.GetEndpoint() != "" {
+		t.Errorf("decode = %v, want worker 1 with no endpoint", d)
 	}
 }
 

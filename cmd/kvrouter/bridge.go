@@ -78,7 +78,7 @@ var bridgeSettings = []layered.Setting[bridgeOptions]{
 	layered.Int("block_size", "the engine's KV block size in tokens (vLLM --block-size); every model's workers must agree (required)", func(o *bridgeOptions) *int { return &o.BlockSize }, 0),
 	layered.Uint64("total_kv_blocks", "the engine's KV cache capacity in blocks: vLLM logs 'GPU KV cache size: N tokens', which is N / block_size blocks (required)", func(o *bridgeOptions) *uint64 { return &o.TotalKVBlocks }, 0),
 	layered.Uint64("max_num_batched_tokens", "the engine's max_num_batched_tokens (0: unknown)", func(o *bridgeOptions) *uint64 { return &o.MaxNumBatchedTokens }, 0),
-	layered.String("worker_endpoint", "where frontends send the engine's requests, as Route returns it (host:port)", func(o *bridgeOptions) *string { return &o.WorkerEndpoint }),
+	layered.String("worker_endpoint", "where frontends send the engine's requests, as Route returns it (host:port; required)", func(o *bridgeOptions) *string { return &o.WorkerEndpoint }),
 	layered.Bool("supports_bypass", "the engine (a decode worker) may prefill a request itself (conditional disaggregation)", func(o *bridgeOptions) *bool { return &o.SupportsBypass }),
 	layered.Int("kv_group", "the KV-cache group whose events are forwarded, for hybrid models (vLLM group_idx)", func(o *bridgeOptions) *int { return &o.KVGroup }, 0),
 	layered.String("extra_keys", "stored blocks with extra hash keys (LoRA names, multimodal inputs, cache salts): hash (key them as Route does), skip (forward none of them) or ignore (forward them as plain text)", func(o *bridgeOptions) *string { return &o.ExtraKeys }),
@@ -120,6 +120,8 @@ func (o *bridgeOptions) validate(l *layered.Layers[bridgeOptions]) error {
 		return fmt.Errorf("%s: must be set to the engine's block size (> 0)", layered.FlagOf("block_size"))
 	case o.TotalKVBlocks == 0:
 		return fmt.Errorf("%s: must be set to the engine's cache capacity (> 0)", layered.FlagOf("total_kv_blocks"))
+	case o.WorkerEndpoint == "":
+		return fmt.Errorf("%s: must be set to where frontends send the engine's requests (host:port); the router refuses a worker without one", layered.FlagOf("worker_endpoint"))
 	case o.ExtraKeys != "hash" && o.ExtraKeys != "skip" && o.ExtraKeys != "ignore":
 		return fmt.Errorf("%s: must be hash, skip or ignore (got %q)", l.Describe("extra_keys"), o.ExtraKeys)
 	case !strings.Contains(o.EngineEndpoint, "://"):

@@ -183,6 +183,7 @@ func chaosDumpsInFlight(t *testing.T, bin string) chaosResult {
 		}
 		streams = append(streams, stream)
 		if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+			Endpoint: "10.0.0.1:8000",
 			WorkerId: id, Model: "dumps", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 16, KvEventsEnabled: true}}}); err != nil {
 			return chaosResult{err: err}
 		}

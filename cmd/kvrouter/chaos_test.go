@@ -500,6 +500,7 @@ func chaosBigBatch(t *testing.T, bin string) chaosResult {
 	batch := &kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{{
 		StorageTier: kvrouterv1.StorageTier_STORAGE_TIER_DEVICE, Data: &kvrouterv1.KvEvent_Stored{Stored: st}}}}}}
 	_ = stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+		Endpoint: "10.0.0.1:8000",
 		WorkerId: 77, Model: "big", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 16, KvEventsEnabled: true}}})
 	_ = stream.Send(batch)
 	var code codes.Code

@@ -3,6 +3,7 @@ package main
 import (
 	"bytes"
 	"context"
+	"io"
 	"strings"
 	"testing"
 
@@ -30,7 +31,7 @@ func TestBadConfigExits2(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var stderr bytes.Buffer
-			code := run(context.Background(), append([]string{"serve"}, tt.args...), func(k string) string { return tt.env[k] }, &stderr)
+			code := run(context.Background(), append([]string{"serve"}, tt.args...), func(k string) string { return tt.env[k] }, io.Discard, &stderr)
 			if code != 2 {
 				t.Errorf("run() = %d, want 2; stderr:\n%s", code, stderr.String())
 			}
@@ -43,7 +44,7 @@ func TestBadConfigExits2(t *testing.T) {
 
 func TestUsage(t *testing.T) {
 	var stderr bytes.Buffer
-	if code := run(context.Background(), nil, func(string) string { return "" }, &stderr); code != 2 || !strings.Contains(stderr.String(), "kvrouter serve") {
+	if code := run(context.Background(), nil, func(string) string { return "" }, io.Discard, &stderr); code != 2 || !strings.Contains(stderr.String(), "kvrouter serve") {
 		t.Errorf("run() with no command = %d, %q; want 2 and the usage", code, stderr.String())
 	}
 }
@@ -51,7 +52,7 @@ func TestUsage(t *testing.T) {
 // TestBadBridgeConfigExits2: kvrouter bridge refuses a configuration it cannot run with, before it
 // connects to anything, naming the setting as the user gave it.
 func TestBadBridgeConfigExits2(t *testing.T) {
-	required := []string{"--router-addrs", "127.0.0.1:1", "--worker-id", "7", "--model", "m", "--block-size", "16", "--total-kv-blocks", "1000"}
+	required := []string{"--router-addrs", "127.0.0.1:1", "--worker-id", "7", "--model", "m", "--block-size", "16", "--total-kv-blocks", "1000", "--worker-endpoint", "10.0.0.7:8000"}
 	tests := []struct {
 		name string
 		args []string
@@ -61,6 +62,7 @@ func TestBadBridgeConfigExits2(t *testing.T) {
 		{name: "no router", args: []string{"--worker-id", "7"}, want: "--router-addrs: must name at least one router"},
 		{name: "no worker id", args: required[:2], want: "--worker-id: must be set, and not 0"},
 		{name: "no block size", args: []string{"--router-addrs", "a:1", "--worker-id", "7", "--model", "m"}, want: "--block-size: must be set to the engine's block size (> 0)"},
+		{name: "no worker endpoint", args: required[:len(required)-2], want: "--worker-endpoint: must be set to where frontends send the engine's requests"},
 		{name: "bad role from env", args: required, env: map[string]string{"KVROUTER_ROLE": "encoder"}, want: `KVROUTER_ROLE: must be prefill, decode or aggregated (got "encoder")`},
 		{name: "bad extra keys", args: append(required, "--extra-keys", "drop"), want: `--extra-keys: must be hash, skip or ignore (got "drop")`},
 		{name: "ranks need tcp", args: append(required, "--dp-ranks", "2", "--engine-endpoint", "ipc:///tmp/kv"), want: `ranks after 0 need a tcp:// endpoint`},
@@ -80,7 +82,7 @@ func TestBadBridgeConfigExits2(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			var stderr bytes.Buffer
-			code := run(context.Background(), append([]string{"bridge"}, tt.args...), func(k string) string { return tt.env[k] }, &stderr)
+			code := run(context.Background(), append([]string{"bridge"}, tt.args...), func(k string) string { return tt.env[k] }, io.Discard, &stderr)
 			if code != 2 {
 				t.Errorf("run() = %d, want 2; stderr:\n%s", code, stderr.String())
 			}

@@ -21,7 +21,7 @@ func TestMaxConnectionAge(t *testing.T) {
 	p := startProcess(t, buildBinary(t), "--max-connection-age", "300ms", "--max-connection-age-grace", "300ms", "--worker-grace-period", "30s")
 	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
 	defer cancel()
-	hello := &kvrouterv1.WorkerHello{WorkerId: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+	hello := &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 		BlockSize: 4, TotalKvBlocks: 1 << 20, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
 	pub, err := kvclient.NewPublisher(kvclient.PublisherOptions{Hello: hello, Conns: []grpc.ClientConnInterface{dial(t, p.addr)}, MaxBatchEvents: 8})
 	if err != nil {

@@ -131,7 +131,7 @@ var contractRows = []struct {
 		}},
 	{name: "a worker id registered in another model", want: contractOutcome{Code: "FailedPrecondition", Reason: "WORKER_CONFLICT"},
 		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
-			return statusOutcome(helloErr(ctx, r.workersB, &kvrouterv1.WorkerHello{WorkerId: 11, Model: "mb",
+			return statusOutcome(helloErr(ctx, r.workersB, &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 11, Model: "mb",
 				Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 1000, KvEventsEnabled: true}))
 		}},
 	{name: "a route without a model", want: contractOutcome{Code: "InvalidArgument", Message: "model: must not be empty"},

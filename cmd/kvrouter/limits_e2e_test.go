@@ -55,6 +55,7 @@ func TestPublishMemoryBound(t *testing.T) {
 			t.Fatalf("Publish() = %v", err)
 		}
 		if err := s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+			Endpoint: "10.0.0.1:8000",
 			WorkerId: id, Model: fmt.Sprintf("m%d", blockSize), Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: blockSize, KvEventsEnabled: true}}}); err != nil {
 			t.Fatalf("hello = %v", err)
 		}

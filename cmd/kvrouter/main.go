@@ -39,7 +39,7 @@ import (
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	os.Exit(run(ctx, os.Args[1:], os.Getenv, os.Stderr))
+	os.Exit(run(ctx, os.Args[1:], os.Getenv, os.Stdout, os.Stderr))
 }
 
 const usage = `kvrouter routes LLM inference requests by KV-cache overlap and load.
@@ -47,11 +47,16 @@ const usage = `kvrouter routes LLM inference requests by KV-cache overlap and lo
 Usage:
   kvrouter serve [flags]    start the router (kvrouter serve -h lists the flags)
   kvrouter bridge [flags]   forward an engine's KV event feed to the routers (kvrouter bridge -h)
+  kvrouter --version        print the release, the commit and the Go release it was built with
 `
 
 // run executes the command line and returns the process exit code: 0 on a clean stop, 1 when
-// serving fails, 2 for a bad command line or configuration.
-func run(ctx context.Context, args []string, getenv func(string) string, stderr io.Writer) int {
+// serving fails, 2 for a bad command line or configuration. Only --version writes to stdout.
+func run(ctx context.Context, args []string, getenv func(string) string, stdout, stderr io.Writer) int {
+	if len(args) == 1 && (args[0] == "--version" || args[0] == "-version" || args[0] == "version") {
+		fmt.Fprintln(stdout, versionLine())
+		return 0
+	}
 	if len(args) > 0 && args[0] == "bridge" {
 		return runBridge(ctx, args[1:], getenv, stderr)
 	}
@@ -233,7 +238,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 		return nil
 	})
 	logger.Info("serving gRPC", "addr", lis.Addr().String(), "state", rep.Mode, "tls", sec.creds != nil, "mutual_tls", cfg.TLSClientCAFile != "",
-		"credentials_file", cfg.CredentialsFile)
+		"credentials_file", cfg.CredentialsFile, "version", versionLine())
 	if cfg.CredentialsFile == "" && !config.IsLoopback(cfg.Listen) {
 		logger.Warn("no credentials_file: every caller that reaches the port may publish events, route and read the fleet; see docs/security.md")
 	}

@@ -70,7 +70,7 @@ func bridgeMetrics(t *testing.T, bin, router string) map[string]*family {
 	metricsAddr := freePort(t)
 	cmd := exec.Command(bin, "bridge", "--router-addrs", router, "--engine-endpoint", "tcp://"+freePort(t),
 		"--worker-id", "99", "--model", "bridged", "--block-size", "4", "--total-kv-blocks", "64",
-		"--metrics-listen", metricsAddr, "--shutdown-drain", "2s")
+		"--worker-endpoint", "10.0.0.1:8000", "--metrics-listen", metricsAddr, "--shutdown-drain", "2s")
 	logs := &lockedBuffer{}
 	cmd.Stderr = logs
 	exit := runUntilCleanup(t, cmd, logs, nil)
@@ -95,7 +95,7 @@ func bridgeMetrics(t *testing.T, bin, router string) map[string]*family {
 	defer conn.Close()
 	reg := &describingRegisterer{reg: prometheus.NewRegistry(), families: map[string]*family{}}
 	b, err := bridge.New(bridge.Options{
-		Hello: &kvrouterv1.WorkerHello{WorkerId: 98, Model: "bridged", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 64},
+		Hello: &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 98, Model: "bridged", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 64},
 		Conns: []grpc.ClientConnInterface{conn}, Endpoint: "tcp://" + freePort(t), Registerer: reg,
 	})
 	if err != nil {

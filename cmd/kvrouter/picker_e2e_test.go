@@ -2,6 +2,7 @@ package main
 
 import (
 	"bytes"
+	"io"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -135,7 +136,7 @@ func TestPickerModels(t *testing.T) {
 
 	var stderr bytes.Buffer
 	empty := t.TempDir()
-	code := run(t.Context(), []string{"serve", "--picker-listen", freePort(t), "--picker-models", "broken=" + empty}, func(string) string { return "" }, &stderr)
+	code := run(t.Context(), []string{"serve", "--picker-listen", freePort(t), "--picker-models", "broken=" + empty}, func(string) string { return "" }, io.Discard, &stderr)
 	if want := `picker_models: model "broken" (` + empty + `): tokenizer: open ` + filepath.Join(empty, "tokenizer.json"); code != 1 || !strings.Contains(stderr.String(), want) {
 		t.Errorf("run() with a model directory without files = %d, %q; want 1 and %q", code, stderr.String(), want)
 	}

@@ -32,7 +32,7 @@ func TestPublisherSurvivesReplicaKill(t *testing.T) {
 		b := startProcess(t, bin, append(flags, "--replica-id", "b")...)
 		ctx, cancel := context.WithTimeout(context.Background(), 4*defaultTestTimeout)
 		defer cancel()
-		hello := &kvrouterv1.WorkerHello{WorkerId: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+		hello := &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 			BlockSize: 4, TotalKvBlocks: 1 << 20, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
 		newPublisher := func(conns ...grpc.ClientConnInterface) *kvclient.Publisher {
 			p, err := kvclient.NewPublisher(kvclient.PublisherOptions{Hello: hello, Conns: conns, MaxBatchEvents: 8})

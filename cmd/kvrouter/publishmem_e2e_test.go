@@ -31,6 +31,7 @@ func TestPublishMemoryPerConcurrentMessage(t *testing.T) {
 				bs = 1_000_000
 			}
 			s.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+				Endpoint: "10.0.0.1:8000",
 				WorkerId: uint64(i + 1), Model: fmt.Sprint(bs), Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: bs, KvEventsEnabled: true}}})
 			if r, err := s.Recv(); err != nil || r.GetRegistered() == nil {
 				t.Fatalf("registration = %v, %v", r, err)

@@ -165,6 +165,7 @@ func publishAndRouteTraced(t *testing.T, addr string) {
 		return resp
 	}
 	send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: &kvrouterv1.WorkerHello{
+		Endpoint: "10.0.0.1:8000",
 		WorkerId: 7, Model: "traced", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED, BlockSize: 4, TotalKvBlocks: 64, KvEventsEnabled: true}}})
 	tokens := tracedTokens(8)
 	resp := send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Events{Events: &kvrouterv1.EventBatch{Events: []*kvrouterv1.KvEvent{{

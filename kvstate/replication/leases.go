@@ -169,9 +169,9 @@ func (r *Leases) Sweep(ctx context.Context) {
 		res, err := r.log.Append(ctx, kvstate.WorkerRemoved{Key: key, Epoch: epoch})
 		switch {
 		case err != nil:
-			r.logger.Error("removing a worker whose lease expired failed", "worker", key, "err", err)
+			r.logger.Error("removing a worker whose lease expired failed", "worker", key.String(), "err", err)
 		case !res.Skipped:
-			r.logger.Info("removed worker whose lease expired", "worker", key, "epoch", epoch, "grace", r.grace)
+			r.logger.Info("removed worker whose lease expired", "worker", key.String(), "epoch", epoch, "grace", r.grace)
 		}
 	}
 }

@@ -15,7 +15,7 @@ import (
 // starts afresh); no file is no checkpoint.
 func TestCheckpointFile(t *testing.T) {
 	dir := t.TempDir()
-	hello := &kvrouterv1.WorkerHello{WorkerId: 5, DpRank: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, BlockSize: 16, TotalKvBlocks: 1000}
+	hello := &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 5, DpRank: 1, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_DECODE, BlockSize: 16, TotalKvBlocks: 1000}
 	f := newCheckpointFile(dir, hello, "tcp://127.0.0.1:5558")
 	if cp, err := f.load(); cp != nil || err != nil {
 		t.Fatalf("load() without a file = %v, %v; want nothing", cp, err)
@@ -37,7 +37,7 @@ func TestCheckpointFile(t *testing.T) {
 
 	changed := func(mutate func(*kvrouterv1.WorkerHello)) *kvrouterv1.WorkerHello {
 		h := &kvrouterv1.WorkerHello{}
-		*h = kvrouterv1.WorkerHello{WorkerId: hello.WorkerId, DpRank: hello.DpRank, Model: hello.Model, Role: hello.Role, BlockSize: hello.BlockSize, TotalKvBlocks: hello.TotalKvBlocks}
+		*h = kvrouterv1.WorkerHello{Endpoint: hello.Endpoint, WorkerId: hello.WorkerId, DpRank: hello.DpRank, Model: hello.Model, Role: hello.Role, BlockSize: hello.BlockSize, TotalKvBlocks: hello.TotalKvBlocks}
 		mutate(h)
 		return h
 	}

@@ -18,8 +18,8 @@ import (
 func ExampleDialCredentials() {
 	creds, err := kvclient.DialCredentials(kvclient.CredentialOptions{
 		CAFile:    "/etc/kvrouter/ca.crt",
-		CertFile:  "/etc/kvrouter/frontend.crt",
-		KeyFile:   "/etc/kvrouter/frontend.key",
+		CertFile:  "/etc/kvrouter/client.crt",
+		KeyFile:   "/etc/kvrouter/client.key",
 		TokenFile: "/var/run/secrets/kvrouter/token",
 	})
 	if err != nil {

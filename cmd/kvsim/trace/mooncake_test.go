@@ -11,7 +11,7 @@ import (
 	"github.com/google/go-cmp/cmp"
 )
 
-// traceFile returns the path of a trace of ../shared/traces (trace.Find), skipping the test when
+// traceFile returns the path of a trace that trace.Find finds ($KVROUTER_TRACES, ...), skipping the test when
 // the file is not on this machine.
 func traceFile(tb testing.TB, name string) string {
 	tb.Helper()

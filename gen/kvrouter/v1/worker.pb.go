@@ -226,7 +226,8 @@ type WorkerHello struct {
 	// max_num_batched_tokens is the worker's prefill batch capacity in tokens (0 = unknown; the router
 	// then assumes 10,000,000 for busy detection, as Dynamo does).
 	MaxNumBatchedTokens uint64 `protobuf:"varint,7,opt,name=max_num_batched_tokens,json=maxNumBatchedTokens,proto3" json:"max_num_batched_tokens,omitempty"`
-	// endpoint is the address frontends use to reach the worker (returned in routing decisions).
+	// endpoint is the address frontends use to reach the worker (returned in routing decisions). It
+	// must be set unless no_endpoint says why it is not.
 	Endpoint string `protobuf:"bytes,8,opt,name=endpoint,proto3" json:"endpoint,omitempty"`
 	// supports_bypass says the worker honours the x-bypass-remote-prefill annotation (prefills locally).
 	SupportsBypass bool `protobuf:"varint,9,opt,name=supports_bypass,json=supportsBypass,proto3" json:"supports_bypass,omitempty"`
@@ -239,7 +240,12 @@ type WorkerHello struct {
 	// resumes after Registered.last_event_id: events up to that id are taken for a replay, dropped
 	// as duplicates and acked. A worker whose last acked id is above Registered.last_event_id (the
 	// router lost events, as after its shared state was lost) must send a KvDump.
-	FreshStart    bool `protobuf:"varint,11,opt,name=fresh_start,json=freshStart,proto3" json:"fresh_start,omitempty"`
+	FreshStart bool `protobuf:"varint,11,opt,name=fresh_start,json=freshStart,proto3" json:"fresh_start,omitempty"`
+	// no_endpoint registers a worker without an endpoint on purpose: a simulated or test fleet, or one
+	// whose frontends find workers by worker_id through their own discovery. Routing decisions then
+	// carry an empty endpoint. Without it a hello with no endpoint is refused, since a frontend handed
+	// an empty target cannot reach the worker.
+	NoEndpoint    bool `protobuf:"varint,12,opt,name=no_endpoint,json=noEndpoint,proto3" json:"no_endpoint,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -347,6 +353,13 @@ func (x *WorkerHello) GetKvEventsEnabled() bool {
 func (x *WorkerHello) GetFreshStart() bool {
 	if x != nil {
 		return x.FreshStart
+	}
+	return false
+}
+
+func (x *WorkerHello) GetNoEndpoint() bool {
+	if x != nil {
+		return x.NoEndpoint
 	}
 	return false
 }
@@ -1161,7 +1174,7 @@ const file_kvrouter_v1_worker_proto_rawDesc = "" +
 	"\x05leave\x18\x05 \x01(\v2\x18.kvrouter.v1.WorkerLeaveH\x00R\x05leaveB\t\n" +
 	"\amessage\"%\n" +
 	"\vWorkerLeave\x12\x16\n" +
-	"\x06reason\x18\x01 \x01(\tR\x06reason\"\x94\x03\n" +
+	"\x06reason\x18\x01 \x01(\tR\x06reason\"\xb5\x03\n" +
 	"\vWorkerHello\x12\x1b\n" +
 	"\tworker_id\x18\x01 \x01(\x04R\bworkerId\x12\x17\n" +
 	"\adp_rank\x18\x02 \x01(\rR\x06dpRank\x12\x14\n" +
@@ -1176,7 +1189,9 @@ const file_kvrouter_v1_worker_proto_rawDesc = "" +
 	"\x11kv_events_enabled\x18\n" +
 	" \x01(\bR\x0fkvEventsEnabled\x12\x1f\n" +
 	"\vfresh_start\x18\v \x01(\bR\n" +
-	"freshStart\":\n" +
+	"freshStart\x12\x1f\n" +
+	"\vno_endpoint\x18\f \x01(\bR\n" +
+	"noEndpoint\":\n" +
 	"\n" +
 	"EventBatch\x12,\n" +
 	"\x06events\x18\x01 \x03(\v2\x14.kvrouter.v1.KvEventR\x06events\"\xa6\x02\n" +

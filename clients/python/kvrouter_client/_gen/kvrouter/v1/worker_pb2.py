@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 from kvrouter_client._gen.kvrouter.v1 import types_pb2 as kvrouter_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrouter/v1/worker.proto\x12\x0bkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xea\x01\n\x0ePublishRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.kvrouter.v1.WorkerHelloH\x00\x12)\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.kvrouter.v1.EventBatchH\x00\x12#\n\x04\x64ump\x18\x03 \x01(\x0b\x32\x13.kvrouter.v1.KvDumpH\x00\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x17.kvrouter.v1.LoadReportH\x00\x12)\n\x05leave\x18\x05 \x01(\x0b\x32\x18.kvrouter.v1.WorkerLeaveH\x00\x42\t\n\x07message\"\x1d\n\x0bWorkerLeave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\x8f\x02\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.kvrouter.v1.WorkerRole\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x17\n\x0fsupports_bypass\x18\t \x01(\x08\x12\x19\n\x11kv_events_enabled\x18\n \x01(\x08\x12\x13\n\x0b\x66resh_start\x18\x0b \x01(\x08\"2\n\nEventBatch\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.kvrouter.v1.KvEvent\"\xee\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12.\n\x0cstorage_tier\x18\x03 \x01(\x0e\x32\x18.kvrouter.v1.StorageTier\x12+\n\x06stored\x18\x04 \x01(\x0b\x32\x19.kvrouter.v1.BlocksStoredH\x00\x12-\n\x07removed\x18\x05 \x01(\x0b\x32\x1a.kvrouter.v1.BlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x06 \x01(\x0b\x32\x19.kvrouter.v1.CacheClearedH\x00\x42\x06\n\x04\x64\x61ta\"\x8e\x01\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.kvrouter.v1.StoredBlock\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\tB\x0e\n\x0c_parent_hash\"q\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x0btokens_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tmm_hashes\x18\x04 \x03(\x04\x42\x0e\n\x0c_tokens_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0e\n\x0c\x43\x61\x63heCleared\"^\n\x06KvDump\x12\x18\n\x10through_event_id\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvrouter.v1.KvEvent\x12\x14\n\x0cmore_follows\x18\x03 \x01(\x08\"O\n\nLoadReport\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x02 \x01(\x04\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x04\"\x9a\x01\n\x0fPublishResponse\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.kvrouter.v1.RegisteredH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.kvrouter.v1.AckH\x00\x12,\n\x06resync\x18\x03 \x01(\x0b\x32\x1a.kvrouter.v1.ResyncRequestH\x00\x42\t\n\x07message\":\n\nRegistered\x12\x1a\n\rlast_event_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_last_event_id\"\x17\n\x03\x41\x63k\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\":\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11\x65xpected_event_id\x18\x02 \x01(\x04\x32Y\n\rWorkerService\x12H\n\x07Publish\x12\x1b.kvrouter.v1.PublishRequest\x1a\x1c.kvrouter.v1.PublishResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvrouter/v1/worker.proto\x12\x0bkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xea\x01\n\x0ePublishRequest\x12)\n\x05hello\x18\x01 \x01(\x0b\x32\x18.kvrouter.v1.WorkerHelloH\x00\x12)\n\x06\x65vents\x18\x02 \x01(\x0b\x32\x17.kvrouter.v1.EventBatchH\x00\x12#\n\x04\x64ump\x18\x03 \x01(\x0b\x32\x13.kvrouter.v1.KvDumpH\x00\x12\'\n\x04load\x18\x04 \x01(\x0b\x32\x17.kvrouter.v1.LoadReportH\x00\x12)\n\x05leave\x18\x05 \x01(\x0b\x32\x18.kvrouter.v1.WorkerLeaveH\x00\x42\t\n\x07message\"\x1d\n\x0bWorkerLeave\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xa4\x02\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12\r\n\x05model\x18\x03 \x01(\t\x12%\n\x04role\x18\x04 \x01(\x0e\x32\x17.kvrouter.v1.WorkerRole\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x06 \x01(\x04\x12\x1e\n\x16max_num_batched_tokens\x18\x07 \x01(\x04\x12\x10\n\x08\x65ndpoint\x18\x08 \x01(\t\x12\x17\n\x0fsupports_bypass\x18\t \x01(\x08\x12\x19\n\x11kv_events_enabled\x18\n \x01(\x08\x12\x13\n\x0b\x66resh_start\x18\x0b \x01(\x08\x12\x13\n\x0bno_endpoint\x18\x0c \x01(\x08\"2\n\nEventBatch\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.kvrouter.v1.KvEvent\"\xee\x01\n\x07KvEvent\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x64p_rank\x18\x02 \x01(\r\x12.\n\x0cstorage_tier\x18\x03 \x01(\x0e\x32\x18.kvrouter.v1.StorageTier\x12+\n\x06stored\x18\x04 \x01(\x0b\x32\x19.kvrouter.v1.BlocksStoredH\x00\x12-\n\x07removed\x18\x05 \x01(\x0b\x32\x1a.kvrouter.v1.BlocksRemovedH\x00\x12,\n\x07\x63leared\x18\x06 \x01(\x0b\x32\x19.kvrouter.v1.CacheClearedH\x00\x42\x06\n\x04\x64\x61ta\"\x8e\x01\n\x0c\x42locksStored\x12\x18\n\x0bparent_hash\x18\x01 \x01(\x04H\x00\x88\x01\x01\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.kvrouter.v1.StoredBlock\x12\x11\n\tlora_name\x18\x03 \x01(\t\x12\x17\n\x0f\x63\x61\x63he_namespace\x18\x04 \x01(\tB\x0e\n\x0c_parent_hash\"q\n\x0bStoredBlock\x12\x12\n\nblock_hash\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x18\n\x0btokens_hash\x18\x03 \x01(\x04H\x00\x88\x01\x01\x12\x11\n\tmm_hashes\x18\x04 \x03(\x04\x42\x0e\n\x0c_tokens_hash\"%\n\rBlocksRemoved\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\"\x0e\n\x0c\x43\x61\x63heCleared\"^\n\x06KvDump\x12\x18\n\x10through_event_id\x18\x01 \x01(\x04\x12$\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x14.kvrouter.v1.KvEvent\x12\x14\n\x0cmore_follows\x18\x03 \x01(\x08\"O\n\nLoadReport\x12\x0f\n\x07\x64p_rank\x18\x01 \x01(\r\x12\x16\n\x0ekv_used_blocks\x18\x02 \x01(\x04\x12\x18\n\x10waiting_requests\x18\x03 \x01(\x04\"\x9a\x01\n\x0fPublishResponse\x12-\n\nregistered\x18\x01 \x01(\x0b\x32\x17.kvrouter.v1.RegisteredH\x00\x12\x1f\n\x03\x61\x63k\x18\x02 \x01(\x0b\x32\x10.kvrouter.v1.AckH\x00\x12,\n\x06resync\x18\x03 \x01(\x0b\x32\x1a.kvrouter.v1.ResyncRequestH\x00\x42\t\n\x07message\":\n\nRegistered\x12\x1a\n\rlast_event_id\x18\x01 \x01(\x04H\x00\x88\x01\x01\x42\x10\n\x0e_last_event_id\"\x17\n\x03\x41\x63k\x12\x10\n\x08\x65vent_id\x18\x01 \x01(\x04\":\n\rResyncRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x19\n\x11\x65xpected_event_id\x18\x02 \x01(\x04\x32Y\n\rWorkerService\x12H\n\x07Publish\x12\x1b.kvrouter.v1.PublishRequest\x1a\x1c.kvrouter.v1.PublishResponse(\x01\x30\x01\x62\x06proto3')
 
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, globals())
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvrouter.v1.worker_pb2', globals())
@@ -26,31 +26,31 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _WORKERLEAVE._serialized_start=303
   _WORKERLEAVE._serialized_end=332
   _WORKERHELLO._serialized_start=335
-  _WORKERHELLO._serialized_end=606
-  _EVENTBATCH._serialized_start=608
-  _EVENTBATCH._serialized_end=658
-  _KVEVENT._serialized_start=661
-  _KVEVENT._serialized_end=899
-  _BLOCKSSTORED._serialized_start=902
-  _BLOCKSSTORED._serialized_end=1044
-  _STOREDBLOCK._serialized_start=1046
-  _STOREDBLOCK._serialized_end=1159
-  _BLOCKSREMOVED._serialized_start=1161
-  _BLOCKSREMOVED._serialized_end=1198
-  _CACHECLEARED._serialized_start=1200
-  _CACHECLEARED._serialized_end=1214
-  _KVDUMP._serialized_start=1216
-  _KVDUMP._serialized_end=1310
-  _LOADREPORT._serialized_start=1312
-  _LOADREPORT._serialized_end=1391
-  _PUBLISHRESPONSE._serialized_start=1394
-  _PUBLISHRESPONSE._serialized_end=1548
-  _REGISTERED._serialized_start=1550
-  _REGISTERED._serialized_end=1608
-  _ACK._serialized_start=1610
-  _ACK._serialized_end=1633
-  _RESYNCREQUEST._serialized_start=1635
-  _RESYNCREQUEST._serialized_end=1693
-  _WORKERSERVICE._serialized_start=1695
-  _WORKERSERVICE._serialized_end=1784
+  _WORKERHELLO._serialized_end=627
+  _EVENTBATCH._serialized_start=629
+  _EVENTBATCH._serialized_end=679
+  _KVEVENT._serialized_start=682
+  _KVEVENT._serialized_end=920
+  _BLOCKSSTORED._serialized_start=923
+  _BLOCKSSTORED._serialized_end=1065
+  _STOREDBLOCK._serialized_start=1067
+  _STOREDBLOCK._serialized_end=1180
+  _BLOCKSREMOVED._serialized_start=1182
+  _BLOCKSREMOVED._serialized_end=1219
+  _CACHECLEARED._serialized_start=1221
+  _CACHECLEARED._serialized_end=1235
+  _KVDUMP._serialized_start=1237
+  _KVDUMP._serialized_end=1331
+  _LOADREPORT._serialized_start=1333
+  _LOADREPORT._serialized_end=1412
+  _PUBLISHRESPONSE._serialized_start=1415
+  _PUBLISHRESPONSE._serialized_end=1569
+  _REGISTERED._serialized_start=1571
+  _REGISTERED._serialized_end=1629
+  _ACK._serialized_start=1631
+  _ACK._serialized_end=1654
+  _RESYNCREQUEST._serialized_start=1656
+  _RESYNCREQUEST._serialized_end=1714
+  _WORKERSERVICE._serialized_start=1716
+  _WORKERSERVICE._serialized_end=1805
 # @@protoc_insertion_point(module_scope)

@@ -127,7 +127,7 @@ class StoredBlock(_message.Message):
     def __init__(self, block_hash: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., tokens_hash: _Optional[int] = ..., mm_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ["block_size", "dp_rank", "endpoint", "fresh_start", "kv_events_enabled", "max_num_batched_tokens", "model", "role", "supports_bypass", "total_kv_blocks", "worker_id"]
+    __slots__ = ["block_size", "dp_rank", "endpoint", "fresh_start", "kv_events_enabled", "max_num_batched_tokens", "model", "no_endpoint", "role", "supports_bypass", "total_kv_blocks", "worker_id"]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DP_RANK_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class WorkerHello(_message.Message):
     KV_EVENTS_ENABLED_FIELD_NUMBER: _ClassVar[int]
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    NO_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     SUPPORTS_BYPASS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -146,11 +147,12 @@ class WorkerHello(_message.Message):
     kv_events_enabled: bool
     max_num_batched_tokens: int
     model: str
+    no_endpoint: bool
     role: _types_pb2.WorkerRole
     supports_bypass: bool
     total_kv_blocks: int
     worker_id: int
-    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., supports_bypass: bool = ..., kv_events_enabled: bool = ..., fresh_start: bool = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[int] = ..., dp_rank: _Optional[int] = ..., model: _Optional[str] = ..., role: _Optional[_Union[_types_pb2.WorkerRole, str]] = ..., block_size: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., max_num_batched_tokens: _Optional[int] = ..., endpoint: _Optional[str] = ..., supports_bypass: bool = ..., kv_events_enabled: bool = ..., fresh_start: bool = ..., no_endpoint: bool = ...) -> None: ...
 
 class WorkerLeave(_message.Message):
     __slots__ = ["reason"]

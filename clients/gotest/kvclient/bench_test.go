@@ -34,7 +34,7 @@ func BenchmarkPublisher(b *testing.B) {
 	for _, hash := range []bool{false, true} {
 		b.Run(fmt.Sprintf("batch=64/tokens=%s/grow", map[bool]string{false: "ids", true: "hash"}[hash]), func(b *testing.B) {
 			s := startServer(b, 1<<20)
-			h := &kvrouterv1.WorkerHello{WorkerId: 100, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+			h := &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 100, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 				BlockSize: kvtest.BlockSize, TotalKvBlocks: 1 << 30, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
 			// The events are built before the timer starts, as an engine has them at hand.
 			events := make([]*kvrouterv1.KvEvent, b.N)
@@ -76,7 +76,7 @@ func BenchmarkPublisher(b *testing.B) {
 func benchmarkSteadyPublisher(b *testing.B, hash bool) {
 	const blocksPerEvent, capacityEvents = 64, 1024
 	s := startServer(b, 1<<20)
-	h := &kvrouterv1.WorkerHello{WorkerId: 100, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+	h := &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 100, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 		BlockSize: kvtest.BlockSize, TotalKvBlocks: blocksPerEvent * capacityEvents, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
 	hashOf := func(event, block int) uint64 { return uint64(event*blocksPerEvent+block) + 1 }
 	// The events are built before the timer starts, as an engine has them at hand.

@@ -38,10 +38,9 @@ type streamRecord struct {
 
 // scriptedWorkerService is a WorkerService on a loopback TCP port that ends the first streams as
 // scripted and then accepts, like a router that registers the worker and acks every batch. It
-// stands in for the router only in these status-injection tests: the router's credential checks
-// and rate limits (issue 13, server/auth) are being written, and the real router cannot yet be made
-// to end a stream with a given status on demand. Every other publisher test runs against the real
-// router (servertest).
+// stands in for the router only in these status-injection tests, which need a stream ended with a
+// given status and retry delay at a given moment; every other publisher test runs against the real
+// router (servertest), and cmd/kvrouter's tests meet the real rate limits and credential checks.
 type scriptedWorkerService struct {
 	kvrouterv1.UnimplementedWorkerServiceServer
 	script []streamScript // stream i follows script[i]; later ones accept

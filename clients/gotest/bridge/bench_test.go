@@ -74,7 +74,7 @@ func BenchmarkBridge(b *testing.B) {
 			}
 			reg := prometheus.NewRegistry()
 			br, err := bridge.New(bridge.Options{
-				Hello: &kvrouterv1.WorkerHello{WorkerId: 1, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+				Hello: &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: 1, Model: "bench", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 					BlockSize: blockSize, TotalKvBlocks: blocksPerEvent * capacityEvents, KvEventsEnabled: true},
 				Conns: []grpc.ClientConnInterface{conn}, Endpoint: endpoint, Registerer: reg, DialRetry: 20 * time.Millisecond,
 			})

@@ -27,7 +27,7 @@ import (
 const testBlockSize = 4
 
 func hello(id uint64) *kvrouterv1.WorkerHello {
-	return &kvrouterv1.WorkerHello{WorkerId: id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
+	return &kvrouterv1.WorkerHello{Endpoint: "10.0.0.1:8000", WorkerId: id, Model: "m", Role: kvrouterv1.WorkerRole_WORKER_ROLE_AGGREGATED,
 		BlockSize: testBlockSize, TotalKvBlocks: 1 << 20, MaxNumBatchedTokens: 8192, KvEventsEnabled: true, FreshStart: true}
 }
 
