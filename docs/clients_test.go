@@ -380,20 +380,19 @@ func runPythonProgram(t *testing.T, p *docProgram, env []string, python string) 
 }
 
 // runTSProgram compiles a TypeScript program in the scratch project where the packed client is
-// installed, and runs it with node.
+// installed (src/ to dist/, with the project's own tsc and strict tsconfig.json), and runs it.
 func runTSProgram(t *testing.T, p *docProgram, env []string, project string) []byte {
-	dir, err := os.MkdirTemp(project, "docs-")
-	if err != nil {
+	name := "docs-" + p.name
+	src, js := filepath.Join(project, "src", name+".ts"), filepath.Join(project, "dist", name+".js")
+	if err := os.MkdirAll(filepath.Dir(src), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { os.RemoveAll(dir) })
-	if err := os.WriteFile(filepath.Join(dir, "program.ts"), []byte(p.source.String()), 0o644); err != nil {
+	if err := os.WriteFile(src, []byte(p.source.String()), 0o644); err != nil {
 		t.Fatal(err)
 	}
-	runProgram(t, p, project, nil, filepath.Join(project, "node_modules", ".bin", "tsc"),
-		"--module", "nodenext", "--moduleResolution", "nodenext", "--target", "es2022", "--strict",
-		"--skipLibCheck", "--outDir", dir, filepath.Join(dir, "program.ts"))
-	return runProgram(t, p, project, env, "node", filepath.Join(dir, "program.js"))
+	t.Cleanup(func() { os.Remove(src); os.Remove(js) })
+	runProgram(t, p, project, nil, filepath.Join(project, "node_modules", ".bin", "tsc"), "-p", project)
+	return runProgram(t, p, project, env, "node", js)
 }
 
 // clientModules are the repository's modules a program using the Go client needs, by directory.

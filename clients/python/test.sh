@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Installs what the Python client needs (Debian packages), checks that kvrouter_client/_gen matches
-# proto/, builds the kvrouter server, and runs the tests against real `kvrouter serve` processes
-# (some on a private redis-server, which it installs too).
+# proto/, builds the kvrouter server, installs the package into clients/python/.tmp/venv with
+# install.sh, and runs the tests against real `kvrouter serve` processes (some on a private
+# redis-server, which it installs too): the threaded clients', the asyncio ones', and the examples
+# run with the virtualenv's python outside this tree (docs/clients.md's programs run in
+# docs/clients_test.go).
 # The last line is "N passed, N failed"; the exit status is non-zero on any failure.
 set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -18,12 +21,16 @@ mkdir -p "$here/.tmp"
 (cd "$root" && go build -o "$here/.tmp/kvrouter" ./cmd/kvrouter)
 export KVROUTER_BIN="$here/.tmp/kvrouter"
 
+echo "test.sh: installing kvrouter-client into .tmp/venv (install.sh)"
+"$here/install.sh" "$here/.tmp/venv"
+export KVROUTER_VENV="$here/.tmp/venv"
+
 cd "$here"
 export PYTHONDONTWRITEBYTECODE=1
 rc=0
-timeout 110 "$PYTHON" tests/run.py || rc=$?
+timeout 300 "$PYTHON" tests/run.py || rc=$?
 if [ "$rc" -eq 124 ]; then
-  echo "test.sh: the tests timed out after 110 s"
+  echo "test.sh: the tests timed out after 300 s"
   echo "0 passed, 1 failed"
 fi
 exit "$rc"

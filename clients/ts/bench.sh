@@ -2,7 +2,7 @@
 # bench.sh measures the Publisher's throughput against a real `kvrouter serve` (embedded mode, a free
 # loopback port): checks for Node.js >= 20 and installs the pinned npm packages when needed
 # (node-env.sh), builds the Go server into .tmp/bin/kvrouter, compiles with tsc, and runs
-# dist/bench/publisher.js, which publishes stored events of 64 blocks (block size 16) with token_ids and
+# build/bench/publisher.js, which publishes stored events of 64 blocks (block size 16) with token_ids and
 # with hashTokens, 5 interleaved rounds each, and prints every round and the medians in blocks/s.
 # Arguments go to the benchmark (--events N, --rounds R).
 set -euo pipefail
@@ -19,7 +19,7 @@ export KVROUTER_BIN="$ROOT/.tmp/bin/kvrouter"
 KVROUTER_REV="$(git -C "$ROOT" describe --always --dirty 2>/dev/null || echo unknown), $(go version | cut -d' ' -f3)"
 export KVROUTER_REV
 
-rm -rf dist
+rm -rf build
 node_modules/.bin/tsc -p tsconfig.json
 
-node dist/bench/publisher.js "$@"
+node build/bench/publisher.js "$@"

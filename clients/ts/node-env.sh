@@ -1,4 +1,4 @@
-# node-env.sh is sourced (not run) by generate.sh, test.sh and bench.sh: the one place that makes sure
+# node-env.sh is sourced (not run) by generate.sh, test.sh, bench.sh and pack.sh: the one place that makes sure
 # Node.js >= 20 and npm are there, and that node_modules matches package-lock.json.
 #   need_node          fails (or, as root with apt-get, first installs Debian's package nodejs, which
 #                      the machine's apt pinning takes from nodesource) unless node >= 20 and npm run.

@@ -91,6 +91,10 @@ func NewPublisher(opts PublisherOptions) (*Publisher, error) {
 	if opts.Hello == nil || len(opts.Conns) == 0 {
 		return nil, errors.New("kvclient: PublisherOptions needs Hello and at least one of Conns")
 	}
+	if opts.Hello.GetEndpoint() == "" && !opts.Hello.GetNoEndpoint() {
+		// The router's rule, before a stream opens: it would refuse the hello.
+		return nil, invalidArgument("hello.endpoint", "must be set to the address frontends reach the worker at (or set hello.no_endpoint for a fleet whose frontends find workers by worker_id)")
+	}
 	if opts.MaxBatchEvents <= 0 {
 		opts.MaxBatchEvents = 256
 	}

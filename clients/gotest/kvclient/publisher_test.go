@@ -279,6 +279,31 @@ func TestPublishChecksBlockSize(t *testing.T) {
 	}
 }
 
+// TestHelloNeedsAnEndpoint: a hello without an endpoint (and without no_endpoint) is refused by
+// NewPublisher with the router's own status; one with no_endpoint registers.
+func TestHelloNeedsAnEndpoint(t *testing.T) {
+	s := startServer(t, 1<<20)
+	h := hello(2)
+	h.Endpoint = ""
+	_, err := kvclient.NewPublisher(kvclient.PublisherOptions{Hello: h, Conns: []grpc.ClientConnInterface{s.conn}})
+	stream, serr := kvrouterv1.NewWorkerServiceClient(s.conn).Publish(context.Background())
+	if serr != nil {
+		t.Fatal(serr)
+	}
+	if err := stream.Send(&kvrouterv1.PublishRequest{Message: &kvrouterv1.PublishRequest_Hello{Hello: h}}); err != nil {
+		t.Fatal(err)
+	}
+	_, routerErr := stream.Recv()
+	if status.Code(err) != codes.InvalidArgument || status.Convert(err).Message() != status.Convert(routerErr).Message() {
+		t.Errorf("NewPublisher() = %v, want the router's answer %v", err, routerErr)
+	}
+	h.NoEndpoint = true
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: h, Conns: []grpc.ClientConnInterface{s.conn}})
+	if _, _, err := p.Registration(t.Context()); err != nil {
+		t.Errorf("a hello with no_endpoint: %v", err)
+	}
+}
+
 // TestPublishRefusesMMHashesWithTokensHash: a block's tokens_hash already holds its multimodal
 // hashes; sending both is refused before anything goes out, as the router would refuse it.
 func TestPublishRefusesMMHashesWithTokensHash(t *testing.T) {

@@ -2,11 +2,12 @@
 """An example frontend: routes a prompt through kvrouter, prints the chosen worker, frees the booking.
 
     python3 examples/frontend.py --addr 127.0.0.1:50051 --tokens 34
+
+It needs kvrouter_client installed (pip install ./clients/python, or clients/python/install.sh
+VENV_DIR without PyPI), or clients/python on PYTHONPATH.
 """
 
 import argparse
-
-import _path  # noqa: F401  (makes kvrouter_client importable from a checkout)
 
 from kvrouter_client import Router, pb
 

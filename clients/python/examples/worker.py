@@ -6,13 +6,14 @@ the router's acks and closes its stream. The router keeps it registered, with it
 grace period (30 s by default), so frontend.py can route to it afterwards.
 
     python3 examples/worker.py --addr 127.0.0.1:50051
+
+It needs kvrouter_client installed (pip install ./clients/python, or clients/python/install.sh
+VENV_DIR without PyPI), or clients/python on PYTHONPATH.
 """
 
 import argparse
 import logging
 import time
-
-import _path  # noqa: F401  (makes kvrouter_client importable from a checkout)
 
 from kvrouter_client import Publisher, events, pb
 

@@ -4,14 +4,24 @@
 - ``Publisher`` streams one worker rank's KV-cache events and load (WorkerService/Publish), resuming
   across reconnects without losing or repeating an event.
 - ``pb`` holds the generated messages and stubs; ``events`` builds KvEvent messages.
-- ``kvrouter_client.blockhash`` is the router's block hashing (tokens_hash); import it on its own: it
-  needs xxhash (Debian's python3-xxhash), which nothing else here does.
+- ``kvrouter_client.blockhash`` is the router's block hashing (tokens_hash).
+- ``kvrouter_client.aio`` has the same ``Router`` and ``Publisher`` on grpc.aio, for asyncio code.
+
+It needs grpcio, protobuf and xxhash (``pip install kvrouter-client`` brings them; Debian:
+python3-grpcio, python3-protobuf, python3-xxhash); without one of them the import raises an
+ImportError that says what to install.
 """
 
 import logging
 
-from kvrouter_client import events, pb
-from kvrouter_client.errors import (
+__version__ = "0.1.0"
+
+from kvrouter_client import _deps  # noqa: E402
+
+_deps.require()
+
+from kvrouter_client import events, pb  # noqa: E402 - after the check of the dependencies
+from kvrouter_client.errors import (  # noqa: E402
     KvRouterError,
     PublisherClosedError,
     PublisherError,
@@ -21,10 +31,11 @@ from kvrouter_client.errors import (
     error_reason,
     retry_delay,
 )
-from kvrouter_client.publisher import DEFAULT_CHANNEL_OPTIONS, DumpFunction, Publisher, PublisherStats
-from kvrouter_client.router import Booking, Router
+from kvrouter_client.publisher import DEFAULT_CHANNEL_OPTIONS, DumpFunction, Publisher, PublisherStats  # noqa: E402
+from kvrouter_client.router import Booking, Router  # noqa: E402
 
 __all__ = [
+    "__version__",
     "DEFAULT_CHANNEL_OPTIONS",
     "Booking",
     "DumpFunction",

@@ -15,9 +15,8 @@ A worker that sends a stored block's ``tokens_hash`` instead of its ``token_ids`
   of a block after its parent's. ``sequence(locals)`` chains a whole prompt; its first block's
   sequence hash is its local hash.
 
-XXH3 is the 64-bit XXH3 of Debian's python3-xxhash (the C libxxhash); this module needs it
-(``apt-get install -y python3-xxhash``), the rest of kvrouter_client does not. Every hash is an int
-in [0, 2**64). The golden vectors in kvstate/blockhash/testdata/hash_vectors.json check it.
+XXH3 is the 64-bit XXH3 of the xxhash package (pip's xxhash, Debian's python3-xxhash: the C
+libxxhash). Every hash is an int in [0, 2**64). The golden vectors in kvstate/blockhash/testdata/hash_vectors.json check it.
 """
 
 from __future__ import annotations
@@ -27,13 +26,7 @@ import sys
 from array import array
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
-try:
-    import xxhash
-except ImportError as _e:  # pragma: no cover - depends on the machine
-    raise ImportError(
-        "kvrouter_client.blockhash needs the xxhash module (Debian: apt-get install -y python3-xxhash, "
-        "for /usr/bin/python3); it is used by Publisher(hash_tokens=True)"
-    ) from _e
+import xxhash  # kvrouter_client's import says what to install when it is missing
 
 __all__ = [
     "SEED",

@@ -96,6 +96,10 @@ def check_hello(h: "pb.worker.WorkerHello") -> None:
         raise ValidationError("hello.role", f"must be PREFILL, DECODE or AGGREGATED (got {pb.types.WorkerRole.Name(h.role)})")
     if h.block_size == 0:
         raise ValidationError("hello.block_size", "must be > 0")
+    if h.endpoint == "" and not h.no_endpoint:
+        raise ValidationError("hello.endpoint", "must be set to the address frontends reach the worker at (or set hello.no_endpoint for a fleet whose frontends find workers by worker_id)")
+    if h.endpoint != "" and h.no_endpoint:
+        raise ValidationError("hello.no_endpoint", "must not be set with hello.endpoint")
 
 
 def check_events(events: Sequence["pb.worker.KvEvent"], block_size: int, field: str = "events.events") -> None:

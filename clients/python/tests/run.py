@@ -14,7 +14,7 @@ def main() -> int:
     result = unittest.TextTestRunner(verbosity=2, stream=sys.stdout).run(suite)
     failed = len(result.failures) + len(result.errors) + len(result.unexpectedSuccesses)
     passed = result.testsRun - failed - len(result.skipped)
-    print(f"{passed} passed, {failed} failed", flush=True)
+    print(f"{passed} passed, {failed} failed, {len(result.skipped)} skipped", flush=True)
     return 0 if failed == 0 and result.testsRun > 0 else 1
 
 

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import unittest
 
 from kvrouter_client import blockhash, events, pb
 from kvrouter_client.validation import check_events
-from kvserver import CLIENT_ROOT, REPO_ROOT
+from kvserver import REPO_ROOT
 
 VECTORS = os.path.join(REPO_ROOT, "kvstate", "blockhash", "testdata", "hash_vectors.json")
 
@@ -141,25 +139,6 @@ class VectorsTest(unittest.TestCase):
         self.assertEqual(blockhash.local_multimodal([1, 2, 3, 4], []), blockhash.local([1, 2, 3, 4]))
         # An object past the prompt's complete blocks, or empty, changes nothing.
         self.assertEqual(blockhash.local_hashes(list(range(10)), 4, blockhash.SEED, [(7, 8, 10), (7, 3, 3)]), blockhash.local_hashes(list(range(10)), 4))
-
-
-class WithoutXxhashTest(unittest.TestCase):
-    def test_the_package_works_without_xxhash_until_hashing_is_asked_for(self) -> None:
-        code = """
-import sys
-sys.modules["xxhash"] = None  # as if python3-xxhash were not installed
-from kvrouter_client import Publisher, pb
-h = pb.worker.WorkerHello(worker_id=1, model="m", role=pb.types.WORKER_ROLE_AGGREGATED, block_size=4)
-Publisher(h, "127.0.0.1:1", start=False).close(1)
-try:
-    Publisher(h, "127.0.0.1:1", start=False, hash_tokens=True)
-except ImportError as e:
-    print(e)
-"""
-        env = dict(os.environ, PYTHONPATH=CLIENT_ROOT)
-        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
-        self.assertEqual(out.returncode, 0, out.stderr)
-        self.assertIn("apt-get install -y python3-xxhash", out.stdout)
 
 
 class EventsTest(unittest.TestCase):

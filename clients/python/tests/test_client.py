@@ -9,7 +9,8 @@ import sys
 import threading
 import time
 import unittest
-from typing import Dict, Iterator, List, Tuple
+from unittest import mock
+from typing import Dict, List, Tuple
 
 import grpc
 
@@ -28,37 +29,12 @@ from kvrouter_client import (
     pb,
     retry_delay,
 )
-from kvserver import CLIENT_ROOT, Redis, Server, free_port, wait_until
+from common import BS, LATE, BlackHoleSecondStream, CorruptFirstBatch, CountCalls, DropEvent, SharedStateSetup, block, hello
+from kvserver import CLIENT_ROOT, Server, free_port, wait_until
 
 # The publisher logs every reconnect; KVROUTER_TEST_LOG=INFO shows it.
 logging.basicConfig(level=os.environ.get("KVROUTER_TEST_LOG", "CRITICAL"), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-BS = 4  # block size of every test worker
-
-
-def hello(worker_id: int, model: str = "demo", fresh_start: bool = True) -> "pb.worker.WorkerHello":
-    """Returns the hello of an aggregated test worker."""
-    return pb.worker.WorkerHello(
-        worker_id=worker_id,
-        model=model,
-        role=pb.types.WORKER_ROLE_AGGREGATED,
-        block_size=BS,
-        total_kv_blocks=1 << 20,
-        endpoint=f"10.0.0.{worker_id}:8000",
-        kv_events_enabled=True,
-        fresh_start=fresh_start,
-    )
-
-
-def block(i: int) -> Tuple[int, List[int]]:
-    """Returns block i of a family of distinct one-block prompts: (hash, tokens)."""
-    return 10_000 + i, [i * BS + k + 1 for k in range(BS)]
-
-
-
-# The error of a call the router could not accept yet: its answer (UNAVAILABLE), or the call's time
-# running out before the answer came (DEADLINE_EXCEEDED).
-LATE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 class ServerTest(unittest.TestCase):
     """A test with its own kvrouter process on a free port."""
@@ -85,9 +61,10 @@ class ServerTest(unittest.TestCase):
 
 class ExamplesTest(ServerTest):
     def run_example(self, name: str, *args: str) -> str:
+        # From the source tree, as a checkout runs them; test_installed.py runs them installed.
         out = subprocess.run(
             [sys.executable, os.path.join(CLIENT_ROOT, "examples", name), "--addr", self.server.addr, *args],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True, text=True, timeout=30, env=dict(os.environ, PYTHONPATH=CLIENT_ROOT),
         )
         self.assertEqual(out.returncode, 0, f"{name} failed:\n{out.stdout}\n{out.stderr}")
         return out.stdout
@@ -153,7 +130,7 @@ class PublisherResumeTest(ServerTest):
         # stream and never read them. After the reconnect Registered says the router holds none of
         # them, so all are replayed, with no resync.
         hole = BlackHoleSecondStream()
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), hole)
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), hole.sync())
         self.addCleanup(channel.close)
         dumps: List[int] = []
         p = self.publisher(hello(6), channel, dump=lambda: dumps.append(1) or [])
@@ -269,6 +246,50 @@ class PublisherResumeTest(ServerTest):
         with self.assertRaises(TimeoutError):
             p.close(timeout=0.3)
 
+    def test_leaving_the_block_by_an_exception_does_not_wait_for_a_dead_router(self) -> None:
+        # close() waits up to 30 s for acks; an exception leaving the block must not: nothing can
+        # ack while no stream registers, so it ends the stream at once and the exception goes on.
+        dead = f"127.0.0.1:{free_port()}"
+        t0 = time.monotonic()
+        with self.assertRaises(RuntimeError):
+            with Publisher(hello(18), dead, backoff_initial=0.01, backoff_max=0.05) as p:
+                p.publish([events.stored([block(i)]) for i in range(5)])
+                raise RuntimeError("the engine failed")
+        self.assertLess(time.monotonic() - t0, 5, "leaving the block waited for acks a dead router cannot send")
+        self.assertEqual(p.unacked, 5, "the events were dropped unacked, not sent")
+        with self.assertRaises(PublisherClosedError):
+            p.publish(events.stored([block(5)]))
+        # Without an exception the block still waits for the acks (at most close()'s timeout).
+        with Publisher(hello(19), self.server.addr) as q:
+            q.publish([events.stored([block(i)]) for i in range(5)])
+        self.assertEqual(self.server.worker_status(19).last_event_id, 4)
+
+    def test_leaving_the_block_by_an_exception_delivers_to_a_live_router(self) -> None:
+        with self.assertRaises(RuntimeError):
+            # A longer bound than the default 2 s, for a loaded machine: the wait ends with the acks.
+            with Publisher(hello(21), self.server.addr, max_batch_events=8, error_close_timeout=20) as p:
+                p.publish([events.stored([block(i)]) for i in range(200)])
+                raise RuntimeError("the engine failed")
+        self.assertEqual(p.unacked, 0, "the router was there to ack what was queued")
+        w = self.server.worker_status(21)
+        self.assertEqual(w.last_event_id, 199)
+        self.assertEqual(w.cached_blocks.device, 200)
+
+    def test_invalid_argument_stops_the_publisher(self) -> None:
+        # What the router refuses as malformed is refused again on any stream: no reconnect.
+        corrupt = CorruptFirstBatch()
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), corrupt.sync())
+        self.addCleanup(channel.close)
+        p = self.publisher(hello(22), channel)
+        p.publish(events.stored([block(0)]))
+        self.assertTrue(wait_until(lambda: p.error is not None), "the publisher did not stop")
+        self.assertIsInstance(p.error, PublisherError)
+        self.assertEqual(p.error.cause.code(), grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertIn("must hold exactly block_size 4 tokens (got 3)", str(p.error))
+        self.assertEqual((corrupt.streams, p.stats.streams, p.stats.failures), (1, 1, 0))
+        with self.assertRaises(PublisherError):
+            p.flush(1)
+
 
 class LimitsTest(ServerTest):
     flags = ("--max-batch-blocks", "8")
@@ -283,65 +304,6 @@ class LimitsTest(ServerTest):
         self.assertEqual(w.cached_blocks.device, 100)
 
 
-class DropEvent(grpc.StreamStreamClientInterceptor):
-    """Loses one event on the way to the router, once: the router sees a gap in the ids."""
-
-    def __init__(self, event_id: int) -> None:
-        self.event_id = event_id
-        self.dropped = False
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
-        def requests() -> Iterator["pb.worker.PublishRequest"]:
-            for req in request_iterator:
-                if req.WhichOneof("message") == "events" and not self.dropped:
-                    kept = [ev for ev in req.events.events if ev.event_id != self.event_id]
-                    if len(kept) != len(req.events.events):
-                        self.dropped = True
-                        if not kept:
-                            continue
-                        req = pb.worker.PublishRequest(events=pb.worker.EventBatch(events=kept))
-                yield req
-
-        return continuation(client_call_details, requests())
-
-
-class BlackHoleSecondStream(grpc.StreamStreamClientInterceptor):
-    """Black-holes the second Publish stream: its hello reaches the router, nothing after it does.
-
-    It records the event ids each stream carried to the router, and those it swallowed.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.streams = 0
-        self._sent: List[List[int]] = []
-        self._swallowed: List[int] = []
-
-    def ids(self, stream: int = 0, swallowed: bool = False) -> List[int]:
-        """Returns the event ids stream n (from 1) carried to the router, or those swallowed."""
-        with self._lock:
-            return list(self._swallowed if swallowed else self._sent[stream - 1])
-
-    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):  # noqa: ANN001
-        with self._lock:
-            self.streams += 1
-            n = self.streams
-            self._sent.append([])
-
-        def requests() -> Iterator["pb.worker.PublishRequest"]:
-            for req in request_iterator:
-                kind = req.WhichOneof("message")
-                ids = [ev.event_id for ev in req.events.events] if kind == "events" else []
-                with self._lock:
-                    if n == 2 and kind != "hello":
-                        self._swallowed.extend(ids)
-                        continue
-                    self._sent[n - 1].extend(ids)
-                yield req
-
-        return continuation(client_call_details, requests())
-
-
 class ResyncTest(ServerTest):
     def test_gap_is_answered_with_a_dump_in_parts(self) -> None:
         cache: List[Tuple[int, List[int]]] = []
@@ -354,7 +316,7 @@ class ResyncTest(ServerTest):
                 return [events.stored([b]) for b in cache]
 
         drop = DropEvent(3)
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop)
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop.sync())
         p = self.publisher(hello(12), channel, dump=dump, max_batch_events=2, max_dump_blocks=3)
         for i in range(10):
             with lock:
@@ -379,7 +341,7 @@ class ResyncTest(ServerTest):
         self.assertIn('"expected":3,"got":4', self.server.log_text())
 
     def test_resync_without_dump_function_stops_the_publisher(self) -> None:
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), DropEvent(0))
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), DropEvent(0).sync())
         p = self.publisher(hello(13), channel)
         p.publish([events.stored([block(i)]) for i in range(3)])
         self.assertTrue(wait_until(lambda: p.error is not None))
@@ -470,7 +432,7 @@ class HashTokensTest(ServerTest):
             return list(dumped)
 
         drop = DropEvent(2)  # the router sees a gap and asks for a dump
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop)
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), drop.sync())
         self.addCleanup(channel.close)
         p = self.publisher(hello(30), channel, dump=dump, hash_tokens=True, max_batch_events=1)
         p.publish([events.stored([b]) for b in cache])
@@ -667,6 +629,15 @@ class ValidationTest(ServerTest):
         with self.assertRaises(ValidationError) as cm:
             Publisher(hello(0), self.server.addr)
         self.assertEqual(str(cm.exception), "hello.worker_id: must not be 0")
+        # A hello without an endpoint, or with one and no_endpoint: refused as the router refuses it.
+        no_endpoint, both = hello(15), hello(15)
+        no_endpoint.endpoint = ""
+        both.no_endpoint = True
+        for h in (no_endpoint, both):
+            with self.assertRaises(ValidationError) as cm:
+                Publisher(h, self.server.addr, start=False)
+            err = self.server_error(lambda: list(self.server.worker.Publish(iter([pb.worker.PublishRequest(hello=h)]), timeout=5)))
+            self.assertEqual(str(cm.exception), err.details())
         p.close(1)
 
 
@@ -715,35 +686,33 @@ class BookingTest(ServerTest):
         self.assertEqual(cm.exception.code(), grpc.StatusCode.NOT_FOUND)
 
 
-class CountRoutes(grpc.UnaryUnaryClientInterceptor):
-    """Counts the Route calls a Router sends, to see its retries."""
+class KeepaliveTest(ServerTest):
+    def test_channels_the_clients_open_get_the_keepalive(self) -> None:
+        # kvclient.Keepalive: a ping after 15 s without traffic, also with no call in flight, and the
+        # connection failed when no answer comes within 10 s.
+        want = {"grpc.keepalive_time_ms": 15_000, "grpc.keepalive_timeout_ms": 10_000, "grpc.keepalive_permit_without_calls": 1}
+        with mock.patch("grpc.insecure_channel", wraps=grpc.insecure_channel) as opened:
+            router = Router(self.server.addr)
+            self.addCleanup(router.close)
+            p = self.publisher(hello(23), self.server.addr)
+        mine = [c for c in opened.call_args_list if c.args[0] == self.server.addr]  # not other tests' threads
+        self.assertEqual(len(mine), 2)
+        for c in mine:
+            options = dict(c.kwargs["options"])
+            self.assertEqual({k: options.get(k) for k in want}, want)
+        # The channels work with them: the worker registers, a route finds it and is freed.
+        p.publish(events.stored([block(0)]))
+        p.flush(5)
+        with router.route(block(0)[1] + [99], "demo") as b:
+            self.assertEqual(b.decode.worker_id, 23)
+        self.assertEqual(self.server.worker_status(23).load.active_requests, 0)
+        # A channel given is the caller's: nothing is opened.
+        with mock.patch("grpc.insecure_channel", wraps=grpc.insecure_channel) as opened:
+            Router(self.server.channel)
+        self.assertNotIn(self.server.addr, [c.args[0] for c in opened.call_args_list])
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.routes = 0
 
-    def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001
-        if client_call_details.method.endswith("/Route"):
-            with self._lock:
-                self.routes += 1
-        return continuation(client_call_details, request)
-
-
-class SharedStateTest(unittest.TestCase):
-    """A test with a private redis-server and one `kvrouter serve` sharing its state through it."""
-
-    flags: Tuple[str, ...] = ()
-    reseed_window = "1s"
-
-    def setUp(self) -> None:
-        self.redis = Redis()
-        self.addCleanup(self.redis.stop)
-        self.server = Server("--redis-addr", self.redis.addr, "--redis-reseed-window", self.reseed_window, *self.flags)
-        self.addCleanup(self.server.stop)
-
-    def state(self) -> "pb.admin.GetStateResponse":
-        return self.server.admin.GetState(pb.admin.GetStateRequest(), timeout=5)
-
+class SharedStateTest(SharedStateSetup, unittest.TestCase):
     def register(self, worker_id: int) -> None:
         """Registers an aggregated worker that can prefill 8 tokens at once, and waits for it."""
         h = hello(worker_id)
@@ -762,9 +731,7 @@ class SharedStateTest(unittest.TestCase):
 
     def pause_redis(self) -> None:
         """Pauses Redis and waits until the replica says its shared state is unreachable."""
-        self.redis.pause()
-        self.addCleanup(self.redis.resume)  # before stop (cleanups run last first): a clean end
-        self.assertTrue(wait_until(lambda: self.server.health("kvrouter.v1.SharedState") == 2, timeout=10),
+        self.assertTrue(wait_until(self.redis_paused(), timeout=10),
                         "the replica did not notice that Redis stopped answering")
 
 
@@ -879,8 +846,8 @@ class RouteRetryTest(SharedStateTest):
             self.server.router.Route(pb.router.RouteRequest(request_id="r0", model="demo", token_ids=[1, 2, 3]), timeout=5)
         self.assertEqual(cm.exception.code(), grpc.StatusCode.UNAVAILABLE)
         self.assertEqual(error_reason(cm.exception), "LOG_UNAVAILABLE")
-        counter = CountRoutes()
-        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), counter)
+        counter = CountCalls()
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), counter.sync())
         self.addCleanup(channel.close)
         router = Router(channel)
         got: List[object] = []

@@ -6,7 +6,7 @@
  * each after one untimed warm-up of each; prints every round, then the medians, as text and as a last
  * JSON line. Run it with clients/ts/bench.sh.
  *
- *   node dist/bench/publisher.js [--events 2000] [--rounds 5]
+ *   node build/bench/publisher.js [--events 2000] [--rounds 5]
  */
 import { readFileSync } from "node:fs";
 import path from "node:path";
@@ -53,7 +53,7 @@ function buildEvents(n: number): KvEventInit[] {
 async function round(server: RouterProcess, events: KvEventInit[], variant: Variant): Promise<number> {
   const pub = new Publisher({
     addresses: [server.addr],
-    hello: { workerId: WORKER, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: BLOCK_SIZE, totalKvBlocks: 1n << 30n, endpoint: "bench:1", kvEventsEnabled: true, freshStart: true },
+    hello: { workerId: WORKER, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: BLOCK_SIZE, totalKvBlocks: 1n << 30n, endpoint: "10.0.0.99:8000", kvEventsEnabled: true, freshStart: true },
     hashTokens: variant === "hashTokens",
     maxUnacked: Math.max(100_000, events.length),
   });

@@ -1,12 +1,16 @@
 /**
  * A frontend that routes one prompt, prints the chosen worker as a JSON line, and frees the booking.
  *
- *   node dist/examples/frontend.js --addr 127.0.0.1:50051 [--model demo] [--tokens 34]
+ *   node dist/frontend.js --addr 127.0.0.1:50051 [--model demo] [--tokens 34]
  *
- * The prompt is the tokens 1, 2, ..., --tokens (the example worker caches its first blocks).
+ * The prompt is the tokens 1, 2, ..., --tokens (the example worker caches its first blocks, and
+ * prints its first line once the router acked them: run this after that line).
+ *
+ * It imports the installed package, so it is compiled in a project that installed @kvrouter/client
+ * (clients/ts/pack.sh makes one; README.md, Examples).
  */
 import { parseArgs } from "node:util";
-import { RouteMode, Router } from "../src/index.js";
+import { RouteMode, Router } from "@kvrouter/client";
 
 const { values } = parseArgs({
   options: {

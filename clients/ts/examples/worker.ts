@@ -1,12 +1,16 @@
 /**
- * A worker that registers with the router, publishes a few stored KV blocks, reports its load, and
- * stays connected until SIGINT or SIGTERM (or exits at once with --once), flushing on the way out.
+ * A worker that registers with the router, publishes a few stored KV blocks, reports its load, waits
+ * for the router's ack of every block (flush), prints one JSON line, and stays connected until SIGINT
+ * or SIGTERM (or closes at once with --once), flushing on the way out.
  *
- *   node dist/examples/worker.js --addr 127.0.0.1:50051 [--worker-id 1] [--model demo] [--block-size 4]
+ *   node dist/worker.js --addr 127.0.0.1:50051 [--worker-id 1] [--model demo] [--block-size 4]
  *       [--blocks 8] [--endpoint 10.0.0.1:8000] [--once]
+ *
+ * It imports the installed package, so it is compiled in a project that installed @kvrouter/client
+ * (clients/ts/pack.sh makes one; README.md, Examples).
  */
 import { parseArgs } from "node:util";
-import { Publisher, StorageTier, WorkerRole, type KvEventInit } from "../src/index.js";
+import { Publisher, StorageTier, WorkerRole, type KvEventInit } from "@kvrouter/client";
 
 const { values } = parseArgs({
   options: {
@@ -48,9 +52,9 @@ const publisher = new Publisher({
 });
 
 await publisher.ready;
-const ids = await publisher.publish(cache);
+const ids = await publisher.publish(cache); // queued: sent within flushIntervalMs (2 ms)
 publisher.reportLoad({ kvUsedBlocks: BigInt(nBlocks), waitingRequests: 0n });
-await publisher.flush();
+await publisher.flush(); // the router acked every block: a Route from now on sees them
 console.log(JSON.stringify({ registered: true, workerId: workerId.toString(), published: ids.map(String), blocks: nBlocks }));
 
 const stop = async (): Promise<void> => {

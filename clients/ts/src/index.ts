@@ -2,10 +2,15 @@
  * The TypeScript client of kvrouter: a Publisher for workers, a Router for frontends, the generated
  * stubs of the contract (proto/kvrouter/v1), and the router's own request checks.
  */
-export { Publisher, MAX_BATCH_BLOCKS } from "./publisher.js";
+export { Publisher, MAX_BATCH_BLOCKS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_FLUSH_INTERVAL_MS, DEFAULT_MAX_UNACKED, DEFAULT_MAX_DUMP_BLOCKS } from "./publisher.js";
 export type { PublisherOptions, PublisherStats, KvEventInit, WorkerHelloInit, LoadReportInit } from "./publisher.js";
 export { Router, RouteHandle } from "./router.js";
-export type { RouterOptions, RouteInit } from "./router.js";
+export type { RouterOptions, RouteInit, EndOptions } from "./router.js";
+// The error class and codes every call rejects with (the router's status), and the interceptor type of
+// the options: from @connectrpc/connect, re-exported so that callers match errors
+// (err instanceof ConnectError && err.code === Code.NotFound) without depending on it themselves.
+export { Code, ConnectError } from "@connectrpc/connect";
+export type { Interceptor } from "@connectrpc/connect";
 export { errorInfo, errorReason, retryDelayMs, invalidArgument, WorkerSupersededError, PublisherFullError, PublisherClosedError, ERROR_DOMAIN } from "./errors.js";
 export {
   checkEvent,

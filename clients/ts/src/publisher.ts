@@ -17,7 +17,7 @@ import {
 } from "./gen/kvrouter/v1/worker_pb.js";
 import { WorkerRole } from "./gen/kvrouter/v1/types_pb.js";
 import { errorReason, invalidArgument, PublisherClosedError, PublisherFullError, WorkerSupersededError } from "./errors.js";
-import { openTransport, type OwnedTransport } from "./transport.js";
+import { openDetachedTransport, type OwnedTransport } from "./transport.js";
 import { loadBlockHasher, type BlockHasher } from "./blockhash.js";
 import { checkEvent, checkLeaveReason, eventBlocks } from "./validate.js";
 
@@ -30,6 +30,14 @@ export type LoadReportInit = MessageInitShape<typeof LoadReportSchema>;
 
 /** The router's max_batch_blocks: events, and blocks, per message. */
 export const MAX_BATCH_BLOCKS = 16_384;
+/** PublisherOptions.maxBatchEvents by default: the Go client's MaxBatchEvents. */
+export const DEFAULT_MAX_BATCH_EVENTS = 256;
+/** PublisherOptions.flushIntervalMs by default: the Go client's FlushInterval (2 ms). */
+export const DEFAULT_FLUSH_INTERVAL_MS = 2;
+/** PublisherOptions.maxUnacked by default: the Go client's MaxUnacked (65,536). */
+export const DEFAULT_MAX_UNACKED = 65_536;
+/** PublisherOptions.maxDumpBlocks by default: the Go client's MaxDumpBlocks, the router's max_batch_blocks. */
+export const DEFAULT_MAX_DUMP_BLOCKS = MAX_BATCH_BLOCKS;
 
 /** Options of a Publisher. */
 export interface PublisherOptions {
@@ -46,13 +54,28 @@ export interface PublisherOptions {
    * it runs. Without it a resync request stops the publisher with UNIMPLEMENTED.
    */
   dump?: (signal: AbortSignal) => Promise<KvEventInit[]> | KvEventInit[];
-  /** The most events per batch message (at most 16,384, the router's max_batch_blocks). Default 16,384. */
+  /**
+   * The most events per batch message (at most 16,384, the router's max_batch_blocks). Default 256, as
+   * the Go client's MaxBatchEvents; halved, down to one, each time the router refuses a message as too
+   * large.
+   */
   maxBatchEvents?: number;
-  /** The most blocks (stored blocks plus removed hashes) per batch or dump message. Default 16,384. */
+  /** The most blocks (stored blocks plus removed hashes) per batch message. Default 16,384, the router's max_batch_blocks. */
   maxBatchBlocks?: number;
-  /** How long a batch may wait for more events before it is sent, in milliseconds. Default 5. */
+  /**
+   * The most blocks of one dump part (a KvDump with more_follows). Default 16,384, the router's
+   * max_batch_blocks, as the Go client's MaxDumpBlocks; never more than maxBatchBlocks.
+   */
+  maxDumpBlocks?: number;
+  /**
+   * How long an event may wait for its batch to fill before the batch is sent, in milliseconds. Default
+   * 2, as the Go client's FlushInterval. flush() and close() send at once.
+   */
   flushIntervalMs?: number;
-  /** The most events kept unacknowledged; publish() then waits or rejects (whenFull). Default 100,000. */
+  /**
+   * The most events kept until the router acks them (what a reconnect replays); publish() then waits or
+   * rejects (whenFull). Default 65,536, as the Go client's MaxUnacked.
+   */
   maxUnacked?: number;
   /** What publish() does when maxUnacked events await acks: "wait" for acks (default) or "reject" with PublisherFullError. */
   whenFull?: "wait" | "reject";
@@ -138,7 +161,11 @@ class RequestQueue implements AsyncIterable<PublishRequest> {
 class Notifier {
   private waiters = new Set<() => void>();
 
+  /** onChange runs at every notify, before the waiters wake. */
+  constructor(private readonly onChange: () => void = () => undefined) {}
+
   notify(): void {
+    this.onChange();
     const ws = [...this.waiters];
     this.waiters.clear();
     for (const w of ws) {
@@ -146,7 +173,10 @@ class Notifier {
     }
   }
 
-  /** Resolves at the next notify, after timeoutMs, or when signal aborts. */
+  /**
+   * Resolves at the next notify, after timeoutMs, or when signal aborts. The timer does not keep the
+   * process alive: the Publisher does, while it has work (see Publisher.syncHold).
+   */
   wait(timeoutMs?: number, signal?: AbortSignal): Promise<void> {
     return new Promise<void>((resolve) => {
       let timer: NodeJS.Timeout | undefined;
@@ -160,7 +190,7 @@ class Notifier {
       };
       this.waiters.add(done);
       if (timeoutMs !== undefined) {
-        timer = setTimeout(done, Math.max(0, timeoutMs));
+        timer = setTimeout(done, Math.max(0, timeoutMs)).unref();
       }
       signal?.addEventListener("abort", done, { once: true });
     });
@@ -196,9 +226,10 @@ function settledOrAborted(p: Promise<void>, signal?: AbortSignal): Promise<void>
   });
 }
 
+/** Waits ms, or until signal aborts. The timer does not keep the process alive (see Publisher.syncHold). */
 const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
   new Promise((resolve) => {
-    const t = setTimeout(done, ms);
+    const t = setTimeout(done, ms).unref();
     function done(): void {
       clearTimeout(t);
       signal?.removeEventListener("abort", done);
@@ -219,13 +250,18 @@ const sleep = (ms: number, signal?: AbortSignal): Promise<void> =>
  * close() ends the stream once everything is acked (the router keeps the worker rank for a grace period,
  * in case it reconnects); leave() has the router remove the rank at once, for a worker that stopped
  * serving.
+ *
+ * publish() queues; flush() waits for the router's ack of everything published before it. The
+ * publisher keeps the Node.js process alive while it has work (its first registration, events not
+ * acked, a flush, close or leave in progress) and not otherwise: a program that returns without
+ * close() exits once every event it published was acked, and its open stream does not hold it.
  */
 export class Publisher {
   private readonly opts: Required<Omit<PublisherOptions, "dump" | "log" | "hello" | "interceptors">> & Pick<PublisherOptions, "dump" | "log">;
   private readonly hello: WorkerHello;
   private readonly transports: OwnedTransport[];
   private readonly clients: Client<typeof WorkerService>[];
-  private readonly changed = new Notifier();
+  private readonly changed = new Notifier(() => this.syncHold());
   private readonly stop = new AbortController(); // aborts the run loop (fatal error or forced close)
 
   private pending: Entry[] = []; // unacked events, in id order
@@ -251,6 +287,8 @@ export class Publisher {
   private publishTail: Promise<void> = Promise.resolve(); // settles when the latest publish call queued or failed
   private hasher: BlockHasher | undefined; // with hashTokens, once loaded
   private hasherLoading: Promise<BlockHasher> | undefined;
+  private finished = false; // the run loop ended: the publisher stopped or closed
+  private hold: NodeJS.Timeout | undefined; // a ref()ed timer that keeps the process alive while busy()
 
   /** What the publisher did so far. */
   readonly stats: PublisherStats = { registrations: 0, resyncRequests: 0, dumps: 0, dumpParts: 0, batches: 0, lastAcked: -1n };
@@ -277,6 +315,12 @@ export class Publisher {
     if (h.blockSize === 0) {
       throw invalidArgument("hello.block_size", "must be > 0");
     }
+    if (h.endpoint === "" && !h.noEndpoint) {
+      throw invalidArgument("hello.endpoint", "must be set to the address frontends reach the worker at (or set hello.no_endpoint for a fleet whose frontends find workers by worker_id)");
+    }
+    if (h.endpoint !== "" && h.noEndpoint) {
+      throw invalidArgument("hello.no_endpoint", "must not be set with hello.endpoint");
+    }
     const unencodable = encodeError(WorkerHelloSchema, h);
     if (unencodable) {
       throw invalidArgument("hello", unencodable);
@@ -285,16 +329,17 @@ export class Publisher {
       addresses: opts.addresses,
       dump: opts.dump,
       log: opts.log,
-      maxBatchEvents: Math.min(opts.maxBatchEvents ?? MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS),
+      maxBatchEvents: Math.min(opts.maxBatchEvents ?? DEFAULT_MAX_BATCH_EVENTS, MAX_BATCH_BLOCKS),
       maxBatchBlocks: Math.min(opts.maxBatchBlocks ?? MAX_BATCH_BLOCKS, MAX_BATCH_BLOCKS),
-      flushIntervalMs: opts.flushIntervalMs ?? 5,
-      maxUnacked: opts.maxUnacked ?? 100_000,
+      maxDumpBlocks: Math.min(opts.maxDumpBlocks ?? DEFAULT_MAX_DUMP_BLOCKS, MAX_BATCH_BLOCKS),
+      flushIntervalMs: opts.flushIntervalMs ?? DEFAULT_FLUSH_INTERVAL_MS,
+      maxUnacked: opts.maxUnacked ?? DEFAULT_MAX_UNACKED,
       whenFull: opts.whenFull ?? "wait",
       minBackoffMs: opts.minBackoffMs ?? 50,
       maxBackoffMs: opts.maxBackoffMs ?? 5_000,
       hashTokens: opts.hashTokens ?? false,
     };
-    for (const [name, min] of [["maxBatchEvents", 1], ["maxBatchBlocks", 1], ["flushIntervalMs", 0], ["maxUnacked", 1], ["minBackoffMs", 1], ["maxBackoffMs", 1]] as const) {
+    for (const [name, min] of [["maxBatchEvents", 1], ["maxBatchBlocks", 1], ["maxDumpBlocks", 1], ["flushIntervalMs", 0], ["maxUnacked", 1], ["minBackoffMs", 1], ["maxBackoffMs", 1]] as const) {
       const v = this.opts[name];
       if (!Number.isFinite(v) || v < min) {
         throw new RangeError(`kvrouter: PublisherOptions.${name} must be a number >= ${min} (got ${v})`);
@@ -303,7 +348,7 @@ export class Publisher {
     this.batchEvents = this.opts.maxBatchEvents;
     this.batchBlocks = this.opts.maxBatchBlocks;
     const interceptors = [...(opts.interceptors ?? [])];
-    this.transports = opts.addresses.map((address) => openTransport(address, { interceptors }));
+    this.transports = opts.addresses.map((address) => openDetachedTransport(address, { interceptors }));
     if (this.opts.hashTokens) {
       void this.loadHasher().catch(() => undefined); // early; a failure is reported by publish
     }
@@ -314,6 +359,7 @@ export class Publisher {
     });
     this.readyPromise.catch(() => undefined); // reported through every other call too
     this.done = this.run();
+    this.syncHold();
   }
 
   /** Resolves once the first stream registered; rejects if the publisher stops before that. */
@@ -332,10 +378,17 @@ export class Publisher {
   }
 
   /**
-   * Queues events for the router and returns the ids assigned to them. Every event is checked first as
-   * the router would check it (tier, dp_rank, a stored block's token count against the hello's
-   * block_size); an invalid one rejects the whole call with INVALID_ARGUMENT and the router's message,
-   * and nothing is queued. With hashTokens, stored blocks get their tokens_hash instead of token_ids.
+   * Queues events for the router and returns the ids assigned to them. It resolves once the events are
+   * queued, not once the router has them: they go out in batches (after at most flushIntervalMs, 2 ms by
+   * default) and a Route sent right after publish() may not see them yet. `await publisher.flush()`
+   * waits until the router acked every event published before it: the replica it streams to applied
+   * them (with Redis, also wrote them to the shared log, which the other replicas apply in order), so
+   * route after that.
+   *
+   * Every event is checked first as the router would check it (tier, dp_rank, a stored block's token
+   * count against the hello's block_size); an invalid one rejects the whole call with INVALID_ARGUMENT
+   * and the router's message, and nothing is queued. With hashTokens, stored blocks get their
+   * tokens_hash instead of token_ids.
    * When maxUnacked events await acks, waits for acks (or rejects with PublisherFullError, with
    * whenFull "reject"); opts.signal abandons the wait. Concurrent calls queue their events in call
    * order, so a removal published after a store is applied after it. The events given are not modified
@@ -349,6 +402,7 @@ export class Publisher {
     const mine = new Promise<void>((resolve) => (release = resolve));
     this.publishTail = prev.then(() => mine); // later calls wait for the earlier ones too, even if this one gives up
     this.queueing++;
+    this.syncHold();
     try {
       const evs = events.map((init, i) => this.prepare(init, `events.events[${i}]`));
       const hashing = this.opts.hashTokens ? this.hashTokens(evs) : undefined;
@@ -382,6 +436,7 @@ export class Publisher {
     } finally {
       this.queueing--;
       release();
+      this.syncHold();
     }
   }
 
@@ -404,7 +459,14 @@ export class Publisher {
     this.changed.notify();
   }
 
-  /** Sends what is queued at once and resolves when the router acked every event published so far. */
+  /**
+   * Sends what is queued at once and resolves when the router acked every event published before the
+   * call: the replica it streams to applied them then, so a Route it answers sees them (with Redis,
+   * they are in the shared log too, which the other replicas apply in order). publish() only queues,
+   * so flush() is what to await before anything that depends on the router having the events.
+   * Rejects with the error that stopped the publisher, if one did; opts.signal abandons the wait (the
+   * events stay queued).
+   */
   async flush(opts: { signal?: AbortSignal } = {}): Promise<void> {
     const target = this.nextId - 1n;
     this.flushWaiters++;
@@ -419,6 +481,7 @@ export class Publisher {
       }
     } finally {
       this.flushWaiters--;
+      this.syncHold();
     }
   }
 
@@ -487,6 +550,33 @@ export class Publisher {
     }
     opts.signal?.throwIfAborted();
     throw this.fatal;
+  }
+
+  /**
+   * Says whether the publisher has work to do: its first registration, events not acked yet, publish()
+   * calls not queued yet, flush() calls waiting, a dump, or a close() or leave() not finished. Nothing
+   * else counts: not an open stream, nor a reconnect after a failure with nothing left to deliver, nor
+   * a load report (the router keeps the last one it got).
+   */
+  private busy(): boolean {
+    return !this.finished && (!this.everRegistered || this.pending.length > 0 || this.queueing > 0 || this.flushWaiters > 0 || this.dumping || this.closing);
+  }
+
+  /**
+   * Keeps the Node.js process alive while busy(), and only then. Its connections (openDetachedTransport)
+   * and its timers never hold the process themselves, since its Publish stream stays open for good: a
+   * program that forgot close() exits once the router acked everything it published, as if it had
+   * closed (the router sees the stream cut and keeps the worker rank for its grace period). Called at
+   * every change of what busy() reads.
+   */
+  private syncHold(): void {
+    const busy = this.busy();
+    if (busy && this.hold === undefined) {
+      this.hold = setInterval(() => undefined, 1 << 30); // ~12 days; never fires in practice
+    } else if (!busy && this.hold !== undefined) {
+      clearInterval(this.hold);
+      this.hold = undefined;
+    }
   }
 
   private throwIfStopped(): void {
@@ -630,6 +720,7 @@ export class Publisher {
         this.fatal = this.stop.signal.aborted ? new ConnectError("kvrouter: the publisher was closed before every event was acked", Code.Canceled) : new PublisherClosedError();
         this.rejectReady(this.fatal);
       }
+      this.finished = true;
       this.changed.notify();
       for (const t of this.transports) {
         t.close();
@@ -689,6 +780,7 @@ export class Publisher {
       onRegistered();
       let needDump = this.resume(r.value.message.value, first, hello.freshStart);
       this.resolveReady();
+      this.syncHold();
 
       let failed: unknown;
       let readerDone = false;
@@ -872,8 +964,10 @@ export class Publisher {
   }
 
   /**
-   * Sends the worker's whole cache as a KvDump, in parts of at most maxBatchBlocks blocks, with
-   * publishing paused; the events it reflects are forgotten, and the next event follows it.
+   * Sends the worker's whole cache as a KvDump, in parts of at most maxDumpBlocks blocks (and no more
+   * than the batches' block bound, halved after a message too large), with publishing paused; the
+   * events it reflects are forgotten once it is queued on the stream (as the Go client does), and the
+   * next event follows it.
    */
   private async sendDump(out: RequestQueue, signal: AbortSignal): Promise<void> {
     const dumpFn = this.opts.dump;
@@ -881,6 +975,7 @@ export class Publisher {
       throw new ConnectError("kvrouter: the router asked for a dump of the worker's cache and PublisherOptions.dump is not set", Code.Unimplemented);
     }
     this.dumping = true;
+    this.syncHold();
     try {
       if (this.nextId === 0n) {
         this.nextId = 1n; // through_event_id 0 then stands for "nothing before"
@@ -901,11 +996,12 @@ export class Publisher {
       if (this.opts.hashTokens) {
         await this.hashTokens(events);
       }
+      const partBlocks = Math.min(this.opts.maxDumpBlocks, this.batchBlocks);
       let start = 0;
       do {
         let end = start;
         let blocks = 0;
-        while (end < events.length && (end === start || blocks + events[end]!.blocks <= this.batchBlocks)) {
+        while (end < events.length && (end === start || blocks + events[end]!.blocks <= partBlocks)) {
           blocks += events[end]!.blocks;
           end++;
         }

@@ -48,7 +48,9 @@ interface EndFailure {
 /**
  * Router is the frontend's client: it routes requests and ends their bookings. Every booking must be
  * freed: use withRoute, or `await using` on the handle that route returns, or call free() yourself.
- * Close it to stop the ends it retries in the background.
+ * Close it to stop the ends it retries in the background. It keeps the Node.js process alive only while
+ * a call is in flight (its idle connection and its background retries' timers do not), so a program
+ * that forgets close() still exits.
  */
 export class Router {
   private readonly owned: OwnedTransport;

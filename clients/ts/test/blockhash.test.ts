@@ -146,7 +146,7 @@ test("hashTokens folds mm_hashes into the vectors' local hashes, and the router 
       // One worker per case, each its own model: block sizes differ between cases.
       const model = `mm-${c.name}`;
       const rec = recordBlocks();
-      const hello = { workerId: BigInt(100 + k), model, role: WorkerRole.AGGREGATED, blockSize: c.block_size, totalKvBlocks: 1000n, endpoint: `w${k}:1`, kvEventsEnabled: true, freshStart: true };
+      const hello = { workerId: BigInt(100 + k), model, role: WorkerRole.AGGREGATED, blockSize: c.block_size, totalKvBlocks: 1000n, endpoint: `10.0.2.${k}:8000`, kvEventsEnabled: true, freshStart: true };
       const pub = new Publisher({ addresses: [server.addr], hello, hashTokens: true, interceptors: [rec.interceptor] });
       try {
         const n = c.local_hashes.length;

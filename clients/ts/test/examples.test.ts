@@ -5,11 +5,12 @@ import { once } from "node:events";
 import { createInterface } from "node:readline";
 import path from "node:path";
 import { promisify } from "node:util";
-import { startRouter, TS_DIR, waitFor } from "./helpers.js";
+import { scratchDir, startRouter, waitFor } from "./helpers.js";
 
-const EXAMPLES = path.join(TS_DIR, "dist/examples");
-
-test("the example worker publishes, the example frontend routes to it and frees", async () => {
+test("the example worker publishes, the example frontend routes to it and frees (run from a project that installed the tarball)", async () => {
+  // test.sh compiled examples/*.ts in the scratch project made by pack.sh, with its own tsc: they import
+  // @kvrouter/client, which only the installed tarball provides there.
+  const EXAMPLES = path.join(scratchDir(), "dist");
   const router = await startRouter();
   const worker = spawn(process.execPath, [path.join(EXAMPLES, "worker.js"), "--addr", router.addr, "--worker-id", "7", "--endpoint", "10.9.9.9:8000"], {
     stdio: ["ignore", "pipe", "inherit"],

@@ -7,12 +7,24 @@ import { createClient, type Client, type Interceptor } from "@connectrpc/connect
 import { isMessage, type Message } from "@bufbuild/protobuf";
 import { AdminService, openTransport, PublishRequestSchema, type OwnedTransport, type StoredBlock, type WorkerStatus } from "../src/index.js";
 
-/** The client's directory (clients/ts), whether the tests run from test/ or dist/test/. */
+/** The client's directory (clients/ts), whether the tests run from test/ or build/test/. */
 const here = path.dirname(fileURLToPath(import.meta.url));
-export const TS_DIR = here.includes(`${path.sep}dist${path.sep}`) ? path.resolve(here, "../..") : path.resolve(here, "..");
+export const TS_DIR = here.includes(`${path.sep}build${path.sep}`) ? path.resolve(here, "../..") : path.resolve(here, "..");
 export const REPO_DIR = path.resolve(TS_DIR, "../..");
 /** The kvrouter binary that test.sh builds. */
 export const KVROUTER_BIN = process.env.KVROUTER_BIN ?? path.join(REPO_DIR, ".tmp/bin/kvrouter");
+
+/**
+ * The scratch npm project that test.sh made with pack.sh (KVROUTER_TS_SCRATCH): @kvrouter/client
+ * installed from its tarball, the examples compiled into its dist/ with its own tsc.
+ */
+export function scratchDir(): string {
+  const dir = process.env.KVROUTER_TS_SCRATCH;
+  if (!dir) {
+    throw new Error("KVROUTER_TS_SCRATCH is not set: run the tests with clients/ts/test.sh, which makes the scratch project with pack.sh");
+  }
+  return dir;
+}
 
 /** Returns a free TCP port on loopback. */
 export async function freePort(): Promise<number> {

@@ -1,8 +1,14 @@
 import { test } from "node:test";
 import assert from "node:assert/strict";
+import { readFileSync } from "node:fs";
+import path from "node:path";
 import { Code, ConnectError, createClient, type Interceptor } from "@connectrpc/connect";
 import { create, isMessage, type Message, type MessageInitShape } from "@bufbuild/protobuf";
 import {
+  DEFAULT_FLUSH_INTERVAL_MS,
+  DEFAULT_MAX_BATCH_EVENTS,
+  DEFAULT_MAX_DUMP_BLOCKS,
+  DEFAULT_MAX_UNACKED,
   KvEventSchema,
   openTransport,
   Publisher,
@@ -20,11 +26,11 @@ import {
   type KvEventInit,
   type WorkerHelloInit,
 } from "../src/index.js";
-import { chain, freePort, Proxy, recordBlocks, sleep, startRouter, startRouterOn, waitFor, type RouterProcess } from "./helpers.js";
+import { chain, freePort, Proxy, recordBlocks, REPO_DIR, sleep, startRouter, startRouterOn, waitFor, type RouterProcess } from "./helpers.js";
 
 const BS = 4;
 const hello = (workerId: bigint, model: string): WorkerHelloInit => ({
-  workerId, model, role: WorkerRole.AGGREGATED, blockSize: BS, totalKvBlocks: 4096n, endpoint: `w${workerId}:1`, kvEventsEnabled: true, freshStart: true,
+  workerId, model, role: WorkerRole.AGGREGATED, blockSize: BS, totalKvBlocks: 4096n, endpoint: `10.0.${workerId / 250n}.${workerId % 250n}:8000`, kvEventsEnabled: true, freshStart: true,
 });
 /** One stored event of blocks [first, first+n) of worker base's chain, continuing the chain. */
 const stored = (base: bigint, first: number, n: number): KvEventInit => ({
@@ -394,6 +400,11 @@ test("events the router would refuse fail before sending, with the router's mess
     await assert.rejects(pub.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: [{ blockHash: 1n }] } } }]), /neither is set/);
     assert.throws(() => new Publisher({ addresses: [server.addr], hello: { ...hello(0n, "valid") } }), /hello.worker_id: must not be 0/);
     assert.throws(() => new Publisher({ addresses: [server.addr], hello: { ...hello(43n, "valid"), blockSize: 0 } }), /hello.block_size: must be > 0/);
+    // The router's own words (server/publishmap.go): a hello without an endpoint, or with both.
+    assert.throws(() => new Publisher({ addresses: [server.addr], hello: { ...hello(45n, "valid"), endpoint: "" } }),
+      /hello.endpoint: must be set to the address frontends reach the worker at \(or set hello.no_endpoint for a fleet whose frontends find workers by worker_id\)/);
+    assert.throws(() => new Publisher({ addresses: [server.addr], hello: { ...hello(45n, "valid"), noEndpoint: true } }),
+      /hello.no_endpoint: must not be set with hello.endpoint/);
     assert.throws(() => new Publisher({ addresses: [server.addr], hello: hello(44n, "valid"), minBackoffMs: 0 }), /minBackoffMs must be a number >= 1 \(got 0\)/);
     assert.throws(() => new Publisher({ addresses: [server.addr], hello: hello(44n, "valid"), maxBatchEvents: Number.NaN }), /maxBatchEvents must be a number >= 1/);
 
@@ -853,6 +864,77 @@ test("a leave reason over 256 bytes is refused before sending, as the router ref
     assert.equal(await listed(server, "leaving", 114n), false);
   } finally {
     await pub.close({ signal: AbortSignal.timeout(1) }).catch(() => undefined);
+    await server.stop();
+  }
+});
+
+test("a route right after `await publisher.flush()` sees every block published before it, 50 times in a row", async () => {
+  // publish() only queues (the batch goes out within flushIntervalMs); flush() resolves once the router
+  // acked, that is applied, every event published before it. So a Route sent after it sees them all.
+  const server = await startRouter();
+  const pub = new Publisher({ addresses: [server.addr], hello: hello(121n, "flushed") });
+  const router = new Router({ address: server.addr });
+  try {
+    for (let round = 0; round < 50; round++) {
+      // A prompt of its own each round (its first token differs), so only this round's blocks match it.
+      const base = round * 1000;
+      const blocks = Array.from({ length: 6 }, (_, i) => ({
+        blockHash: BigInt(121_000_000 + base + i),
+        tokenIds: Array.from({ length: BS }, (_, j) => base + i * BS + j + 1),
+      }));
+      await pub.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks } } }]);
+      await pub.flush();
+      const route = await router.route({ model: "flushed", tokenIds: [...blocks.flatMap((b) => b.tokenIds), base + 999] });
+      try {
+        assert.equal(route.response.decode?.workerId, 121n);
+        assert.equal(route.response.diagnostics?.decode?.overlapBlocks?.device, 6n, `round ${round}: the route after flush() overlaps every block`);
+      } finally {
+        await route.free();
+      }
+    }
+    assert.equal(pub.unacked, 0);
+  } finally {
+    router.close();
+    await pub.close({ signal: AbortSignal.timeout(5_000) }).catch(() => undefined);
+    await server.stop();
+  }
+});
+
+test("the publisher's defaults are the Go client's (256 events a batch, 2 ms, 65,536 unacked, 16,384 blocks a dump part)", async () => {
+  const go = readFileSync(path.join(REPO_DIR, "clients/go/kvclient/publisher.go"), "utf8");
+  const goDefault = (field: string): string => {
+    const m = go.match(new RegExp(`opts\\.${field} = ([^\\n]+)`));
+    assert.ok(m, `clients/go/kvclient/publisher.go sets no default for ${field}`);
+    return m[1]!.trim();
+  };
+  const goInt = (expr: string): number => {
+    const e = expr.replaceAll("_", "");
+    const shift = e.match(/^(\d+) << (\d+)$/);
+    if (shift) {
+      return Number(shift[1]) * 2 ** Number(shift[2]);
+    }
+    assert.match(e, /^\d+$/);
+    return Number(e);
+  };
+  assert.equal(DEFAULT_MAX_BATCH_EVENTS, goInt(goDefault("MaxBatchEvents")));
+  assert.equal(DEFAULT_MAX_UNACKED, goInt(goDefault("MaxUnacked")));
+  assert.equal(DEFAULT_MAX_DUMP_BLOCKS, goInt(goDefault("MaxDumpBlocks")));
+  const flush = goDefault("FlushInterval").match(/^(\d+) \* time\.Millisecond$/);
+  assert.ok(flush, `FlushInterval default: ${goDefault("FlushInterval")}`);
+  assert.equal(DEFAULT_FLUSH_INTERVAL_MS, Number(flush[1]));
+  assert.deepEqual([DEFAULT_MAX_BATCH_EVENTS, DEFAULT_FLUSH_INTERVAL_MS, DEFAULT_MAX_UNACKED, DEFAULT_MAX_DUMP_BLOCKS], [256, 2, 65_536, 16_384]);
+
+  // And a publisher without options uses them: 600 events queued at once go out in 256 + 256 + 88.
+  const server = await startRouter();
+  const pub = new Publisher({ addresses: [server.addr], hello: hello(122n, "defaults") });
+  try {
+    await pub.ready;
+    await pub.publish(Array.from({ length: 600 }, (_, i) => stored(122_000n, i, 1)));
+    await pub.flush();
+    assert.equal(pub.stats.batches, 3);
+    assert.equal((await server.workers("defaults"))[0]?.cachedBlocks?.device, 600n);
+  } finally {
+    await pub.close({ signal: AbortSignal.timeout(5_000) }).catch(() => undefined);
     await server.stop();
   }
 });

@@ -14,7 +14,7 @@ before(async () => {
   server = await startRouter("--max-prompt-tokens", "64");
   publisher = new Publisher({
     addresses: [server.addr],
-    hello: { workerId: 5n, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: 4, totalKvBlocks: 1000n, endpoint: "w5:1", kvEventsEnabled: true, freshStart: true },
+    hello: { workerId: 5n, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: 4, totalKvBlocks: 1000n, endpoint: "10.0.0.5:8000", kvEventsEnabled: true, freshStart: true },
   });
   await publisher.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: chain(500n, 0, 4, 4) } } }]);
   await publisher.flush();
@@ -57,7 +57,7 @@ test("withRoute frees when the work returns or throws", async () => {
     assert.equal(await activeRequests(), 1n);
     return h.response.decode?.endpoint;
   });
-  assert.equal(v, "w5:1");
+  assert.equal(v, "10.0.0.5:8000");
   assert.equal(await activeRequests(), 0n);
 
   let handle: { isFreed: boolean } | undefined;

@@ -33,7 +33,7 @@ async function runCleanup(cleanup: (() => Promise<void> | void)[]): Promise<void
 async function register(server: RouterProcess, id: bigint, cleanup: (() => Promise<void> | void)[]): Promise<void> {
   const p = new Publisher({
     addresses: [server.addr],
-    hello: { workerId: id, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: 4, totalKvBlocks: 1000n, endpoint: `w${id}:1`, kvEventsEnabled: true, freshStart: true },
+    hello: { workerId: id, model: MODEL, role: WorkerRole.AGGREGATED, blockSize: 4, totalKvBlocks: 1000n, endpoint: `10.0.1.${id}:8000`, kvEventsEnabled: true, freshStart: true },
   });
   cleanup.push(() => p.close().catch(() => undefined));
   await p.publish([{ storageTier: StorageTier.DEVICE, data: { case: "stored", value: { blocks: chain(500n, 0, 1, 4) } } }]);
