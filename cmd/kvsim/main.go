@@ -52,6 +52,7 @@ Usage:
 // options are the flags both commands share.
 type options struct {
 	trace      string
+	format     string
 	limit      int
 	timeScale  float64
 	prefill    int
@@ -80,7 +81,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var o options
 	fs := flag.NewFlagSet("kvsim "+cmd, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	fs.StringVar(&o.trace, "trace", "mooncake", "requests: mooncake, azure-code, azure-conv, shared-prefix or multi-turn")
+	fs.StringVar(&o.trace, "trace", "mooncake", "requests: mooncake, azure-code, azure-conv, shared-prefix, multi-turn, or the path of a trace file (--trace-format)")
+	fs.StringVar(&o.format, "trace-format", "", "the format of a --trace file: mooncake (JSON lines: timestamp, input_length, output_length, hash_ids) or azure (CSV: TIMESTAMP,ContextTokens,GeneratedTokens); empty: by its extension, .jsonl mooncake, .csv azure")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "divide arrival times by this: 2 replays the trace twice as fast")
 	fs.IntVar(&o.prefill, "prefill", 4, "prefill workers (the aggregated configuration gets prefill + decode aggregated workers)")
@@ -119,40 +121,71 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return 0
 }
 
-// loadTrace returns the requests of a named trace or generator.
-func loadTrace(name string, limit int) ([]trace.Request, error) {
-	file := map[string]string{"mooncake": "mooncake_conversation_trace.jsonl", "azure-code": "azure_llm_2023_code.csv", "azure-conv": "azure_llm_2023_conv.csv"}[name]
+// builtinTraces are the public traces kvsim knows by name, by file name (trace.Find looks for them)
+// and format.
+var builtinTraces = map[string]struct{ file, format string }{
+	"mooncake":   {"mooncake_conversation_trace.jsonl", "mooncake"},
+	"azure-code": {"azure_llm_2023_code.csv", "azure"},
+	"azure-conv": {"azure_llm_2023_conv.csv", "azure"},
+}
+
+// loadTrace returns the requests of a built-in trace or generator, or of the trace file at the path
+// name in format (empty: by the file's extension).
+func loadTrace(name, format string, limit int) ([]trace.Request, error) {
 	var reqs []trace.Request
-	switch name {
-	case "shared-prefix":
+	switch b, builtin := builtinTraces[name]; {
+	case name == "shared-prefix":
 		reqs = trace.SharedPrefix(64, 16, 2048, 128, 256, 4, 1) // SGLang's generated-shared-prefix 64x16, 2048/128/256
-	case "multi-turn":
+	case name == "multi-turn":
 		reqs = trace.MultiTurn(32, 10, 1000, 100, 200, 4, 1)
-	case "mooncake", "azure-code", "azure-conv":
-		path, err := trace.Find(file)
+	case builtin && format != "":
+		return nil, fmt.Errorf("--trace-format %s: applies to a trace file given by path, not to the built-in trace %s", format, name)
+	case builtin:
+		path, err := trace.Find(b.file)
 		if err != nil {
 			return nil, err
 		}
-		f, err := os.Open(path)
-		if err != nil {
+		if reqs, err = loadTraceFile(path, b.format); err != nil {
 			return nil, err
 		}
-		defer f.Close()
-		if name == "mooncake" {
-			reqs, err = trace.LoadMooncake(f, 16)
-		} else {
-			reqs, err = trace.LoadAzure(f)
+	case strings.ContainsRune(name, os.PathSeparator) || strings.HasSuffix(name, ".jsonl") || strings.HasSuffix(name, ".csv"):
+		if format == "" {
+			switch filepath.Ext(name) {
+			case ".jsonl":
+				format = "mooncake"
+			case ".csv":
+				format = "azure"
+			default:
+				return nil, fmt.Errorf("--trace %s: say its format with --trace-format mooncake or azure (its extension is neither .jsonl nor .csv)", name)
+			}
 		}
-		if err != nil {
-			return nil, err
+		var err error
+		if reqs, err = loadTraceFile(name, format); err != nil {
+			return nil, fmt.Errorf("--trace %s: %w", name, err)
 		}
 	default:
-		return nil, fmt.Errorf("--trace %q: want mooncake, azure-code, azure-conv, shared-prefix or multi-turn", name)
+		return nil, fmt.Errorf("--trace %q: want mooncake, azure-code, azure-conv, shared-prefix, multi-turn or the path of a trace file", name)
 	}
 	if limit > 0 && limit < len(reqs) {
 		reqs = reqs[:limit]
 	}
 	return reqs, nil
+}
+
+// loadTraceFile reads the trace file at path in format (mooncake or azure).
+func loadTraceFile(path, format string) ([]trace.Request, error) {
+	if format != "mooncake" && format != "azure" {
+		return nil, fmt.Errorf("--trace-format %q: want mooncake or azure", format)
+	}
+	f, err := os.Open(path)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	if format == "mooncake" {
+		return trace.LoadMooncake(f, 16)
+	}
+	return trace.LoadAzure(f)
 }
 
 // fleetConfig returns the fleet of a named router configuration.
@@ -183,7 +216,7 @@ func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config,
 }
 
 func execute(ctx context.Context, cmd string, o *options, stdout, stderr io.Writer) error {
-	reqs, err := loadTrace(o.trace, o.limit)
+	reqs, err := loadTrace(o.trace, o.format, o.limit)
 	if err != nil {
 		return err
 	}

@@ -76,3 +76,52 @@ func TestReplicas(t *testing.T) {
 		t.Errorf("without --redis-addr: exit %d, stderr %q", code, stderr.String())
 	}
 }
+
+// TestLoadTraceFile: --trace takes the path of a trace file of either format, by its extension or
+// by --trace-format, and refuses what it cannot read with a message naming the flag and the rule.
+func TestLoadTraceFile(t *testing.T) {
+	dir := t.TempDir()
+	write := func(name, text string) string {
+		p := filepath.Join(dir, name)
+		if err := os.WriteFile(p, []byte(text), 0o644); err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	mooncake := `{"timestamp": 0, "input_length": 1000, "output_length": 5, "hash_ids": [0, 1]}
+{"timestamp": 1500, "input_length": 513, "output_length": 3, "hash_ids": [0, 7]}
+`
+	azure := "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:17:03.9799600,4808,10\n2023-11-16 18:17:04.0319600,3180,8\n2023-11-16 18:17:05.0,12,1\n"
+	for _, tc := range []struct {
+		name, path, format string
+		want               int
+	}{
+		{"mooncake by extension", write("mine.jsonl", mooncake), "", 2},
+		{"azure by extension", write("mine.csv", azure), "", 3},
+		{"mooncake by flag", write("mine.trace", mooncake), "mooncake", 2},
+		{"azure by flag", write("mine.log", azure), "azure", 3},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reqs, err := loadTrace(tc.path, tc.format, 0)
+			if err != nil || len(reqs) != tc.want {
+				t.Fatalf("loadTrace(%s) = %d requests, %v; want %d", tc.path, len(reqs), err, tc.want)
+			}
+		})
+	}
+	for _, tc := range []struct {
+		name, trace, format, want string
+	}{
+		{"no extension, no format", write("mine", mooncake), "", "say its format with --trace-format"},
+		{"unknown format", write("other.trace", mooncake), "sharegpt", `--trace-format "sharegpt": want mooncake or azure`},
+		{"missing file", filepath.Join(dir, "gone.jsonl"), "", "gone.jsonl: no such file"},
+		{"wrong format", write("wrong.jsonl", azure), "", "--trace " + filepath.Join(dir, "wrong.jsonl") + ": trace: mooncake line 1"},
+		{"format for a built-in", "mooncake", "azure", "applies to a trace file given by path"},
+		{"unknown name", "sharegpt", "", `want mooncake, azure-code, azure-conv, shared-prefix, multi-turn or the path of a trace file`},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			if _, err := loadTrace(tc.trace, tc.format, 0); err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Errorf("loadTrace(%s, %q) = %v, want an error containing %q", tc.trace, tc.format, err, tc.want)
+			}
+		})
+	}
+}
