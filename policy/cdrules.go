@@ -84,7 +84,7 @@ func busyThreshold(field string, v float64) error {
 // load-aware policy needs a prefill-busy threshold, inheriting router_queue_threshold when it has
 // none, and the feature needs KV events. name says how a message refers to a configuration key
 // (its flag at startup; the key itself in an override).
-func (c Config) ResolveCD(cd CDConfig, name func(key string) string) (CDConfig, error) {
+func (c *Config) ResolveCD(cd CDConfig, name func(key string) string) (CDConfig, error) {
 	if err := cd.Validate(); err != nil {
 		return CDConfig{}, err
 	}

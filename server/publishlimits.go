@@ -90,8 +90,13 @@ func tooLarge(m proto.Message) (int, bool) {
 	return int(size), true
 }
 
-func (c limitingCodec) Name() string                           { return c.base.Name() }
-func (c limitingCodec) Marshal(v any) (mem.BufferSlice, error) { return c.base.Marshal(v) }
+func (c limitingCodec) Name() string { return c.base.Name() }
+func (c limitingCodec) Marshal(v any) (mem.BufferSlice, error) {
+	if e, ok := v.(*encodedMessage); ok {
+		return e.data, nil // marshaled by the handler pool; gRPC frees it once sent
+	}
+	return c.base.Marshal(v)
+}
 
 func (c limitingCodec) Unmarshal(data mem.BufferSlice, v any) error {
 	if m, ok := v.(*kvrouterv1.RouteRequest); ok {

@@ -77,6 +77,38 @@ func TestUnmarshalRouteMatchesProto(t *testing.T) {
 		{"bad UTF-8 in a string", model("\xff")},
 		{"wrong wire type for model", protowire.AppendVarint(protowire.AppendTag(nil, 2, protowire.VarintType), 1)},
 	}
+	// Packed fields as long as prompts, where appendPackedUint32 decodes four lanes side by side:
+	// vocabulary-like ids, a long varint (five to ten bytes) somewhere in them, and corruptions: a
+	// flipped top bit (which merges or splits varints, up to an overlong one), a cut, a ten-byte
+	// varint whose last byte overflows 64 bits.
+	for i := range 300 {
+		ids := make([]uint64, r.IntN(3000))
+		vocab := []int{100, 32000, 128256, 1 << 28, 1 << 31}[i%5]
+		for k := range ids {
+			ids[k] = uint64(r.IntN(vocab))
+			if r.IntN(500) == 0 {
+				ids[k] = r.Uint64() >> r.IntN(30)
+			}
+		}
+		var v []byte
+		for _, id := range ids {
+			v = protowire.AppendVarint(v, id)
+		}
+		switch {
+		case len(v) > 0 && i%3 == 1:
+			v[r.IntN(len(v))] ^= 0x80
+		case len(v) > 0 && i%7 == 2:
+			v = v[:r.IntN(len(v))]
+		case len(v) > 20 && i%11 == 3:
+			k := r.IntN(len(v) - 10)
+			copy(v[k:], []byte{0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02})
+		}
+		b := protowire.AppendTag(nil, routeTokenField, protowire.BytesType)
+		tests = append(tests, struct {
+			name string
+			wire []byte
+		}{fmt.Sprintf("prompt %d: %d ids below %d, %d bytes", i, len(ids), vocab, len(v)), protowire.AppendBytes(b, v)})
+	}
 	for _, tc := range tests {
 		t.Run(tc.name, func(t *testing.T) {
 			want := &kvrouterv1.RouteRequest{}

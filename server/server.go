@@ -135,6 +135,7 @@ type Server struct {
 	stopOnce                 sync.Once
 	bg                       sync.WaitGroup // the server's own goroutines (the shared-log watcher); Shutdown joins them
 	logger                   *slog.Logger
+	handlers                 *handlerPool // runs the unary calls of every port (handlerPool)
 }
 
 // serviceNames are the services whose health is reported (besides "", the whole server).
@@ -181,6 +182,8 @@ func New(o Options) *Server {
 		return status.Error(codes.Internal, "internal error")
 	})
 	sampler := newCallLogSampler()
+	codec := newLimitingCodec(maxRouteBytes(o.MaxPromptTokens))
+	handlers := newHandlerPool(handlerPoolSize(), codec)
 	unary := []grpc.UnaryServerInterceptor{grpcMetrics.UnaryServerInterceptor(), unaryCallLog(o.Logger, sampler)}
 	callLog := logging.WithLevels(func(c codes.Code) logging.Level { return logging.Level(callLevel(c)) })
 	logger := interceptorLogger(o.Logger, sampler)
@@ -237,7 +240,7 @@ func New(o Options) *Server {
 		grpc.MaxRecvMsgSize(o.MaxRecvMsgBytes),
 		// The standard codec, except that a Publish message is sized and counted before it is
 		// decoded (publishLimits), and a Route larger than max_prompt_tokens allows is not decoded.
-		grpc.ForceServerCodecV2(newLimitingCodec(maxRouteBytes(o.MaxPromptTokens))),
+		grpc.ForceServerCodecV2(codec),
 		grpc.MaxConcurrentStreams(o.MaxConcurrentStreams),
 		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListBytes)),
 		// A connection that has not finished its TLS handshake and HTTP/2 preface by then is
@@ -268,6 +271,7 @@ func New(o Options) *Server {
 		connsOpen: connsOpen, connsRefused: connsRefused, conns: conns,
 		stopping: make(chan struct{}),
 		logger:   o.Logger,
+		handlers: handlers,
 	}
 	if o.Presence == nil {
 		o.Presence = kvstate.NewPresence()
@@ -281,7 +285,9 @@ func New(o Options) *Server {
 		}
 		o.Shards.Observe(obs)
 	}
-	kvrouterv1.RegisterRouterServiceServer(s.grpc, &routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
+	// The router service's calls run on the handler pool (handlerPool): Route is the hot path.
+	s.grpc.RegisterService(handlers.wrap(&kvrouterv1.RouterService_ServiceDesc),
+		&routerService{dispatcher: o.Dispatcher, metrics: m, logger: o.Logger, maxPromptTokens: o.MaxPromptTokens})
 	publishing := app.NewPublishing(app.PublishOptions{Shards: o.Shards, Presence: o.Presence, Clock: o.Clock, Logger: o.Logger,
 		ConditionalDisagg:  o.Dispatcher.Config().ConditionalDisagg.Enabled,
 		MaxWorkersPerModel: o.MaxWorkersPerModel, MaxRanksPerWorker: o.MaxRanksPerWorker, MaxModels: o.MaxModels,
@@ -433,6 +439,7 @@ func (s *Server) Shutdown(ctx context.Context, drain time.Duration) {
 		}
 	}
 	s.healthOnly.Stop() // last: probes see NOT_SERVING until the end
+	s.handlers.close()
 	s.bg.Wait()
 }
 
@@ -443,6 +450,7 @@ func (s *Server) Stop() {
 		g.Stop()
 	}
 	s.healthOnly.Stop()
+	s.handlers.close()
 	s.bg.Wait()
 }
 
