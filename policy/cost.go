@@ -3,6 +3,7 @@ package policy
 import (
 	"math"
 	"math/rand/v2"
+	"sync"
 
 	"github.com/kvrouter/kvrouter/kvstate"
 )
@@ -92,6 +93,32 @@ func (w Weights) Cost(c *Candidate, p Prompt, minActivePrefill uint64) float64 {
 type Rand interface {
 	Float64() float64
 	IntN(n int) int
+}
+
+// SeededRand is a goroutine-safe source seeded by its caller: the same seed draws the same numbers
+// in the same order, so that a replay (the simulator's) decides its ties alike every time.
+type SeededRand struct {
+	mu sync.Mutex
+	r  *rand.Rand
+}
+
+// NewSeededRand returns a SeededRand drawing from PCG seeded with seed.
+func NewSeededRand(seed uint64) *SeededRand {
+	return &SeededRand{r: rand.New(rand.NewPCG(seed, seed^0x9e3779b97f4a7c15))}
+}
+
+// Float64 returns a number in [0, 1).
+func (s *SeededRand) Float64() float64 {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.r.Float64()
+}
+
+// IntN returns a number in [0, n).
+func (s *SeededRand) IntN(n int) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.r.IntN(n)
 }
 
 // GlobalRand draws from math/rand/v2's goroutine-safe global source.

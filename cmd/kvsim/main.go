@@ -67,6 +67,7 @@ type options struct {
 	memProfile string
 	redisAddr  string
 	counts     string
+	seed       uint64
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -84,6 +85,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.StringVar(&o.trace, "trace", "mooncake", "requests: mooncake, azure-code, azure-conv, shared-prefix, multi-turn, or the path of a trace file (--trace-format)")
 	fs.StringVar(&o.format, "trace-format", "", "the format of a --trace file: mooncake (JSON lines: timestamp, input_length, output_length, hash_ids) or azure (CSV: TIMESTAMP,ContextTokens,GeneratedTokens); empty: by its extension, .jsonl mooncake, .csv azure")
 	fs.IntVar(&o.limit, "limit", 0, "replay only the first N requests (0: all)")
+	fs.Uint64Var(&o.seed, "seed", 1, "seeds the router's tie-breaks (equal costs): the same command and seed give the same figures")
 	fs.Float64Var(&o.timeScale, "time-scale", 1, "divide arrival times by this: 2 replays the trace twice as fast")
 	fs.IntVar(&o.prefill, "prefill", 4, "prefill workers (the aggregated configuration gets prefill + decode aggregated workers)")
 	fs.IntVar(&o.decode, "decode", 4, "decode workers")
@@ -190,7 +192,7 @@ func loadTraceFile(path, format string) ([]trace.Request, error) {
 
 // fleetConfig returns the fleet of a named router configuration.
 func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config, error) {
-	cfg := fleet.Config{Model: model, TimeScale: o.timeScale, Prefill: o.prefill, Decode: o.decode, Routing: policy.DefaultConfig()}
+	cfg := fleet.Config{Model: model, TimeScale: o.timeScale, Prefill: o.prefill, Decode: o.decode, Routing: policy.DefaultConfig(), Seed: o.seed}
 	switch {
 	case name == "rr-disagg":
 		cfg.RoundRobin = true

@@ -48,6 +48,10 @@ type Options struct {
 	// Outcomes hears what happened to each routed request (booked, prefill done, freed); nil:
 	// NoOutcomes. It is called on the routing path and must not block (see Outcomes).
 	Outcomes Outcomes
+	// Rand draws the decisions' tie-breaks and softmax samples (policy.WithRand); nil: the global
+	// source. It must be safe for concurrent use (policy.NewSeededRand): the simulator seeds it so
+	// that one seed gives one result.
+	Rand policy.Rand
 }
 
 // BookingCap bounds the blocks a replica's bookings hold (kvstate.Load.HeldBlocks), every model's

@@ -47,7 +47,7 @@ func (s *Sharded) dispatcher(sh *kvstate.Shard) *Dispatcher {
 	defer s.mu.Unlock()
 	d := s.dispatchers[sh]
 	if d == nil {
-		d = New(sh.State, sh.Log, policy.NewKernel(policy.StateView(sh.State), s.config), s.opts)
+		d = New(sh.State, sh.Log, policy.NewKernel(policy.StateView(sh.State), s.config, policy.WithRand(s.opts.Rand)), s.opts)
 		s.dispatchers[sh] = d
 	}
 	return d

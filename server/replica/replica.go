@@ -23,6 +23,7 @@ import (
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
 	"github.com/kvrouter/kvrouter/kvstate/replication"
+	"github.com/kvrouter/kvrouter/policy"
 	"github.com/kvrouter/kvrouter/server"
 	"github.com/kvrouter/kvrouter/server/app"
 	"github.com/kvrouter/kvrouter/server/config"
@@ -35,6 +36,9 @@ type Options struct {
 	// Clock reads booking, session and housekeeping times; nil: the wall clock. The simulator
 	// runs its replicas on its virtual clock.
 	Clock kvstate.Clock
+	// Rand draws the routing decisions' tie-breaks and samples; nil: the global source. The
+	// simulator seeds it (policy.NewSeededRand).
+	Rand policy.Rand
 	// Redis, when set, is the client of the shared log's Redis instead of one dialed from the
 	// configuration's addresses (the simulator's, and tests'); Prefix and ReplicaID still come
 	// from the configuration.
@@ -77,7 +81,7 @@ func Build(o Options) (*Replica, error) {
 	if err := r.openShards(o); err != nil {
 		return nil, err
 	}
-	r.Dispatcher = app.NewSharded(r.Shards, cfg.Routing, app.Options{Clock: o.Clock, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards)})
+	r.Dispatcher = app.NewSharded(r.Shards, cfg.Routing, app.Options{Clock: o.Clock, Rand: o.Rand, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards)})
 	r.Housekeeper = &kvstate.Housekeeper{
 		Shards: r.Shards, Presence: r.Presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry,
 		Clock: o.Clock, Logger: logger,

@@ -71,15 +71,18 @@ type Publisher struct {
 	mu      sync.Mutex
 	changed chan struct{} // closed and replaced on every change the waiters care about
 	nextID  uint64
-	pending []*kvrouterv1.KvEvent // unacked, ids ascending
-	sent    int                   // pending[:sent] went out on the current stream
-	acked   int64                 // last acked id, -1 before the first
-	load    *kvrouterv1.LoadReport
-	dumping bool // Publish waits while the cache is dumped
-	closing bool
-	leave   *kvrouterv1.WorkerLeave // set by Leave: sent in place of anything else
-	left    bool                    // the router removed the worker rank after the leave
-	err     error                   // why the publisher stopped
+	pending []*kvrouterv1.KvEvent  // unacked, ids ascending
+	sent    int                    // pending[:sent] went out on the current stream
+	acked   int64                  // last acked id, -1 before the first
+	load    *kvrouterv1.LoadReport // the latest report, until it is sent
+	// lastLoad is the latest report, sent or not: a new stream sends it again, since the router
+	// may not have read it from the stream that broke.
+	lastLoad *kvrouterv1.LoadReport
+	dumping  bool // Publish waits while the cache is dumped
+	closing  bool
+	leave    *kvrouterv1.WorkerLeave // set by Leave: sent in place of anything else
+	left     bool                    // the router removed the worker rank after the leave
+	err      error                   // why the publisher stopped
 	// The router's answer to the first registration: its last event id for the rank (-1: none).
 	registered bool
 	firstLast  int64
@@ -183,7 +186,7 @@ func (p *Publisher) ReportLoad(r *kvrouterv1.LoadReport) {
 	defer p.mu.Unlock()
 	r = proto.Clone(r).(*kvrouterv1.LoadReport)
 	r.DpRank = p.opts.Hello.GetDpRank()
-	p.load = r
+	p.load, p.lastLoad = r, r
 	p.notifyLocked()
 }
 
@@ -560,7 +563,7 @@ func (p *Publisher) resume(reg *kvrouterv1.Registered, first, freshStart bool) (
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.sent = 0
-	p.load = cloneLoad(p.load) // sent again on the new stream
+	p.load = cloneLoad(p.lastLoad) // sent again on the new stream
 	if !p.registered {
 		p.registered, p.firstLast = true, -1
 		if reg.LastEventId != nil {

@@ -503,3 +503,24 @@ func TestLeave(t *testing.T) {
 		t.Errorf("a second Leave() = %v, want ErrPublisherClosed", err)
 	}
 }
+
+// TestLoadReportSurvivesAReconnect: a load report sent on a stream that then breaks reaches the
+// router the publisher reconnects to, without a new ReportLoad: an idle worker reports no more,
+// and the new replica would go on seeing it with no load report at all (the simulator found this:
+// a report lost when a too-large message made the publisher reconnect).
+func TestLoadReportSurvivesAReconnect(t *testing.T) {
+	stateA, stateB := kvstate.NewState(), kvstate.NewState()
+	a := startReplica(t, stateA, kvstate.NewMemLog(stateA), 1<<20)
+	b := startReplica(t, stateB, kvstate.NewMemLog(stateB), 1<<20)
+	p := newPublisher(t, kvclient.PublisherOptions{Hello: hello(3), Conns: []grpc.ClientConnInterface{a.conn, b.conn}})
+	holds := func(state *kvstate.State, used, waiting uint64) func() bool {
+		return func() bool {
+			w := state.Worker(kvstate.WorkerKey{ID: 3})
+			return w != nil && w.Status().KVUsedBlocks == used && w.Status().WaitingRequests == waiting
+		}
+	}
+	p.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: 7, WaitingRequests: 2})
+	kvtest.Eventually(t, testTimeout, "replica A to hold the load report", holds(stateA, 7, 2))
+	a.srv.Stop()
+	kvtest.Eventually(t, testTimeout, "replica B, after the reconnect, to hold the load report", holds(stateB, 7, 2))
+}

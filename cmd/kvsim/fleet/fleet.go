@@ -61,6 +61,9 @@ type Config struct {
 	// worker streams its events to each of them, and each replica sees only its own bookings.
 	Replicas  int
 	RedisAddr string
+	// Seed seeds each replica's routing tie-breaks (replica k draws from Seed+k): with every input
+	// on the virtual clock, one seed gives one result.
+	Seed uint64
 	// Progress, when set, is told how many requests finished, as they do.
 	Progress func(done, total int)
 }
@@ -112,6 +115,10 @@ type worker struct {
 	pubs     []*kvclient.Publisher // to its replica, or to every replica when they do not share
 	stepping bool                  // a step end is scheduled
 	dirty    bool                  // events published since the last flush
+	// load is the last load report sent, and loadDirty says it may not have reached every replica:
+	// flushAll waits until it has.
+	load      kvstate.WorkerStatus
+	loadDirty bool
 }
 
 // request is a trace request in flight.
@@ -301,7 +308,7 @@ func (s *sim) startReplicas() (stop func(), err error) {
 		cfg := config.New()
 		cfg.Routing, cfg.MaxPromptTokens, cfg.MaxRecvMsgBytes = s.cfg.Routing, 1<<22, 64<<20
 		cfg.RedisAddr, cfg.RedisPrefix, cfg.ReplicaID = s.cfg.RedisAddr, prefix, fmt.Sprintf("sim-%d", k)
-		built, err := kvreplica.Build(kvreplica.Options{Config: cfg, Logger: quiet, Clock: clock})
+		built, err := kvreplica.Build(kvreplica.Options{Config: cfg, Logger: quiet, Clock: clock, Rand: policy.NewSeededRand(s.cfg.Seed + uint64(k))})
 		if err != nil {
 			return stop, err
 		}
@@ -414,7 +421,42 @@ func (s *sim) flushAll() error {
 		}
 		w.dirty = false
 	}
-	return s.syncReplicas()
+	if err := s.syncReplicas(); err != nil {
+		return err
+	}
+	return s.awaitLoads()
+}
+
+// awaitLoads waits until every replica holds each worker's last load report. Load reports are not
+// acknowledged (the protocol acks events), so the simulation reads the replicas' state: a routing
+// decision at the current virtual time must see the loads of that time, whatever the host's speed.
+func (s *sim) awaitLoads() error {
+	deadline := time.Now().Add(30 * time.Second)
+	for _, w := range s.workers {
+		if !w.loadDirty {
+			continue
+		}
+		for k, rep := range s.replicas {
+			for {
+				st := rep.state.Worker(w.key)
+				if st != nil {
+					got := st.Status()
+					if got.KVUsedBlocks == w.load.KVUsedBlocks && got.WaitingRequests == w.load.WaitingRequests {
+						break
+					}
+					if time.Now().After(deadline) {
+						return fmt.Errorf("fleet: replica %d still holds worker %d's load as %d used blocks, %d waiting, not its last report of %d, %d",
+							k, w.key.ID, got.KVUsedBlocks, got.WaitingRequests, w.load.KVUsedBlocks, w.load.WaitingRequests)
+					}
+				} else if time.Now().After(deadline) {
+					return fmt.Errorf("fleet: replica %d does not know worker %d", k, w.key.ID)
+				}
+				time.Sleep(20 * time.Microsecond)
+			}
+		}
+		w.loadDirty = false
+	}
+	return nil
 }
 
 // syncReplicas waits, when replicas share a log, until every one has applied all of it: no
@@ -594,9 +636,11 @@ func (s *sim) kick(w *worker) {
 	}
 	d := w.eng.Step(s.now)
 	s.res.PeakBlocks[w.key.ID] = max(s.res.PeakBlocks[w.key.ID], uint64(w.eng.Cache().Used()))
+	used, waiting := uint64(w.eng.Cache().Referenced()), uint64(w.eng.Waiting())
 	for _, p := range w.pubs {
-		p.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: uint64(w.eng.Cache().Referenced()), WaitingRequests: uint64(w.eng.Waiting())})
+		p.ReportLoad(&kvrouterv1.LoadReport{KvUsedBlocks: used, WaitingRequests: waiting})
 	}
+	w.load.KVUsedBlocks, w.load.WaitingRequests, w.loadDirty = used, waiting, true
 	if d == 0 {
 		return // nothing fits until a request finishes on this worker
 	}
