@@ -16,23 +16,23 @@ import (
 	"github.com/kvrouter/kvrouter/policy"
 )
 
-// slice returns the first n requests of the Mooncake trace, or of a shared-prefix workload when
-// the trace is not on this machine.
+// slice returns the first n requests of the Mooncake trace (traces/ in the repository).
 func slice(t *testing.T, n int) []trace.Request {
 	t.Helper()
-	if path, err := trace.Find("mooncake_conversation_trace.jsonl"); err == nil {
-		f, err := os.Open(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		defer f.Close()
-		reqs, err := trace.LoadMooncake(f, 16)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return reqs[:n]
+	path, err := trace.Find("mooncake_conversation_trace.jsonl")
+	if err != nil {
+		t.Fatal(err)
 	}
-	return trace.SharedPrefix(8, n/8, 2048, 512, 128, 3, 1)[:n]
+	f, err := os.Open(path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	reqs, err := trace.LoadMooncake(f, 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return reqs[:n]
 }
 
 // TestReplayInvariants replays a slice of the trace through each kind of fleet and checks what must

@@ -71,8 +71,7 @@ func TestLoadAzureMalformed(t *testing.T) {
 	}
 }
 
-// TestAzureFiles checks the figures of /work/shared/traces/README.md (and stats.json) on the real
-// traces.
+// TestAzureFiles checks the figures of traces/README.md on the real traces.
 func TestAzureFiles(t *testing.T) {
 	tests := []struct {
 		file          string

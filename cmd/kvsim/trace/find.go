@@ -5,28 +5,20 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"strings"
 )
 
 // Find returns the path of a trace file by name ("mooncake_conversation_trace.jsonl"): in
-// $KVROUTER_TRACES when set, else in shared/traces beside the checkout (the folder above the one
-// holding go.mod, as the workplace lays it out), else in /work/shared/traces.
+// $KVROUTER_TRACES when set, else in the traces folder of the checkout that holds the working
+// directory (the repository ships its public traces there, see traces/README.md).
 func Find(name string) (string, error) {
 	var dirs []string
 	if d := os.Getenv("KVROUTER_TRACES"); d != "" {
 		dirs = append(dirs, d)
 	}
-	if wd, err := os.Getwd(); err == nil {
-		for d := wd; ; d = filepath.Dir(d) {
-			if _, err := os.Stat(filepath.Join(d, "go.mod")); err == nil {
-				dirs = append(dirs, filepath.Join(filepath.Dir(d), "shared", "traces"))
-				break
-			}
-			if filepath.Dir(d) == d {
-				break
-			}
-		}
+	if root, ok := checkoutRoot(); ok {
+		dirs = append(dirs, filepath.Join(root, "traces"))
 	}
-	dirs = append(dirs, "/work/shared/traces")
 	for _, d := range dirs {
 		p := filepath.Join(d, name)
 		if _, err := os.Stat(p); err == nil {
@@ -35,5 +27,35 @@ func Find(name string) (string, error) {
 			return "", err
 		}
 	}
-	return "", fmt.Errorf("trace %s not found in %v (set KVROUTER_TRACES to its folder)", name, dirs)
+	if len(dirs) == 0 {
+		return "", fmt.Errorf("trace %s: the working directory is not inside a kvrouter checkout; set KVROUTER_TRACES to the folder holding it, or give the file's path", name)
+	}
+	return "", fmt.Errorf("trace %s not found in %v (set KVROUTER_TRACES to its folder, or give the file's path)", name, dirs)
+}
+
+// checkoutRoot returns the repository's root above the working directory: the outermost folder
+// holding a go.mod whose module is kvrouter's (the clients and gen modules sit inside it).
+func checkoutRoot() (string, bool) {
+	wd, err := os.Getwd()
+	if err != nil {
+		return "", false
+	}
+	for d := wd; ; d = filepath.Dir(d) {
+		if data, err := os.ReadFile(filepath.Join(d, "go.mod")); err == nil && isRootModule(data) {
+			return d, true
+		}
+		if filepath.Dir(d) == d {
+			return "", false
+		}
+	}
+}
+
+// isRootModule reports whether a go.mod declares the repository's root module.
+func isRootModule(gomod []byte) bool {
+	for _, line := range strings.Split(string(gomod), "\n") {
+		if f := strings.Fields(line); len(f) == 2 && f[0] == "module" {
+			return strings.Trim(f[1], `"`) == "github.com/kvrouter/kvrouter"
+		}
+	}
+	return false
 }

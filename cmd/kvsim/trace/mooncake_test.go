@@ -11,13 +11,12 @@ import (
 	"github.com/google/go-cmp/cmp"
 )
 
-// traceFile returns the path of a trace that trace.Find finds ($KVROUTER_TRACES, ...), skipping the test when
-// the file is not on this machine.
+// traceFile returns the path of one of the repository's traces (traces/), as Find finds it.
 func traceFile(tb testing.TB, name string) string {
 	tb.Helper()
 	p, err := Find(name)
 	if err != nil {
-		tb.Skip(err)
+		tb.Fatal(err)
 	}
 	return p
 }
@@ -204,8 +203,7 @@ func loadMooncakeFile(tb testing.TB, blockSize int) []Request {
 	return reqs
 }
 
-// TestMooncakeFile checks the figures of /work/shared/traces/README.md (and stats.json) on the real
-// trace.
+// TestMooncakeFile checks the figures of traces/README.md on the real trace.
 func TestMooncakeFile(t *testing.T) {
 	reqs := loadMooncakeFile(t, 512)
 	s := Stats(reqs, 512)

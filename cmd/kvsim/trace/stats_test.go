@@ -73,18 +73,16 @@ func TestStatsReuseMatchesTokens(t *testing.T) {
 		"multi-turn":    MultiTurn(4, 5, 100, 33, 57, 1, 9),
 		"reversed":      reversed(MultiTurn(3, 4, 64, 20, 30, 1, 4)),
 	}
-	if path, err := Find("mooncake_conversation_trace.jsonl"); err == nil {
-		data, err := os.ReadFile(path)
-		if err != nil {
-			t.Fatal(err)
-		}
-		head := bytes.SplitAfterN(data, []byte("\n"), 401)[:400]
-		reqs, err := LoadMooncake(bytes.NewReader(bytes.Join(head, nil)), 16)
-		if err != nil {
-			t.Fatal(err)
-		}
-		sources["mooncake file, 400 rows"] = reqs
+	data, err := os.ReadFile(traceFile(t, "mooncake_conversation_trace.jsonl"))
+	if err != nil {
+		t.Fatal(err)
 	}
+	head := bytes.SplitAfterN(data, []byte("\n"), 401)[:400]
+	file, err := LoadMooncake(bytes.NewReader(bytes.Join(head, nil)), 16)
+	if err != nil {
+		t.Fatal(err)
+	}
+	sources["mooncake file, 400 rows"] = file
 	for name, reqs := range sources {
 		for _, bs := range []int{1, 7, 16, 64, 100, 512} {
 			if bs == 1 && len(reqs) > 100 {
