@@ -54,10 +54,17 @@ func (m indexModel) depths(slot uint32, seq []uint64) [NumTiers]uint32 {
 
 // TestIndexMatchesModel applies random stores (at the root or after a held parent, in any tier),
 // removals and clears for 150 workers (three words of slots, so blocks have holder sets of several
-// words) and checks every worker's overlap depths, block counts and the index's length against
-// indexModel after every step, and that a snapshot of the index decodes to the same answers.
+// words) and for 40 (one word: the walk's fast path) and checks every worker's overlap depths, block
+// counts and the index's length against indexModel after every step, and that a snapshot of the
+// index decodes to the same answers.
 func TestIndexMatchesModel(t *testing.T) {
-	const workers, steps = 150, 3000
+	for _, workers := range []int{150, 40} {
+		t.Run(fmt.Sprintf("workers=%d", workers), func(t *testing.T) { indexMatchesModel(t, workers) })
+	}
+}
+
+func indexMatchesModel(t *testing.T, workers int) {
+	const steps = 3000
 	rng := rand.New(rand.NewPCG(3, 4))
 	ix := NewIndex()
 	model := indexModel{}
@@ -77,7 +84,7 @@ func TestIndexMatchesModel(t *testing.T) {
 		slot := uint32(rng.IntN(workers))
 		// Most activity is on a few workers, so blocks gather many holders.
 		if rng.IntN(2) == 0 {
-			slot = uint32(rng.IntN(5)) * 37
+			slot = uint32(rng.IntN(5)) * uint32((workers-1)/4)
 		}
 		tier := Tier(rng.IntN(int(NumTiers)))
 		local, sq := prompt()
