@@ -57,7 +57,9 @@ type CostModel struct {
 //     200 Gb/s NICs): 83.9 µs; TransferSetup 1 ms, assumed.
 //   - TotalKVBlocks 28,000: 0.9 × 79.65 GiB less 14.96 GiB of weights and about 2 GiB of
 //     activations, in 2 MiB blocks (448k tokens).
-//   - MaxNumBatchedTokens 8192 and MaxNumSeqs 256: vLLM's online-serving defaults.
+//   - MaxNumBatchedTokens 8192 and MaxNumSeqs 1024: vLLM's defaults for its OpenAI server on a GPU
+//     of at least 70 GiB other than an A100, such as this H100 (EngineArgs.get_batch_defaults;
+//     256 and 2048 are the defaults of smaller GPUs).
 func Llama31_8B_H100() CostModel {
 	return CostModel{
 		Name:                    "Llama-3.1-8B-Instruct BF16, 1x H100-SXM-80GB, vLLM V1",
@@ -72,7 +74,7 @@ func Llama31_8B_H100() CostModel {
 		BlockSize:               16,
 		TotalKVBlocks:           28_000,
 		MaxNumBatchedTokens:     8192,
-		MaxNumSeqs:              256,
+		MaxNumSeqs:              1024,
 	}
 }
 

@@ -546,6 +546,12 @@ func (s *sim) arrive(r *request) error {
 	bs := s.cfg.Model.BlockSize
 	r.blocks = blockhash.Sequence(nil, blockhash.Locals(nil, r.tokens, bs, blockhash.Salt("", "")))
 	if s.cfg.RoundRobin {
+		// The baseline asks no router, but its workers still publish to one: without this
+		// flush nothing waited for the router, and up to the publishers' MaxUnacked (65,536
+		// events a worker, GiBs over a whole trace) piled up behind the virtual clock.
+		if err := s.flushAll(); err != nil {
+			return err
+		}
 		s.routeInTurn(r)
 	} else if err := s.route(r); err != nil {
 		return err
