@@ -390,12 +390,12 @@ func (o *Overlaps) find(word uint32) *activeWord {
 // seen bookkeeping altogether.
 func (o *Overlaps) step(hs *holderSet, extra []holderWord, depth uint32) bool {
 	if len(o.active) == 1 && len(extra) == 0 {
-		a := &o.active[0]
+		a, w := &o.active[0], hs.first()
 		var seen uint64
-		if hs.meta>>2 == a.word {
-			seen = hs.bits
+		if w.word() == a.word {
+			seen = w.bits
 		}
-		from := Tier(hs.meta & 3) // the block counts in its tier and every slower one
+		from := w.tier() // the block counts in its tier and every slower one
 		alive := false
 		for t := range a.runs {
 			still := a.runs[t]

@@ -33,8 +33,9 @@ func Find(name string) (string, error) {
 	return "", fmt.Errorf("trace %s not found in %v (set KVROUTER_TRACES to its folder, or give the file's path)", name, dirs)
 }
 
-// checkoutRoot returns the repository's root above the working directory: the outermost folder
-// holding a go.mod whose module is kvrouter's (the clients and gen modules sit inside it).
+// checkoutRoot returns the repository's root: the nearest folder at or above the working directory
+// whose go.mod declares kvrouter's root module (the client and gen modules inside it declare
+// others).
 func checkoutRoot() (string, bool) {
 	wd, err := os.Getwd()
 	if err != nil {
