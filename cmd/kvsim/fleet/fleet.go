@@ -437,19 +437,10 @@ func (s *sim) awaitLoads() error {
 			continue
 		}
 		for k, rep := range s.replicas {
-			for {
-				st := rep.state.Worker(w.key)
-				if st != nil {
-					got := st.Status()
-					if got.KVUsedBlocks == w.load.KVUsedBlocks && got.WaitingRequests == w.load.WaitingRequests {
-						break
-					}
-					if time.Now().After(deadline) {
-						return fmt.Errorf("fleet: replica %d still holds worker %d's load as %d used blocks, %d waiting, not its last report of %d, %d",
-							k, w.key.ID, got.KVUsedBlocks, got.WaitingRequests, w.load.KVUsedBlocks, w.load.WaitingRequests)
-					}
-				} else if time.Now().After(deadline) {
-					return fmt.Errorf("fleet: replica %d does not know worker %d", k, w.key.ID)
+			for !holdsLoad(rep, w) {
+				if time.Now().After(deadline) {
+					return fmt.Errorf("fleet: replica %d does not hold worker %d's last load report (%d used blocks, %d waiting) after 30 s",
+						k, w.key.ID, w.load.KVUsedBlocks, w.load.WaitingRequests)
 				}
 				time.Sleep(20 * time.Microsecond)
 			}
@@ -457,6 +448,16 @@ func (s *sim) awaitLoads() error {
 		w.loadDirty = false
 	}
 	return nil
+}
+
+// holdsLoad reports whether rep's state shows w's last load report.
+func holdsLoad(rep *replica, w *worker) bool {
+	st := rep.state.Worker(w.key)
+	if st == nil {
+		return false
+	}
+	got := st.Status()
+	return got.KVUsedBlocks == w.load.KVUsedBlocks && got.WaitingRequests == w.load.WaitingRequests
 }
 
 // syncReplicas waits, when replicas share a log, until every one has applied all of it: no
