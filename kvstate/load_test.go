@@ -21,13 +21,14 @@ func bookReq(id string, at int64, hops ...HopBooking) Booked {
 type loadView struct {
 	Loads    map[WorkerKey]SlotLoad
 	Bookings []string
+	Expired  uint64 // State.ExpiredBookings: every expiry so far, the setup's included
 }
 
 func viewLoad(t *testing.T, s *State) loadView {
 	t.Helper()
 	keys := []WorkerKey{w0r0, w1}
 	slots := make([]uint32, len(keys))
-	v := loadView{Loads: map[WorkerKey]SlotLoad{}, Bookings: s.Load().BookingIDs()}
+	v := loadView{Loads: map[WorkerKey]SlotLoad{}, Bookings: s.Load().BookingIDs(), Expired: s.ExpiredBookings()}
 	for i, k := range keys {
 		slots[i] = s.Worker(k).Slot
 		v.Loads[k] = s.Load().Slot(slots[i])
@@ -242,6 +243,7 @@ func TestLoad(t *testing.T) {
 					w1:   {ActiveBlocks: 3, ActivePrefillTokens: 5, ActiveRequests: 1},
 				},
 				Bookings: []string{"edge", "new"},
+				Expired:  1,
 			},
 		},
 		{
@@ -253,7 +255,7 @@ func TestLoad(t *testing.T) {
 			},
 			change:     BookingsExpired{Before: 301},
 			wantResult: Result{Expired: 3},
-			want:       loadView{Loads: map[WorkerKey]SlotLoad{w0r0: {}, w1: {}}, Bookings: []string{}},
+			want:       loadView{Loads: map[WorkerKey]SlotLoad{w0r0: {}, w1: {}}, Bookings: []string{}, Expired: 3},
 		},
 		{
 			name: "BookingsExpired applied twice is harmless",
@@ -267,6 +269,7 @@ func TestLoad(t *testing.T) {
 			want: loadView{
 				Loads:    map[WorkerKey]SlotLoad{w0r0: {}, w1: {ActiveBlocks: 3, ActivePrefillTokens: 5, ActiveRequests: 1}},
 				Bookings: []string{"new"},
+				Expired:  1, // the setup's; the second expiry frees nothing
 			},
 		},
 		{
@@ -281,6 +284,7 @@ func TestLoad(t *testing.T) {
 			want: loadView{
 				Loads:    map[WorkerKey]SlotLoad{w0r0: {ActiveBlocks: 3, ActivePrefillTokens: 5, ActiveRequests: 1}, w1: {}},
 				Bookings: []string{"new"},
+				Expired:  1,
 			},
 		},
 	}

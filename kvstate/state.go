@@ -109,6 +109,7 @@ type State struct {
 	issued    atomic.Uint64
 
 	restores atomic.Uint64 // snapshots restored (Restores)
+	expired  atomic.Uint64 // bookings ended by BookingsExpired (ExpiredBookings)
 	budget   *indexBudget  // the indexes' size and cap
 }
 
@@ -239,6 +240,13 @@ func (s *State) Worker(key WorkerKey) *Worker {
 // Load returns the load bookkeeping.
 func (s *State) Load() *Load { return s.load }
 
+// ExpiredBookings returns how many bookings this state ended because nobody freed them within the
+// booking expiry (BookingsExpired). Expiry is the last resort for a request whose caller, proxy or
+// router replica died before its Free: each one is a request the router counted as load for the
+// whole expiry. Each replica counts the expiries it applied, and they all apply the same log, so
+// a fleet's count is one replica's, not the sum of them.
+func (s *State) ExpiredBookings() uint64 { return s.expired.Load() }
+
 // EpochEnds returns a channel that is closed once the worker rank is no longer registered at epoch:
 // a newer stream registered it, or it was removed. It is closed already when that happened before.
 func (s *State) EpochEnds(key WorkerKey, epoch uint64) <-chan struct{} {
@@ -342,7 +350,9 @@ func (s *State) apply(c Change) (Result, error) {
 	case Freed:
 		return Result{}, s.load.free(c.RequestID)
 	case BookingsExpired:
-		return Result{Expired: s.load.expire(c.Before)}, nil
+		n := s.load.expire(c.Before)
+		s.expired.Add(uint64(n))
+		return Result{Expired: n}, nil
 	case SessionsExpired:
 		return Result{Expired: s.expireSessions(c.Before)}, nil
 	}

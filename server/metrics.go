@@ -226,6 +226,8 @@ var (
 		"Requests booked on a worker rank and not yet freed.", []string{"model", "worker"}, nil)
 	workerCachedBlocksDesc = prometheus.NewDesc("kvrouter_worker_cached_blocks",
 		"KV blocks a worker rank holds, per storage tier, as its events told the router.", []string{"model", "worker", "tier"}, nil)
+	bookingsExpiredDesc = prometheus.NewDesc("kvrouter_bookings_expired_total",
+		"Bookings ended by booking_expiry because nobody freed them (a caller, proxy or replica died before its Free). Every replica counts the same expiries.", nil, nil)
 	indexRefusedDesc = prometheus.NewDesc("kvrouter_index_blocks_refused_total",
 		"Stored blocks not indexed because all models' indexes together held max_index_blocks: alert on any increase, and raise the cap.", nil, nil)
 )
@@ -239,6 +241,7 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- silentDecodeDesc
 	ch <- queueDepthDesc
 	ch <- indexRefusedDesc
+	ch <- bookingsExpiredDesc
 	ch <- workerActiveBlocksDesc
 	ch <- workerPrefillTokensDesc
 	ch <- workerActiveRequestsDesc
@@ -246,19 +249,21 @@ func (c *stateCollector) Describe(ch chan<- *prometheus.Desc) {
 }
 
 func (c *stateCollector) Collect(ch chan<- prometheus.Metric) {
-	var bookings, held, position, refused uint64
+	var bookings, held, position, refused, expired uint64
 	for _, sh := range c.shards.Shards() {
 		c.collectShard(ch, sh.State)
 		bookings += uint64(sh.State.Load().Bookings())
 		held += uint64(sh.State.Load().HeldBlocks())
 		position += sh.Log.Position()
 		refused += sh.State.IndexBlocksRefused()
+		expired += sh.State.ExpiredBookings()
 	}
 	ch <- prometheus.MustNewConstMetric(bookingsDesc, prometheus.GaugeValue, float64(bookings))
 	ch <- prometheus.MustNewConstMetric(bookedBlocksDesc, prometheus.GaugeValue, float64(held))
 	ch <- prometheus.MustNewConstMetric(logPositionDesc, prometheus.GaugeValue, float64(position))
 	ch <- prometheus.MustNewConstMetric(queueDepthDesc, prometheus.GaugeValue, float64(c.queue.QueueDepth()))
 	ch <- prometheus.MustNewConstMetric(indexRefusedDesc, prometheus.CounterValue, float64(refused))
+	ch <- prometheus.MustNewConstMetric(bookingsExpiredDesc, prometheus.CounterValue, float64(expired))
 }
 
 // collectShard reports the per-model and per-worker gauges of one shard's state.

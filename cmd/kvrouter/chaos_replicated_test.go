@@ -5,8 +5,6 @@ package main
 import (
 	"context"
 	"fmt"
-	"io"
-	"net/http"
 	"regexp"
 	"strconv"
 	"strings"
@@ -228,28 +226,4 @@ func chaosDumpsInFlight(t *testing.T, bin string) chaosResult {
 	}
 	s.notes = fmt.Sprintf("held %.1f MiB of dumps, RSS +%.1f MiB (bound %d MiB)", heldBytes/(1<<20), float64(grew)/(1<<20), dumpHeldBound>>20)
 	return s
-}
-
-// metricValue returns the value of the metric without labels name that the process exports (-1
-// when it exports none, or its /metrics cannot be read).
-func metricValue(t *testing.T, p *serverProcess, name string) float64 {
-	t.Helper()
-	resp, err := http.Get("http://" + p.metrics + "/metrics")
-	if err != nil {
-		return -1
-	}
-	defer resp.Body.Close()
-	body, err := io.ReadAll(resp.Body)
-	if err != nil {
-		return -1
-	}
-	for _, line := range strings.Split(string(body), "\n") {
-		if v, ok := strings.CutPrefix(line, name+" "); ok {
-			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
-			if err == nil {
-				return f
-			}
-		}
-	}
-	return -1
 }

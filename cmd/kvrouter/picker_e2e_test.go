@@ -2,10 +2,12 @@ package main
 
 import (
 	"bytes"
+	"context"
 	"io"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 
 	corev3 "github.com/envoyproxy/go-control-plane/envoy/config/core/v3"
 	extprocfilterv3 "github.com/envoyproxy/go-control-plane/envoy/extensions/filters/http/ext_proc/v3"
@@ -15,9 +17,12 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/testing/protocmp"
 	"sigs.k8s.io/gateway-api-inference-extension/test/integration"
 
+	"github.com/kvrouter/kvrouter/kvstate/kvtest"
+	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
 	"github.com/kvrouter/kvrouter/server/frontdoor/testmodels"
 )
 
@@ -139,5 +144,72 @@ func TestPickerModels(t *testing.T) {
 	code := run(t.Context(), []string{"serve", "--picker-listen", freePort(t), "--picker-models", "broken=" + empty}, func(string) string { return "" }, io.Discard, &stderr)
 	if want := `picker_models: model "broken" (` + empty + `): tokenizer: open ` + filepath.Join(empty, "tokenizer.json"); code != 1 || !strings.Contains(stderr.String(), want) {
 		t.Errorf("run() with a model directory without files = %d, %q; want 1 and %q", code, stderr.String(), want)
+	}
+}
+
+// TestPickerReplicaDiesMidStream kills (SIGKILL) the replica whose endpoint picker holds a picked
+// request's stream, before the response comes: nobody is left to free that booking, so replica B,
+// which shares the log, expires it after booking_expiry, and counts it in
+// kvrouter_bookings_expired_total. The booking is held until then, and not one expiry longer.
+func TestPickerReplicaDiesMidStream(t *testing.T) {
+	s := redistest.Start(t)
+	bin := buildBinary(t)
+	const expiry = 2 * time.Second
+	pickerAddr := freePort(t)
+	flags := []string{"--redis-addr", s.Addr, "--booking-expiry", expiry.String()}
+	a := startProcess(t, bin, append(flags, "--replica-id", "a", "--picker-listen", pickerAddr)...)
+	b := startProcess(t, bin, append(flags, "--replica-id", "b")...)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*defaultTestTimeout)
+	defer cancel()
+
+	w := &worker{t: t, id: 1, acked: -1}
+	w.connect(ctx, b.addr) // model m, endpoint w: the worker outlives A
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { return len(listWorkers(t, a.addr)) == 1 }) {
+		t.Fatal("replica A never saw the worker registered on B")
+	}
+
+	conn, err := grpc.NewClient("passthrough:///"+pickerAddr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	stream, err := extprocv3.NewExternalProcessorClient(conn).Process(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body := `{"model": "m", "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 4}`
+	reqs := integration.ReqRaw(map[string]string{":path": "/v1/completions", ":method": "POST"}, body)
+	reqs[0].ProtocolConfig = &extprocv3.ProtocolConfiguration{RequestBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED,
+		ResponseBodyMode: extprocfilterv3.ProcessingMode_FULL_DUPLEX_STREAMED}
+	for _, req := range reqs {
+		if err := stream.Send(req); err != nil {
+			t.Fatalf("sending the request to A's picker: %v", err)
+		}
+	}
+	got, err := integration.StreamedRequest(t, stream, nil, 2)
+	if err != nil {
+		t.Fatalf("A's picker: %v", err)
+	}
+	if ir := got[0].GetImmediateResponse(); ir != nil {
+		t.Fatalf("A's picker refused the request: %d %s", ir.GetStatus().GetCode(), ir.GetBody())
+	}
+	if !kvtest.Poll(defaultTestTimeout, 20*time.Millisecond, func() bool { return metricValue(t, b, "kvrouter_bookings") == 1 }) {
+		t.Fatalf("replica B never held the picked request's booking (kvrouter_bookings = %v)", metricValue(t, b, "kvrouter_bookings"))
+	}
+
+	a.kill() // mid-stream: the response never comes, and A cannot free the booking
+	killed := time.Now()
+	if !kvtest.Poll(defaultTestTimeout, 50*time.Millisecond, func() bool {
+		return metricValue(t, b, "kvrouter_bookings") == 0 && metricValue(t, b, "kvrouter_bookings_expired_total") == 1
+	}) {
+		t.Fatalf("after A died, B holds %v bookings and counted %v expired; want 0 and 1\n%s",
+			metricValue(t, b, "kvrouter_bookings"), metricValue(t, b, "kvrouter_bookings_expired_total"), b.logs)
+	}
+	// The booking was made before the kill, so it ends at most an expiry and a sweep (1 s) after.
+	if took := time.Since(killed); took > expiry+defaultTestTimeout/2 {
+		t.Errorf("the booking expired %v after A died; want about booking_expiry (%v)", took, expiry)
+	}
+	if !strings.Contains(b.logs.String(), "expired bookings that were never freed") {
+		t.Errorf("B's log does not say it expired a booking:\n%s", b.logs)
 	}
 }

@@ -5,11 +5,14 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -145,6 +148,30 @@ func (p *serverProcess) kill() {
 	p.killed = true
 	_ = p.cmd.Process.Signal(syscall.SIGCONT) // a paused process must run to die
 	_ = p.cmd.Process.Kill()
+}
+
+// metricValue returns the value of the metric without labels name that the process exports (-1
+// when it exports none, or its /metrics cannot be read).
+func metricValue(t *testing.T, p *serverProcess, name string) float64 {
+	t.Helper()
+	resp, err := http.Get("http://" + p.metrics + "/metrics")
+	if err != nil {
+		return -1
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil {
+		return -1
+	}
+	for _, line := range strings.Split(string(body), "\n") {
+		if v, ok := strings.CutPrefix(line, name+" "); ok {
+			f, err := strconv.ParseFloat(strings.TrimSpace(v), 64)
+			if err == nil {
+				return f
+			}
+		}
+	}
+	return -1
 }
 
 // pause freezes the process (SIGSTOP), as a long stall, a frozen VM or a debugger would; resume
