@@ -75,7 +75,11 @@ type Request struct {
 	CacheNamespace string
 	// Multimodal are the prompt's multimodal inputs, sorted by Start and not overlapping; the blocks
 	// holding their tokens are keyed with their hashes (blockhash.LocalsMultimodal).
-	Multimodal     []blockhash.MultimodalObject
+	Multimodal []blockhash.MultimodalObject
+	// Hashed, when not nil, is the prompt as the caller keyed it, instead of Tokens: Tokens,
+	// LoraName, CacheNamespace and Multimodal are then empty (their salts and inputs are in the
+	// hashes).
+	Hashed         *HashedPrompt
 	QueryOnly      bool
 	Annotations    []string
 	PrefillPin     *Pin
@@ -232,6 +236,9 @@ func (r *Kernel) Decide(req *Request, p *KeyedPrompt) (*Decision, error) {
 	m := r.view.Model(req.Model)
 	if m == nil {
 		return nil, fmt.Errorf("%w: %q", ErrUnknownModel, req.Model)
+	}
+	if err := req.checkBlockSize(m.BlockSize()); err != nil {
+		return nil, err
 	}
 	sc := r.getScratch()
 	defer r.putScratch(sc)
@@ -563,9 +570,9 @@ func containsID(ids []uint64, id uint64) bool {
 // Requests queued for capacity wait shortest-first by it under router_queue_policy wspt. p is req's
 // prompt keyed for its model, as Decide takes it (nil: the kernel keys it).
 func (r *Kernel) UncachedTokens(req *Request, p *KeyedPrompt) uint64 {
-	tokens := uint64(len(req.Tokens))
+	tokens := req.PromptTokens()
 	m := r.view.Model(req.Model)
-	if m == nil || m.BlockSize() == 0 {
+	if m == nil || m.BlockSize() == 0 || req.checkBlockSize(m.BlockSize()) != nil {
 		return tokens
 	}
 	sc := r.getScratch()

@@ -1,6 +1,8 @@
 package policy
 
 import (
+	"fmt"
+
 	"github.com/kvrouter/kvrouter/kvstate"
 	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
@@ -85,13 +87,52 @@ type KeyedPrompt struct {
 }
 
 // Key keys req's prompt into p for blocks of blockSize tokens, reusing p's buffers, so that a
-// pooled KeyedPrompt keys without allocating.
+// pooled KeyedPrompt keys without allocating. A prompt the caller hashed (req.Hashed) is taken as
+// it is: its block size must be blockSize (Request.checkBlockSize), which the kernel checks before
+// it keys.
 func (p *KeyedPrompt) Key(req *Request, blockSize uint32) {
-	salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
-	p.Prompt = Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: blockSize}
-	p.Locals = blockhash.LocalsMultimodal(p.Locals[:0], req.Tokens, int(blockSize), salt, req.Multimodal)
+	p.Prompt = Prompt{Tokens: req.PromptTokens(), BlockSize: blockSize}
+	if h := req.Hashed; h != nil {
+		// Copied: the key outlives the call in a pool, and the request's slice is not its own.
+		p.Locals = append(p.Locals[:0], h.Locals...)
+	} else {
+		salt := blockhash.Salt(req.LoraName, req.CacheNamespace)
+		p.Locals = blockhash.LocalsMultimodal(p.Locals[:0], req.Tokens, int(blockSize), salt, req.Multimodal)
+	}
 	p.Seq = blockhash.Sequence(p.Seq[:0], p.Locals)
 	p.keyed = true
+}
+
+// HashedPrompt is a prompt its caller keyed (RouteRequest.block_hashes): the router routes it as
+// it would the token ids behind it, without decoding or hashing them. The caller must hash as the
+// router does (the model's block size, salts and multimodal inputs): a wrong hash changes only this
+// request's overlap (a miss, or a hit its tokens would not have), nothing in the state.
+type HashedPrompt struct {
+	// Locals are the local hashes of the prompt's complete blocks (blockhash.LocalsMultimodal).
+	Locals []uint64
+	// BlockSize is the block size they were hashed with.
+	BlockSize uint32
+	// Tokens is the prompt's length: len(Locals) complete blocks and a partial one of fewer than
+	// BlockSize tokens.
+	Tokens uint64
+}
+
+// PromptTokens returns the prompt's length in tokens, hashed or not.
+func (r *Request) PromptTokens() uint64 {
+	if r.Hashed != nil {
+		return r.Hashed.Tokens
+	}
+	return uint64(len(r.Tokens))
+}
+
+// checkBlockSize fails a hashed prompt hashed with another block size than the model's, blockSize:
+// its hashes would match nothing.
+func (r *Request) checkBlockSize(blockSize uint32) error {
+	if h := r.Hashed; h != nil && h.BlockSize != blockSize {
+		return fmt.Errorf("%w: block_size %d, but model %q has blocks of %d tokens: hash the prompt with the model's block size",
+			kvstate.ErrBlockSizeMismatch, h.BlockSize, r.Model, blockSize)
+	}
+	return nil
 }
 
 // KeyedFor reports whether p holds a key made for blocks of blockSize tokens (false for nil).

@@ -1,12 +1,14 @@
 package policy
 
 import (
+	"errors"
 	"reflect"
 	"testing"
 
 	"github.com/google/go-cmp/cmp"
 
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // TestKeyedPromptContract: Decide reads the key it is given when that key was made for the model's
@@ -58,6 +60,47 @@ func TestKeyedPromptContract(t *testing.T) {
 				t.Errorf("decision mismatch (-want +got):\n%s", diff)
 			}
 		})
+	}
+}
+
+// TestHashedPrompt: a prompt its caller keyed (Request.Hashed) is decided as its token ids are,
+// partial last block included, and one keyed for another block size than the model's is refused
+// rather than matched against nothing.
+func TestHashedPrompt(t *testing.T) {
+	f := newFleet(t)
+	f.add(1, 0, kvstate.RoleAggregated, 0)
+	f.add(2, 0, kvstate.RoleAggregated, 0)
+	warm := prompt(8*testBlockSize + 3)
+	f.cache(2, warm, 8)
+	k := f.router(DefaultConfig()).Kernel
+	type result struct {
+		Worker                 uint64
+		Overlap, Blocks        uint64
+		PromptTokens, Uncached uint64
+	}
+	decide := func(req *Request) result {
+		t.Helper()
+		dec, err := k.Decide(req, nil)
+		if err != nil {
+			t.Fatalf("Decide() = %v", err)
+		}
+		return result{dec.Decode.Worker.Info.Key.ID, dec.Decode.Overlap[kvstate.TierDevice], dec.PromptBlocks, dec.PromptTokens, k.UncachedTokens(req, nil)}
+	}
+	want := decide(&Request{Model: "m", Tokens: warm, QueryOnly: true})
+	if want != (result{2, 8, 8, 8*testBlockSize + 3, 3}) {
+		t.Fatalf("the token ids' decision = %+v", want)
+	}
+	locals := blockhash.Locals(nil, warm, testBlockSize, blockhash.Salt("", ""))
+	hashed := &Request{Model: "m", QueryOnly: true, Hashed: &HashedPrompt{Locals: locals, BlockSize: testBlockSize, Tokens: uint64(len(warm))}}
+	if diff := cmp.Diff(want, decide(hashed)); diff != "" {
+		t.Errorf("the hashed prompt's decision (-tokens +hashed):\n%s", diff)
+	}
+	other := &Request{Model: "m", QueryOnly: true, Hashed: &HashedPrompt{Locals: locals[:4], BlockSize: 2 * testBlockSize, Tokens: uint64(len(warm))}}
+	if _, err := k.Decide(other, nil); !errors.Is(err, kvstate.ErrBlockSizeMismatch) {
+		t.Errorf("Decide(hashed for blocks of %d) = %v, want ErrBlockSizeMismatch", 2*testBlockSize, err)
+	}
+	if got := k.UncachedTokens(other, nil); got != uint64(len(warm)) {
+		t.Errorf("UncachedTokens(hashed for another block size) = %d, want all %d", got, len(warm))
 	}
 }
 

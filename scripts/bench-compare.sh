@@ -20,7 +20,10 @@
 #           run, on loopback; the working tree's kvload seeds 64 workers with 1M blocks (prompts of
 #           512 blocks on 100 roots) and drives query-only Routes of 2,048 tokens, 16 prompts in
 #           turn, over 4 connections, GRPC_WARMUP [3000] calls then GRPC_DURATION [10s]: at
-#           concurrency 32 and 8, and at 32 with a bearer token checked (plaintext loopback).
+#           concurrency 32 and 8, and at 32 with a bearer token checked (plaintext loopback);
+#           then at 32 with prompt=hashed: the callers key their prompts (kvload --hash-prompts,
+#           block_hashes) where the commit's RouteRequest has block_hashes, and send token ids
+#           where it has not (the ratio is then what a caller that hashes gains over the other).
 #           Metrics: kvrouter's CPU per call (server-cpu-us/op), req/s, p50-ns, p99-ns, and kvload's
 #           own CPU per call (it shares the machine).
 #
@@ -76,6 +79,7 @@ for rev in "$old" "$new"; do
     echo "$name" | grep -qE "$ONLY" || continue
     if [ "$name" = grpc ]; then
       (cd "$tree" && go build -o "$out/kvrouter.$rev" ./cmd/kvrouter)
+      cp "$tree/proto/kvrouter/v1/router.proto" "$out/proto.$rev" # what its RouteRequest takes
       continue
     fi
     pkg=$(cd "$tree" && grep -rl --include='*_test.go' "^func $fn(" . | head -1 | xargs -r dirname)
@@ -107,7 +111,8 @@ fi
 grpc_run() {
   local rev=$1 name=$2 c=$3
   shift 3
-  local r=$out/grpc-$(echo "$name" | tr '/=' '-_')-$rev addr= kvload_creds=()
+  local r=$out/grpc-$(echo "$name" | tr '/=' '-_')-$rev addr= kvload_creds=() kvload_prompts=()
+  [[ $name == */prompt=hashed ]] && grep -q block_hashes "$out/proto.$rev" && kvload_prompts=(--hash-prompts)
   local log=$r.log
   [ $# -gt 0 ] && kvload_creds=(--token-file "$out/bench.token")
   "$out/kvrouter.$rev" serve --listen 127.0.0.1:0 --metrics-listen '' --worker-grace-period 10m "$@" 2>"$log" &
@@ -122,7 +127,7 @@ grpc_run() {
   [ -n "$addr" ] || { echo "kvrouter $rev did not start; see $log" >&2; cat "$log" >&2; exit 1; }
   "$out/kvload" --addr "$addr" --workers 64 --blocks 1000000 --prompt-blocks 512 --roots 100 --route-tokens 2048 \
     --query-only --prompts 16 --conns 4 --concurrency "$c" --warmup "$GRPC_WARMUP" --duration "$GRPC_DURATION" \
-    --server-pid "$pid" "${kvload_creds[@]}" --json "$r.json" >"$r.txt" 2>&1 || { cat "$r.txt" >&2; exit 1; }
+    --server-pid "$pid" "${kvload_creds[@]}" "${kvload_prompts[@]}" --json "$r.json" >"$r.txt" 2>&1 || { cat "$r.txt" >&2; exit 1; }
   kill "$pid" && wait "$pid" 2>/dev/null || true
   "$out/kvcurves" kvload -name "GRPCRoute/$name" -json "$r.json" | tee -a "$out/$rev.txt" >&2
 }
@@ -156,6 +161,7 @@ for round in $(seq "$ROUNDS"); do
         if { "$out/kvrouter.$rev" serve --help 2>&1 || true; } | grep -q -- -credentials-file; then
           grpc_run "$rev" concurrency=32/credentials=token 32 --credentials-file "$out/credentials.yaml"
         fi
+        grpc_run "$rev" concurrency=32/prompt=hashed 32
       done
       continue
     fi

@@ -55,7 +55,7 @@ func (s *routerService) Route(ctx context.Context, req *kvrouterv1.RouteRequest)
 	}
 	if !req.GetQueryOnly() {
 		caller := auth.FromContext(ctx)
-		if err := caller.TakeRouteTokens(len(req.GetTokenIds())); err != nil {
+		if err := caller.TakeRouteTokens(int(preq.PromptTokens())); err != nil {
 			return nil, err
 		}
 		preq.Owner, preq.OwnerMaxBlocks = caller.Bookings()
@@ -131,22 +131,14 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*app.Request
 	if n := len(req.GetSessionId()); n > maxSessionIDBytes {
 		return nil, invalidArgumentf("session_id", "must be at most %d bytes (got %d)", maxSessionIDBytes, n)
 	}
-	switch n := len(req.GetTokenIds()); {
-	case n == 0:
-		return nil, invalidArgument("token_ids", "must not be empty")
-	case n > s.maxPromptTokens:
-		return nil, invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
-	}
-	multimodal, err := multimodalObjects(req.GetMultimodalObjects(), len(req.GetTokenIds()))
-	if err != nil {
-		return nil, err
-	}
 	dreq := &app.Request{SessionID: req.GetSessionId(), Request: policy.Request{
-		ID: req.GetRequestId(), Model: req.GetModel(), Tokens: req.GetTokenIds(),
-		LoraName: req.GetLoraName(), CacheNamespace: req.GetCacheNamespace(), Multimodal: multimodal,
+		ID: req.GetRequestId(), Model: req.GetModel(),
 		QueryOnly: req.GetQueryOnly(), Annotations: req.GetAnnotations(), Explain: req.GetExplain(),
 	}}
 	out := &dreq.Request
+	if err := s.prompt(req, out); err != nil {
+		return nil, err
+	}
 	if h := req.GetHints(); h != nil {
 		if h.PrefillDpRank != nil && h.PrefillWorkerId == nil {
 			return nil, invalidArgument("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
@@ -187,6 +179,56 @@ func (s *routerService) routeRequest(req *kvrouterv1.RouteRequest) (*app.Request
 		}
 	}
 	return dreq, nil
+}
+
+// prompt validates a Route's prompt, its token ids or the block hashes a caller keyed it with, and
+// sets it in out.
+func (s *routerService) prompt(req *kvrouterv1.RouteRequest, out *policy.Request) error {
+	if req.GetBlockSize() == 0 {
+		if len(req.GetBlockHashes()) > 0 {
+			return invalidArgument("block_size", "must be set with block_hashes (the block size they were hashed with)")
+		}
+		if req.GetPromptTokens() != 0 {
+			return invalidArgument("prompt_tokens", "must be set only with block_size and block_hashes (token_ids count themselves)")
+		}
+		switch n := len(req.GetTokenIds()); {
+		case n == 0:
+			return invalidArgument("token_ids", "must not be empty")
+		case n > s.maxPromptTokens:
+			return invalidArgumentf("token_ids", "has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, s.maxPromptTokens)
+		}
+		multimodal, err := multimodalObjects(req.GetMultimodalObjects(), len(req.GetTokenIds()))
+		if err != nil {
+			return err
+		}
+		out.Tokens, out.LoraName, out.CacheNamespace, out.Multimodal = req.GetTokenIds(), req.GetLoraName(), req.GetCacheNamespace(), multimodal
+		return nil
+	}
+	// A hashed prompt: the salts and inputs are in its hashes, so the fields that make them must
+	// be empty rather than silently ignored.
+	for _, f := range []struct {
+		name string
+		set  bool
+	}{
+		{"token_ids", len(req.GetTokenIds()) > 0}, {"lora_name", req.GetLoraName() != ""},
+		{"cache_namespace", req.GetCacheNamespace() != ""}, {"multimodal_objects", len(req.GetMultimodalObjects()) > 0},
+	} {
+		if f.set {
+			return invalidArgumentf(f.name, "must be empty with block_size and block_hashes (fold it into the hashes)")
+		}
+	}
+	size, blocks, tokens := uint64(req.GetBlockSize()), uint64(len(req.GetBlockHashes())), uint64(req.GetPromptTokens())
+	switch {
+	case tokens == 0:
+		return invalidArgument("prompt_tokens", "must be at least 1 with block_hashes")
+	case tokens > uint64(s.maxPromptTokens):
+		return invalidArgumentf("prompt_tokens", "is %d, more than the maximum of %d (max_prompt_tokens)", tokens, s.maxPromptTokens)
+	case tokens < blocks*size || tokens >= (blocks+1)*size:
+		return invalidArgumentf("prompt_tokens", "must be in [%d, %d): %d block_hashes of block_size %d and a partial block (got %d)",
+			blocks*size, (blocks+1)*size, blocks, size, tokens)
+	}
+	out.Hashed = &policy.HashedPrompt{Locals: req.GetBlockHashes(), BlockSize: req.GetBlockSize(), Tokens: tokens}
+	return nil
 }
 
 // multimodalObjects validates a Route's multimodal inputs against its n token ids and returns them

@@ -291,6 +291,34 @@ func TestRouteValidation(t *testing.T) {
 		{"too many multimodal objects", func(r *kvrouterv1.RouteRequest) {
 			r.MultimodalObjects = make([]*kvrouterv1.MultimodalObject, 257)
 		}, codes.InvalidArgument, "multimodal_objects: must hold at most 256 inputs (got 257)"},
+		{"block hashes without block_size", func(r *kvrouterv1.RouteRequest) { r.TokenIds, r.BlockHashes = nil, []uint64{1, 2} },
+			codes.InvalidArgument, "block_size: must be set with block_hashes (the block size they were hashed with)"},
+		{"prompt_tokens with token ids", func(r *kvrouterv1.RouteRequest) { r.PromptTokens = 8 },
+			codes.InvalidArgument, "prompt_tokens: must be set only with block_size and block_hashes (token_ids count themselves)"},
+		{"block hashes and token ids", func(r *kvrouterv1.RouteRequest) { hashed(r); r.TokenIds = promptTokens(2) },
+			codes.InvalidArgument, "token_ids: must be empty with block_size and block_hashes (fold it into the hashes)"},
+		{"block hashes and a LoRA name", func(r *kvrouterv1.RouteRequest) { hashed(r); r.LoraName = "l" },
+			codes.InvalidArgument, "lora_name: must be empty with block_size and block_hashes (fold it into the hashes)"},
+		{"block hashes and a cache namespace", func(r *kvrouterv1.RouteRequest) { hashed(r); r.CacheNamespace = "n" },
+			codes.InvalidArgument, "cache_namespace: must be empty with block_size and block_hashes (fold it into the hashes)"},
+		{"block hashes and multimodal objects", func(r *kvrouterv1.RouteRequest) {
+			hashed(r)
+			r.MultimodalObjects = []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 0, End: 2}}
+		}, codes.InvalidArgument, "multimodal_objects: must be empty with block_size and block_hashes (fold it into the hashes)"},
+		{"block hashes without prompt_tokens", func(r *kvrouterv1.RouteRequest) { hashed(r); r.PromptTokens = 0 },
+			codes.InvalidArgument, "prompt_tokens: must be at least 1 with block_hashes"},
+		{"a block size but no hash, and no tokens", func(r *kvrouterv1.RouteRequest) { hashed(r); r.BlockHashes, r.PromptTokens = nil, 0 },
+			codes.InvalidArgument, "prompt_tokens: must be at least 1 with block_hashes"},
+		{"prompt_tokens short of the hashes", func(r *kvrouterv1.RouteRequest) { hashed(r); r.PromptTokens = 7 },
+			codes.InvalidArgument, "prompt_tokens: must be in [8, 12): 2 block_hashes of block_size 4 and a partial block (got 7)"},
+		{"prompt_tokens past a partial block", func(r *kvrouterv1.RouteRequest) { hashed(r); r.PromptTokens = 12 },
+			codes.InvalidArgument, "prompt_tokens: must be in [8, 12): 2 block_hashes of block_size 4 and a partial block (got 12)"},
+		{"prompt_tokens over max_prompt_tokens", func(r *kvrouterv1.RouteRequest) {
+			hashed(r)
+			r.BlockHashes, r.PromptTokens = make([]uint64, 250), 1001
+		}, codes.InvalidArgument, "prompt_tokens: is 1001, more than the maximum of 1000 (max_prompt_tokens)"},
+		{"block hashes of another block size", func(r *kvrouterv1.RouteRequest) { hashed(r); r.BlockSize, r.BlockHashes = 8, r.BlockHashes[:1] },
+			codes.FailedPrecondition, `block size differs from the model's: block_size 8, but model "m" has blocks of 4 tokens: hash the prompt with the model's block size`},
 		{"pin to unknown worker", func(r *kvrouterv1.RouteRequest) {
 			w := uint64(9)
 			r.Hints = &kvrouterv1.RoutingHints{DecodeWorkerId: &w}
@@ -307,6 +335,13 @@ func TestRouteValidation(t *testing.T) {
 			}
 		})
 	}
+}
+
+// hashed makes r's prompt of 8 token ids (promptTokens(2)) a prompt keyed by its caller: its two
+// blocks' local hashes for model m's block size of 4.
+func hashed(r *kvrouterv1.RouteRequest) {
+	r.BlockHashes = blockhash.Locals(nil, promptTokens(2), 4, blockhash.Salt("", ""))
+	r.BlockSize, r.PromptTokens, r.TokenIds = 4, 8, nil
 }
 
 func TestRouteBadInputDetails(t *testing.T) {
@@ -685,6 +720,19 @@ func TestRouteWithMultimodalInputs(t *testing.T) {
 			}
 			if got := resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice(); got != tt.want {
 				t.Errorf("overlap = %d blocks, want %d", got, tt.want)
+			}
+			// The same prompt keyed by its caller overlaps as much.
+			var objs []blockhash.MultimodalObject
+			for _, o := range tt.objects {
+				objs = append(objs, blockhash.MultimodalObject{Hash: o.GetMmHash(), Start: o.GetStart(), End: o.GetEnd()})
+			}
+			resp, err = e.router.Route(e.ctx, &kvrouterv1.RouteRequest{Model: "m", QueryOnly: true, BlockSize: 4, PromptTokens: 24,
+				BlockHashes: blockhash.LocalsMultimodal(nil, promptTokens(6), 4, blockhash.Salt("", ""), objs)})
+			if err != nil {
+				t.Fatalf("Route(hashed) = %v", err)
+			}
+			if got := resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice(); got != tt.want {
+				t.Errorf("hashed: overlap = %d blocks, want %d", got, tt.want)
 			}
 		})
 	}

@@ -110,7 +110,11 @@ func routeAttributes(req *kvrouterv1.RouteRequest, dec *policy.Decision) []attri
 		attrs = append(attrs, AttrRequestID.String(id))
 	}
 	if dec == nil {
-		return append(attrs, AttrPromptTokens.Int(len(req.GetTokenIds())))
+		n := len(req.GetTokenIds())
+		if req.GetBlockSize() != 0 {
+			n = int(req.GetPromptTokens())
+		}
+		return append(attrs, AttrPromptTokens.Int(n))
 	}
 	return appendDecision(attrs, dec)
 }

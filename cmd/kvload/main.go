@@ -86,6 +86,7 @@ type config struct {
 	sharedMin, sharedMax float64
 	batch, routeTokens   int
 	queryOnly            bool
+	hashPrompts          bool
 	hold, timeout        time.Duration
 	seed                 uint64
 
@@ -141,6 +142,7 @@ func parseFlags(args []string, stderr io.Writer) (*config, error) {
 	fs.IntVar(&c.batch, "batch", 16, "stored events per Publish message")
 	fs.IntVar(&c.routeTokens, "route-tokens", 2048, "tokens of each routed prompt")
 	fs.BoolVar(&c.queryOnly, "query-only", true, "send query_only requests; false books load with a unique request id per call")
+	fs.BoolVar(&c.hashPrompts, "hash-prompts", false, "send each prompt keyed as a client that hashes its own prompts does (block_hashes, kvclient.HashPrompt) instead of its token ids")
 	fs.DurationVar(&c.hold, "hold", 0, "keep the worker streams open this long after seeding and driving (0: close them at once)")
 	fs.DurationVar(&c.timeout, "timeout", 5*time.Minute, "deadline for seeding")
 	fs.Uint64Var(&c.seed, "seed", 1, "seed of the generated prompts")

@@ -163,6 +163,11 @@ func (g *generator) routeRequests() []*kvrouterv1.RouteRequest {
 			req.TokenIds = append(req.TokenIds, g.tokens(id)...)
 		}
 		req.TokenIds = req.TokenIds[:c.routeTokens]
+		if c.hashPrompts {
+			if err := kvclient.HashPrompt(req, c.blockSize); err != nil {
+				panic(err) // the generator's prompts are never empty
+			}
+		}
 		reqs[p] = req
 	}
 	return reqs

@@ -144,6 +144,28 @@ var contractRows = []struct {
 			return routeOutcome(r.b.Route(ctx, &kvrouterv1.RouteRequest{Model: "ma", TokenIds: contractP1, QueryOnly: true,
 				Annotations: []string{"x-prefill-continue", "keep", "x-bypass-remote-prefill:true"}}))
 		}},
+	{name: "a prompt its caller hashed goes where its token ids go", want: contractOutcome{Code: "OK", Decode: 11, Mode: "ROUTE_MODE_AGGREGATED"},
+		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
+			return hashedOutcome(r.b.Route(ctx, hashedRoute("ma", contractP1[:15], nil)))
+		}},
+	{name: "a hashed prompt books and frees like any other", want: contractOutcome{Code: "OK"},
+		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
+			req := hashedRoute("ma", contractP1, nil)
+			req.RequestId, req.QueryOnly = "h1", false
+			if out := routeOutcome(r.a.Route(ctx, req)); out.Code != "OK" || out.Decode != 11 {
+				return contractOutcome{Code: fmt.Sprintf("booking a hashed prompt: %+v, want OK on 11", out)}
+			}
+			_, err := r.c.Free(ctx, &kvrouterv1.FreeRequest{RequestId: "h1"})
+			return statusOutcome(err)
+		}},
+	{name: "a prompt hashed with another block size", want: contractOutcome{Code: "FailedPrecondition", Reason: "BLOCK_SIZE_MISMATCH",
+		Message: `block_size 8, but model "ma" has blocks of 4 tokens`},
+		contains: `block_size 8, but model "ma" has blocks of 4 tokens`,
+		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
+			req := hashedRoute("ma", contractP1, nil)
+			req.BlockHashes, req.BlockSize = blockhash.Locals(nil, contractP1, 8, blockhash.Salt("", "")), 8
+			return routeOutcome(r.b.Route(ctx, req))
+		}},
 	{name: "an infinite decode busy threshold", want: contractOutcome{Code: "InvalidArgument", Message: "must be a finite number >= 0"},
 		contains: "must be a finite number >= 0",
 		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
@@ -155,12 +177,34 @@ var contractRows = []struct {
 		call: contractLeave},
 	{name: "an image prompt goes to the worker caching that image, on any replica", want: contractOutcome{Code: "OK", Decode: 41, Mode: "ROUTE_MODE_AGGREGATED"},
 		call: contractImage},
+	{name: "an image prompt its caller hashed goes to the worker caching that image", want: contractOutcome{Code: "OK", Decode: 41, Mode: "ROUTE_MODE_AGGREGATED"},
+		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
+			img := blockhash.MultimodalHash("contract-image.png")
+			return hashedOutcome(r.b.Route(ctx, hashedRoute("md", contractP1, []blockhash.MultimodalObject{{Hash: img, Start: 6, End: 12}})))
+		}},
 	{name: "a multimodal input past the prompt", want: contractOutcome{Code: "InvalidArgument", Message: "multimodal_objects[0].end: must be at most the number of token_ids 16 (got 17)"},
 		contains: "multimodal_objects[0].end: must be at most the number of token_ids 16 (got 17)",
 		call: func(ctx context.Context, r *contractReplicas) contractOutcome {
 			return routeOutcome(r.b.Route(ctx, &kvrouterv1.RouteRequest{Model: "ma", TokenIds: contractP1, QueryOnly: true,
 				MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 1, Start: 8, End: 17}}}))
 		}},
+}
+
+// hashedRoute is a query for prompt keyed by its caller, as a client that hashes its own prompts
+// sends it: the local hashes of its complete 4-token blocks, with its multimodal inputs folded in.
+func hashedRoute(model string, prompt []uint32, objects []blockhash.MultimodalObject) *kvrouterv1.RouteRequest {
+	return &kvrouterv1.RouteRequest{Model: model, QueryOnly: true, BlockSize: 4, PromptTokens: uint32(len(prompt)),
+		BlockHashes: blockhash.LocalsMultimodal(nil, prompt, 4, blockhash.Salt("", ""), objects)}
+}
+
+// hashedOutcome is routeOutcome for a hashedRoute, which must have found every complete block of
+// its prompt cached on the worker it chose: the worker alone could be a tie-break's luck.
+func hashedOutcome(resp *kvrouterv1.RouteResponse, err error) contractOutcome {
+	out := routeOutcome(resp, err)
+	if got := resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice(); err == nil && got != resp.GetDiagnostics().GetPromptBlocks() {
+		out.Code = fmt.Sprintf("a hashed prompt overlapped %d of its %d blocks on %d", got, resp.GetDiagnostics().GetPromptBlocks(), out.Decode)
+	}
+	return out
 }
 
 // contractImage registers on A two workers of model md: 41 caches P1 with an image in its tokens

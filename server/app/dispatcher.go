@@ -239,7 +239,7 @@ func (d *Dispatcher) key(req *Request) (*policy.KeyedPrompt, error) {
 		return nil, nil
 	}
 	if !req.QueryOnly {
-		if err := d.cap.roomBefore(req, policy.Prompt{Tokens: uint64(len(req.Tokens)), BlockSize: blockSize}.Blocks()); err != nil {
+		if err := d.cap.roomBefore(req, policy.Prompt{Tokens: req.PromptTokens(), BlockSize: blockSize}.Blocks()); err != nil {
 			return nil, err
 		}
 	}

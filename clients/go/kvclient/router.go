@@ -4,12 +4,14 @@
 package kvclient
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
 	"fmt"
 	mrand "math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -20,6 +22,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // Defaults of RouterOptions, the server's own limits.
@@ -167,6 +170,12 @@ func (r *Router) check(req *kvrouterv1.RouteRequest) error {
 	if req.GetModel() == "" {
 		return invalidArgument("model", "must not be empty")
 	}
+	if req.GetBlockSize() != 0 { // hashed (HashPrompt): the router checks the hashes' fields
+		if n := int(req.GetPromptTokens()); n > r.opts.MaxPromptTokens {
+			return invalidArgument("prompt_tokens", fmt.Sprintf("is %d, more than the maximum of %d (max_prompt_tokens)", n, r.opts.MaxPromptTokens))
+		}
+		return nil
+	}
 	switch n := len(req.GetTokenIds()); {
 	case n == 0:
 		return invalidArgument("token_ids", "must not be empty")
@@ -174,6 +183,63 @@ func (r *Router) check(req *kvrouterv1.RouteRequest) error {
 		return invalidArgument("token_ids", fmt.Sprintf("has %d tokens, more than the maximum of %d (max_prompt_tokens)", n, r.opts.MaxPromptTokens))
 	}
 	return nil
+}
+
+// HashPrompt keys req's prompt as the router would for blocks of blockSize tokens (the model's
+// block size, as its workers registered it), and sends the keys instead of the prompt: it sets
+// block_hashes, block_size and prompt_tokens, and clears token_ids, lora_name, cache_namespace and
+// multimodal_objects, which the hashes then hold. The router answers such a request as it would
+// the token ids, without decoding or hashing them; see docs/clients.md for when that pays. A
+// prompt the router would refuse (no tokens, a multimodal input outside it or overlapping another)
+// is refused here with the router's field and rule, and req is left as it was.
+func HashPrompt(req *kvrouterv1.RouteRequest, blockSize int) error {
+	if blockSize <= 0 {
+		return invalidArgument("block_size", fmt.Sprintf("must be at least 1 (got %d)", blockSize))
+	}
+	tokens := req.GetTokenIds()
+	if len(tokens) == 0 {
+		return invalidArgument("token_ids", "must not be empty")
+	}
+	objects, err := multimodalObjects(req.GetMultimodalObjects(), len(tokens))
+	if err != nil {
+		return err
+	}
+	salt := blockhash.Salt(req.GetLoraName(), req.GetCacheNamespace())
+	req.BlockHashes = blockhash.LocalsMultimodal(req.BlockHashes[:0], tokens, blockSize, salt, objects)
+	req.BlockSize, req.PromptTokens = uint32(blockSize), uint32(len(tokens))
+	req.TokenIds, req.LoraName, req.CacheNamespace, req.MultimodalObjects = nil, "", "", nil
+	return nil
+}
+
+// multimodalObjects checks a prompt's multimodal inputs against its n token ids with the router's
+// rules and messages, and returns them sorted by their first token.
+func multimodalObjects(in []*kvrouterv1.MultimodalObject, n int) ([]blockhash.MultimodalObject, error) {
+	type indexed struct {
+		blockhash.MultimodalObject
+		i int
+	}
+	objs := make([]indexed, len(in))
+	for i, o := range in {
+		field := fmt.Sprintf("multimodal_objects[%d]", i)
+		switch {
+		case o.GetEnd() <= o.GetStart():
+			return nil, invalidArgument(field+".end", fmt.Sprintf("must be greater than start %d (got %d)", o.GetStart(), o.GetEnd()))
+		case int64(o.GetEnd()) > int64(n):
+			return nil, invalidArgument(field+".end", fmt.Sprintf("must be at most the number of token_ids %d (got %d)", n, o.GetEnd()))
+		}
+		objs[i] = indexed{blockhash.MultimodalObject{Hash: o.GetMmHash(), Start: o.GetStart(), End: o.GetEnd()}, i}
+	}
+	slices.SortFunc(objs, func(a, b indexed) int { return cmp.Compare(a.Start, b.Start) })
+	out := make([]blockhash.MultimodalObject, len(objs))
+	for k, o := range objs {
+		if k > 0 && objs[k-1].End > o.Start {
+			p := objs[k-1]
+			return nil, invalidArgument(fmt.Sprintf("multimodal_objects[%d]", o.i),
+				fmt.Sprintf("tokens [%d, %d) overlap those of multimodal_objects[%d], [%d, %d)", o.Start, o.End, p.i, p.Start, p.End))
+		}
+		out[k] = o.MultimodalObject
+	}
+	return out, nil
 }
 
 // endDetached frees id with a context of its own (ctx has ended), accepting that nothing was booked.

@@ -15,10 +15,12 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	"github.com/kvrouter/kvrouter/clients/go/kvclient"
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 	"github.com/kvrouter/kvrouter/kvstate"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 	"github.com/kvrouter/kvrouter/kvstate/kvtest"
 	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore"
 	"github.com/kvrouter/kvrouter/kvstate/logstore/redisstore/redistest"
@@ -182,6 +184,7 @@ func TestCheckedBeforeSending(t *testing.T) {
 		{"no model", &kvrouterv1.RouteRequest{RequestId: "r", TokenIds: prompt(4)}},
 		{"no tokens", &kvrouterv1.RouteRequest{RequestId: "r", Model: "m"}},
 		{"too many tokens", &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", TokenIds: prompt(65)}},
+		{"too many hashed tokens", &kvrouterv1.RouteRequest{RequestId: "r", Model: "m", BlockSize: 4, PromptTokens: 65, BlockHashes: make([]uint64, 16)}},
 		{"long request id", &kvrouterv1.RouteRequest{RequestId: long, Model: "m", TokenIds: prompt(4)}},
 	} {
 		t.Run(tt.name, func(t *testing.T) {
@@ -294,4 +297,95 @@ func TestFreeRetriedUntilTheBookingIsFound(t *testing.T) {
 	kvtest.Eventually(t, testTimeout, "the Free retried in the background to free the booking everywhere", func() bool {
 		return onB.PendingEnds() == 0 && stateA.Load().Bookings() == 0 && stateB.Load().Bookings() == 0
 	})
+}
+
+// TestHashPrompt routes one prompt with a LoRA adapter, a cache namespace and an image as token ids
+// and keyed by HashPrompt: the router finds the same cached blocks on the same worker either way,
+// and a prompt hashed with another block size than the model's is refused. HashPrompt refuses what
+// the router refuses in the token ids, with the router's words, and leaves the request as it was.
+func TestHashPrompt(t *testing.T) {
+	state := kvstate.NewState()
+	log := kvstate.NewMemLog(state)
+	ctx, cancel := context.WithTimeout(context.Background(), testTimeout)
+	defer cancel()
+	img := blockhash.MultimodalHash("cat.png")
+	tokens := prompt(18) // four blocks of 4, and two tokens more
+	for id := range uint64(2) {
+		info := kvstate.WorkerInfo{Key: kvstate.WorkerKey{ID: id + 1}, Model: "m", Role: kvstate.RoleAggregated, BlockSize: 4,
+			TotalKVBlocks: 1024, MaxNumBatchedTokens: 8192, KVEventsEnabled: true}
+		if _, err := log.Append(ctx, kvstate.WorkerUp{Info: info}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Worker 2 caches the prompt's blocks as its engine would report them.
+	locals := blockhash.LocalsMultimodal(nil, tokens, 4, blockhash.Salt("l", "tenant"), []blockhash.MultimodalObject{{Hash: img, Start: 5, End: 9}})
+	ev := kvstate.Event{Kind: kvstate.EventStored}
+	for i, h := range locals {
+		ev.Blocks = append(ev.Blocks, kvstate.Block{Hash: uint64(100 + i), Local: h})
+	}
+	if _, err := log.Append(ctx, kvstate.KVEvents{Worker: kvstate.WorkerKey{ID: 2}, Events: []kvstate.Event{ev}}); err != nil {
+		t.Fatal(err)
+	}
+	s := startReplica(t, state, log, 1000)
+	r := kvclient.NewRouter(s.conn, kvclient.RouterOptions{})
+	query := func() *kvrouterv1.RouteRequest {
+		return &kvrouterv1.RouteRequest{Model: "m", TokenIds: tokens, QueryOnly: true, LoraName: "l", CacheNamespace: "tenant",
+			MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: img, Start: 5, End: 9}}}
+	}
+	where := func(req *kvrouterv1.RouteRequest) (uint64, uint64) {
+		t.Helper()
+		b, err := r.Route(ctx, req)
+		if err != nil {
+			t.Fatalf("Route(%v) = %v", req, err)
+		}
+		return b.GetDecode().GetWorkerId(), b.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice()
+	}
+	wantWorker, wantOverlap := where(query())
+	if wantWorker != 2 || wantOverlap != 4 {
+		t.Fatalf("the token ids went to worker %d with %d blocks cached, want 2 with 4", wantWorker, wantOverlap)
+	}
+	hashed := query()
+	if err := kvclient.HashPrompt(hashed, 4); err != nil {
+		t.Fatalf("HashPrompt() = %v", err)
+	}
+	if hashed.GetTokenIds() != nil || hashed.GetLoraName() != "" || hashed.GetCacheNamespace() != "" || hashed.GetMultimodalObjects() != nil ||
+		hashed.GetBlockSize() != 4 || hashed.GetPromptTokens() != 18 || len(hashed.GetBlockHashes()) != 4 {
+		t.Errorf("HashPrompt() made %v, want 4 block hashes of block size 4 for 18 tokens and nothing else of the prompt", hashed)
+	}
+	if w, o := where(hashed); w != wantWorker || o != wantOverlap {
+		t.Errorf("the hashed prompt went to worker %d with %d blocks cached, want %d with %d", w, o, wantWorker, wantOverlap)
+	}
+	other := query()
+	if err := kvclient.HashPrompt(other, 8); err != nil {
+		t.Fatalf("HashPrompt(8) = %v", err)
+	}
+	if _, err := r.Route(ctx, other); status.Code(err) != codes.FailedPrecondition {
+		t.Errorf("a prompt hashed for blocks of 8 = %v, want FAILED_PRECONDITION (the model's blocks are of 4)", err)
+	}
+
+	for _, tt := range []struct {
+		name   string
+		mutate func(*kvrouterv1.RouteRequest)
+	}{
+		{"no tokens", func(req *kvrouterv1.RouteRequest) { req.TokenIds, req.MultimodalObjects = nil, nil }},
+		{"an image past the prompt", func(req *kvrouterv1.RouteRequest) { req.MultimodalObjects[0].End = 19 }},
+		{"an empty image", func(req *kvrouterv1.RouteRequest) { req.MultimodalObjects[0].End = 5 }},
+		{"overlapping images", func(req *kvrouterv1.RouteRequest) {
+			req.MultimodalObjects = append(req.MultimodalObjects, &kvrouterv1.MultimodalObject{MmHash: 1, Start: 2, End: 6})
+		}},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			req := query()
+			tt.mutate(req)
+			before := proto.Clone(req)
+			_, serverErr := s.raw.Route(ctx, req)
+			clientErr := kvclient.HashPrompt(req, 4)
+			if status.Code(serverErr) != codes.InvalidArgument || status.Convert(clientErr).Message() != status.Convert(serverErr).Message() {
+				t.Errorf("HashPrompt says %v; the router says %v; want the same INVALID_ARGUMENT", clientErr, serverErr)
+			}
+			if !proto.Equal(before, req) {
+				t.Errorf("a refused HashPrompt changed the request: %v, was %v", req, before)
+			}
+		})
+	}
 }

@@ -236,6 +236,7 @@ type RouteRequest struct {
 	// model is the served model name; required.
 	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
 	// token_ids are the prompt's (routing) token ids; at least one, at most the configured maximum.
+	// A caller that keys its prompts itself sends block_hashes, block_size and prompt_tokens instead.
 	TokenIds []uint32 `protobuf:"varint,3,rep,packed,name=token_ids,json=tokenIds,proto3" json:"token_ids,omitempty"`
 	// lora_name is the LoRA adapter the request uses; it salts the block hashes.
 	LoraName string `protobuf:"bytes,4,opt,name=lora_name,json=loraName,proto3" json:"lora_name,omitempty"`
@@ -262,8 +263,24 @@ type RouteRequest struct {
 	// input's tokens is hashed with the input's hash, so that the same placeholder tokens of two
 	// different images never match. At most 256, each within token_ids, none overlapping another.
 	MultimodalObjects []*MultimodalObject `protobuf:"bytes,12,rep,name=multimodal_objects,json=multimodalObjects,proto3" json:"multimodal_objects,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// block_hashes key the prompt instead of token_ids, for a caller that hashes its prompts itself
+	// (docs/hashing.md): the local hash of each complete block of block_size tokens, in order, seeded
+	// with the LoRA name's and cache namespace's salt (1337 with neither) and with the multimodal
+	// inputs folded in, as the router would hash the token ids (Go: kvclient.HashPrompt, or
+	// blockhash.LocalsMultimodal; the Python and TypeScript clients have the same functions). A
+	// partial last block has no hash. A prompt keyed so is routed exactly as its token ids would be;
+	// with it, token_ids, lora_name, cache_namespace and multimodal_objects must be empty. The
+	// message's size bound is max_prompt_tokens' token ids, so with blocks of one token a hashed
+	// prompt holds at most five eighths of max_prompt_tokens.
+	BlockHashes []uint64 `protobuf:"fixed64,13,rep,packed,name=block_hashes,json=blockHashes,proto3" json:"block_hashes,omitempty"`
+	// block_size is how many tokens each of block_hashes covers; it marks a hashed prompt and must
+	// equal the block size of the model's workers (FAILED_PRECONDITION, BLOCK_SIZE_MISMATCH otherwise).
+	BlockSize uint32 `protobuf:"varint,14,opt,name=block_size,json=blockSize,proto3" json:"block_size,omitempty"`
+	// prompt_tokens is the hashed prompt's length in tokens: at least one, at most max_prompt_tokens,
+	// at least len(block_hashes) * block_size and less than (len(block_hashes) + 1) * block_size.
+	PromptTokens  uint32 `protobuf:"varint,15,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RouteRequest) Reset() {
@@ -378,6 +395,27 @@ func (x *RouteRequest) GetMultimodalObjects() []*MultimodalObject {
 		return x.MultimodalObjects
 	}
 	return nil
+}
+
+func (x *RouteRequest) GetBlockHashes() []uint64 {
+	if x != nil {
+		return x.BlockHashes
+	}
+	return nil
+}
+
+func (x *RouteRequest) GetBlockSize() uint32 {
+	if x != nil {
+		return x.BlockSize
+	}
+	return 0
+}
+
+func (x *RouteRequest) GetPromptTokens() uint32 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
 }
 
 // MultimodalObject is one multimodal input of a prompt.
@@ -1425,7 +1463,7 @@ var File_kvrouter_v1_router_proto protoreflect.FileDescriptor
 
 const file_kvrouter_v1_router_proto_rawDesc = "" +
 	"\n" +
-	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xeb\x03\n" +
+	"\x18kvrouter/v1/router.proto\x12\vkvrouter.v1\x1a\x17kvrouter/v1/types.proto\"\xd2\x04\n" +
 	"\fRouteRequest\x12\x1d\n" +
 	"\n" +
 	"request_id\x18\x01 \x01(\tR\trequestId\x12\x14\n" +
@@ -1442,7 +1480,11 @@ const file_kvrouter_v1_router_proto_rawDesc = "" +
 	" \x01(\bR\aexplain\x12\x1d\n" +
 	"\n" +
 	"session_id\x18\v \x01(\tR\tsessionId\x12L\n" +
-	"\x12multimodal_objects\x18\f \x03(\v2\x1d.kvrouter.v1.MultimodalObjectR\x11multimodalObjects\"S\n" +
+	"\x12multimodal_objects\x18\f \x03(\v2\x1d.kvrouter.v1.MultimodalObjectR\x11multimodalObjects\x12!\n" +
+	"\fblock_hashes\x18\r \x03(\x06R\vblockHashes\x12\x1d\n" +
+	"\n" +
+	"block_size\x18\x0e \x01(\rR\tblockSize\x12#\n" +
+	"\rprompt_tokens\x18\x0f \x01(\rR\fpromptTokens\"S\n" +
 	"\x10MultimodalObject\x12\x17\n" +
 	"\amm_hash\x18\x01 \x01(\x04R\x06mmHash\x12\x14\n" +
 	"\x05start\x18\x02 \x01(\rR\x05start\x12\x10\n" +

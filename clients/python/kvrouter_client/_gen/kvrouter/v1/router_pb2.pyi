@@ -153,8 +153,10 @@ class RouteDiagnostics(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., prompt_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., prefill: _Optional[_Union[HopDiagnostics, _Mapping]] = ..., decode: _Optional[_Union[HopDiagnostics, _Mapping]] = ..., candidates: _Optional[_Iterable[_Union[CandidateCost, _Mapping]]] = ..., reason: _Optional[_Union[DecisionReason, str]] = ..., conditional_disagg: _Optional[_Union[ConditionalDisaggDiagnostics, _Mapping]] = ...) -> None: ...
 
 class RouteRequest(_message.Message):
-    __slots__ = ["annotations", "cache_namespace", "config_override", "explain", "hints", "lora_name", "model", "multimodal_objects", "query_only", "request_id", "session_id", "token_ids"]
+    __slots__ = ["annotations", "block_hashes", "block_size", "cache_namespace", "config_override", "explain", "hints", "lora_name", "model", "multimodal_objects", "prompt_tokens", "query_only", "request_id", "session_id", "token_ids"]
     ANNOTATIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     CACHE_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_OVERRIDE_FIELD_NUMBER: _ClassVar[int]
     EXPLAIN_FIELD_NUMBER: _ClassVar[int]
@@ -162,11 +164,14 @@ class RouteRequest(_message.Message):
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MULTIMODAL_OBJECTS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUERY_ONLY_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     annotations: _containers.RepeatedScalarFieldContainer[str]
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    block_size: int
     cache_namespace: str
     config_override: RouterConfigOverride
     explain: bool
@@ -174,11 +179,12 @@ class RouteRequest(_message.Message):
     lora_name: str
     model: str
     multimodal_objects: _containers.RepeatedCompositeFieldContainer[MultimodalObject]
+    prompt_tokens: int
     query_only: bool
     request_id: str
     session_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., query_only: bool = ..., annotations: _Optional[_Iterable[str]] = ..., hints: _Optional[_Union[RoutingHints, _Mapping]] = ..., config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ..., explain: bool = ..., session_id: _Optional[str] = ..., multimodal_objects: _Optional[_Iterable[_Union[MultimodalObject, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., lora_name: _Optional[str] = ..., cache_namespace: _Optional[str] = ..., query_only: bool = ..., annotations: _Optional[_Iterable[str]] = ..., hints: _Optional[_Union[RoutingHints, _Mapping]] = ..., config_override: _Optional[_Union[RouterConfigOverride, _Mapping]] = ..., explain: bool = ..., session_id: _Optional[str] = ..., multimodal_objects: _Optional[_Iterable[_Union[MultimodalObject, _Mapping]]] = ..., block_hashes: _Optional[_Iterable[int]] = ..., block_size: _Optional[int] = ..., prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RouteResponse(_message.Message):
     __slots__ = ["annotations", "booked", "decode", "diagnostics", "mode", "prefill"]
