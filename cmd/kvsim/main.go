@@ -7,6 +7,8 @@
 //	kvsim compare [flags]   one trace under several router configurations: report.md and CDF plots
 //	kvsim sweep [flags]     one conditional-disaggregation threshold over values: the trade-off curve
 //	kvsim replicas [flags]  1, 2, 4 and 8 router replicas, sharing a Redis and not: hit ratio and precision
+//	kvsim sensitivity [flags] the comparison again with the cost model's least certain constants
+//	                        (attention, KV transfer) at half and twice their values
 package main
 
 import (
@@ -47,6 +49,7 @@ Usage:
   kvsim compare [flags]   one trace under several router configurations (kvsim compare -h)
   kvsim sweep [flags]     one conditional-disaggregation threshold over values (kvsim sweep -h)
   kvsim replicas [flags]  1, 2, 4 and 8 router replicas, sharing a Redis and not (kvsim replicas -h)
+  kvsim sensitivity [flags]  the comparison with the attention and KV-transfer constants at 0.5x and 2x
 `
 
 // options are the flags both commands share.
@@ -68,10 +71,13 @@ type options struct {
 	redisAddr  string
 	counts     string
 	seed       uint64
+	// attentionScale and networkScale multiply the cost model's attention constants (decode per
+	// context token, prefill per token pair) and its KV transfer times: the least certain numbers.
+	attentionScale, networkScale float64
 }
 
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 || (args[0] != "compare" && args[0] != "sweep" && args[0] != "replicas") {
+	if len(args) == 0 || (args[0] != "compare" && args[0] != "sweep" && args[0] != "replicas" && args[0] != "sensitivity") {
 		fmt.Fprint(stderr, usage)
 		if len(args) > 0 && (args[0] == "-h" || args[0] == "--help") {
 			return 0
@@ -95,6 +101,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.Float64Var(&o.isl, "eff-isl-threshold", 2048, "conditional disaggregation's eff_isl_threshold (Dynamo's default 2048)")
 	fs.Float64Var(&o.ratio, "eff-isl-ratio-threshold", 0.7, "conditional disaggregation's eff_isl_ratio_threshold (Dynamo's default 0.7)")
 	fs.StringVar(&o.memProfile, "memprofile", "", "write a heap profile here after the replays (go tool pprof)")
+	fs.Float64Var(&o.attentionScale, "attention-scale", 1, "multiply the cost model's attention constants (decode per context token, prefill per token pair) by this")
+	fs.Float64Var(&o.networkScale, "network-scale", 1, "multiply the cost model's KV transfer times (setup and per block) by this")
 	switch cmd {
 	case "replicas":
 		fs.StringVar(&o.redisAddr, "redis-addr", "", "the Redis the shared replicas use (host:port; required)")
@@ -102,7 +110,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fs.StringVar(&o.configs, "configs", "kv-disagg", "the router configuration")
 	case "compare":
 		fs.StringVar(&o.configs, "configs", "rr-disagg,kv-disagg,cd:isl_bounding,cd:prefill_load,cd:isl_or_load,kv-agg",
-			"router configurations, comma-separated: rr-disagg, kv-disagg, kv-agg, cd:<policy>")
+			"router configurations, comma-separated: rr-disagg, kv-disagg, kv-agg, cd:<policy>, or cd:<policy>:<eff_isl_threshold>:<eff_isl_ratio_threshold>")
+	case "sensitivity":
+		fs.StringVar(&o.configs, "configs", "rr-disagg,kv-disagg,cd:isl_bounding,cd:isl_bounding:8192:0.9,cd:isl_or_load,kv-agg",
+			"router configurations, comma-separated, as for compare")
 	default:
 		fs.StringVar(&o.param, "param", "eff_isl_threshold", "the threshold swept: eff_isl_threshold or eff_isl_ratio_threshold")
 		fs.StringVar(&o.values, "values", "256,512,1024,2048,4096,8192,16384", "its values, comma-separated")
@@ -200,12 +211,24 @@ func fleetConfig(name string, o *options, model engine.CostModel) (fleet.Config,
 	case name == "kv-agg":
 		cfg.Prefill, cfg.Decode, cfg.Aggregated = 0, 0, o.prefill+o.decode
 	case strings.HasPrefix(name, "cd:"):
-		p, err := policy.LookupCDPolicy(strings.TrimPrefix(name, "cd:"))
+		parts := strings.Split(strings.TrimPrefix(name, "cd:"), ":")
+		isl, ratio := o.isl, o.ratio
+		if len(parts) == 3 { // cd:<policy>:<eff_isl_threshold>:<eff_isl_ratio_threshold>
+			var err1, err2 error
+			isl, err1 = strconv.ParseFloat(parts[1], 64)
+			ratio, err2 = strconv.ParseFloat(parts[2], 64)
+			if err := errors.Join(err1, err2); err != nil || isl < 0 || ratio < 0 {
+				return cfg, fmt.Errorf("--configs %s: want cd:<policy>:<eff_isl_threshold>:<eff_isl_ratio_threshold>, numbers >= 0", name)
+			}
+		} else if len(parts) != 1 {
+			return cfg, fmt.Errorf("--configs %s: want cd:<policy> or cd:<policy>:<eff_isl_threshold>:<eff_isl_ratio_threshold>", name)
+		}
+		p, err := policy.LookupCDPolicy(parts[0])
 		if err != nil {
 			return cfg, fmt.Errorf("--configs %s: %w", name, err)
 		}
 		cd := policy.DefaultCDConfig()
-		cd.Enabled, cd.Policy, cd.EffISLThreshold, cd.EffISLRatioThreshold = true, p, uint64(o.isl), o.ratio
+		cd.Enabled, cd.Policy, cd.EffISLThreshold, cd.EffISLRatioThreshold = true, p, uint64(isl), ratio
 		if p.NeedsPrefillBusy() {
 			busy := 1.0 // a prefill worker is busy past one batch of queued prefill tokens
 			cd.PrefillBusyThreshold = &busy
@@ -222,7 +245,10 @@ func execute(ctx context.Context, cmd string, o *options, stdout, stderr io.Writ
 	if err != nil {
 		return err
 	}
-	model := engine.Llama31_8B_H100()
+	if o.attentionScale <= 0 || o.networkScale <= 0 {
+		return fmt.Errorf("--attention-scale %g, --network-scale %g: must be > 0", o.attentionScale, o.networkScale)
+	}
+	model := engine.Llama31_8B_H100().Scaled(o.attentionScale, o.networkScale)
 	if o.kvBlocks > 0 {
 		model.TotalKVBlocks = o.kvBlocks
 	}
@@ -248,6 +274,8 @@ func execute(ctx context.Context, cmd string, o *options, stdout, stderr io.Writ
 		return sweep(o, model, reqs, replay, stdout)
 	case "replicas":
 		return replicas(o, model, replay, stdout)
+	case "sensitivity":
+		return sensitivity(o, model, replay, stdout)
 	}
 	var runs []report.Run
 	for _, name := range strings.Split(o.configs, ",") {
@@ -309,6 +337,42 @@ func sweep(o *options, model engine.CostModel, reqs []trace.Request, replay func
 	}
 	defer f.Close()
 	return report.Sweep(io.MultiWriter(f, stdout), o.param, points, filepath.Join(o.out, "sweep-"+o.param+".png"))
+}
+
+// sensitivity replays each configuration with the cost model as given and with its attention
+// constants, then its KV transfer times, at half and twice their values, and writes, per metric,
+// a table of configurations against those variants: a conclusion drawn from the comparison holds
+// when it holds in every column.
+func sensitivity(o *options, model engine.CostModel, replay func(string, fleet.Config) (report.Run, error), stdout io.Writer) error {
+	variants := []report.Variant{
+		{Name: "as given", Model: model},
+		{Name: "attention 0.5x", Model: model.Scaled(0.5, 1)}, {Name: "attention 2x", Model: model.Scaled(2, 1)},
+		{Name: "network 0.5x", Model: model.Scaled(1, 0.5)}, {Name: "network 2x", Model: model.Scaled(1, 2)},
+	}
+	var names []string
+	for _, name := range strings.Split(o.configs, ",") {
+		names = append(names, strings.TrimSpace(name))
+	}
+	results := make([][]fleet.Summary, len(names))
+	for i, name := range names {
+		for _, v := range variants {
+			cfg, err := fleetConfig(name, o, v.Model)
+			if err != nil {
+				return err
+			}
+			r, err := replay(name+" ("+v.Name+")", cfg)
+			if err != nil {
+				return err
+			}
+			results[i] = append(results[i], r.Summary)
+		}
+	}
+	f, err := os.Create(filepath.Join(o.out, "sensitivity.md"))
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	return report.Sensitivity(io.MultiWriter(f, stdout), names, variants, results)
 }
 
 // replicas replays the trace against each replica count, sharing state through Redis and not, and

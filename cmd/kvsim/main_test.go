@@ -50,6 +50,44 @@ func TestCompareAndSweep(t *testing.T) {
 	}
 }
 
+// TestSensitivity runs kvsim sensitivity on a small generated workload: three tables (TTFT p50,
+// ITL p99.9, goodput) with a row per configuration, thresholds in the name included, and a column
+// per cost-model variant; and the refusals of a malformed configuration or scale.
+func TestSensitivity(t *testing.T) {
+	out := t.TempDir()
+	var stdout, stderr bytes.Buffer
+	args := []string{"sensitivity", "--trace", "shared-prefix", "--limit", "60", "--prefill", "1", "--decode", "1", "--out", out,
+		"--configs", "kv-disagg,cd:isl_bounding:8192:0.9"}
+	if code := run(context.Background(), args, &stdout, &stderr); code != 0 {
+		t.Fatalf("kvsim sensitivity = %d\n%s", code, stderr.String())
+	}
+	table, err := os.ReadFile(filepath.Join(out, "sensitivity.md"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []string{"| TTFT p50 | as given | attention 0.5x | attention 2x | network 0.5x | network 2x |",
+		"| ITL p99.9 |", "| goodput |", "| kv-disagg |", "| cd:isl_bounding:8192:0.9 |"} {
+		if !strings.Contains(string(table), want) {
+			t.Errorf("sensitivity.md has no %q:\n%s", want, table)
+		}
+	}
+	if n := strings.Count(string(table), "| kv-disagg |"); n != 3 {
+		t.Errorf("sensitivity.md has %d kv-disagg rows, want one per table (3):\n%s", n, table)
+	}
+	for _, bad := range []string{"cd:isl_bounding:x:0.9", "cd:isl_bounding:8192", "cd:isl_bounding:-1:0.9"} {
+		stderr.Reset()
+		if code := run(context.Background(), []string{"compare", "--configs", bad, "--limit", "1", "--out", out}, &stdout, &stderr); code != 1 ||
+			!strings.Contains(stderr.String(), bad) {
+			t.Errorf("--configs %s: exit %d, stderr %q; want 1 naming it", bad, code, stderr.String())
+		}
+	}
+	stderr.Reset()
+	if code := run(context.Background(), []string{"compare", "--attention-scale", "0", "--limit", "1", "--out", out}, &stdout, &stderr); code != 1 ||
+		!strings.Contains(stderr.String(), "--attention-scale 0") {
+		t.Errorf("--attention-scale 0: exit %d, stderr %q", code, stderr.String())
+	}
+}
+
 // TestReplicas runs kvsim replicas against a private Redis on a small workload: one row per replica
 // count and sharing mode (fleet's TestReplicasShareState checks the figures), and a clear error
 // without a Redis.

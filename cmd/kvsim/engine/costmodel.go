@@ -1,6 +1,7 @@
 package engine
 
 import (
+	"fmt"
 	"math"
 	"time"
 )
@@ -39,6 +40,20 @@ type CostModel struct {
 	TotalKVBlocks       int
 	MaxNumBatchedTokens int
 	MaxNumSeqs          int
+}
+
+// Scaled returns m with its attention constants (DecodePerContextTokenNs, PrefillPerTokenPairNs)
+// multiplied by attention and its KV transfer times by network: the numbers the model is least
+// sure of, which kvsim sensitivity varies.
+func (m CostModel) Scaled(attention, network float64) CostModel {
+	m.DecodePerContextTokenNs *= attention
+	m.PrefillPerTokenPairNs *= attention
+	m.TransferSetup = time.Duration(float64(m.TransferSetup) * network)
+	m.TransferPerBlock = time.Duration(float64(m.TransferPerBlock) * network)
+	if attention != 1 || network != 1 {
+		m.Name = fmt.Sprintf("%s (attention %gx, network %gx)", m.Name, attention, network)
+	}
+	return m
 }
 
 // Llama31_8B_H100 is Llama-3.1-8B-Instruct in BF16 on one H100-SXM-80GB under vLLM V1. Where the

@@ -46,3 +46,20 @@ func TestLlamaCostModel(t *testing.T) {
 		t.Errorf("an empty pass takes %v, want 0", m.Step(0, 0, nil))
 	}
 }
+
+// TestScaled: Scaled multiplies the attention constants and the transfer times it is given and
+// leaves the rest of the model alone; 1 and 1 is the model itself.
+func TestScaled(t *testing.T) {
+	m := Llama31_8B_H100()
+	if got := m.Scaled(1, 1); got != m {
+		t.Errorf("Scaled(1, 1) = %+v, want the model unchanged", got)
+	}
+	s := m.Scaled(2, 0.5)
+	want := m
+	want.Name = m.Name + " (attention 2x, network 0.5x)"
+	want.DecodePerContextTokenNs, want.PrefillPerTokenPairNs = 2*m.DecodePerContextTokenNs, 2*m.PrefillPerTokenPairNs
+	want.TransferSetup, want.TransferPerBlock = m.TransferSetup/2, m.TransferPerBlock/2
+	if s != want {
+		t.Errorf("Scaled(2, 0.5) = %+v, want %+v", s, want)
+	}
+}

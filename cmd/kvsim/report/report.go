@@ -3,17 +3,22 @@
 package report
 
 import (
+	"cmp"
 	"fmt"
+	"image/color"
 	"io"
+	"os"
 	"slices"
 	"strings"
 	"time"
 
 	"gonum.org/v1/plot"
 	"gonum.org/v1/plot/plotter"
-	"gonum.org/v1/plot/plotutil"
 	"gonum.org/v1/plot/vg"
+	"gonum.org/v1/plot/vg/draw"
+	"gonum.org/v1/plot/vg/vgimg"
 
+	"github.com/kvrouter/kvrouter/cmd/kvsim/engine"
 	"github.com/kvrouter/kvrouter/cmd/kvsim/fleet"
 )
 
@@ -53,19 +58,30 @@ func millis(d time.Duration) string {
 
 // CDFs writes two PNG plots, one line per run: the distribution of TTFT (seconds, log axis), and
 // the tail of ITL (milliseconds): the share of gaps longer than x, both axes logarithmic, where
-// the prefill chunks that stall decoding show.
+// the prefill chunks that stall decoding show. Each legend sits in the corner its curves leave
+// empty: the TTFT distribution's top left (few requests are that fast), the ITL tail's bottom left
+// (every run has short gaps), never over the long tail the plot is for.
 func CDFs(runs []Run, ttftPath, itlPath string) error {
 	ttft := plot.New()
 	ttft.Title.Text = "Time to first token"
 	ttft.X.Label.Text = "TTFT (s)"
 	ttft.Y.Label.Text = "share of requests"
 	ttft.X.Scale, ttft.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+	ttft.Legend.Top, ttft.Legend.Left = true, true
 	itl := plot.New()
 	itl.Title.Text = "Inter-token latency: the tail"
 	itl.X.Label.Text = "gap between tokens (ms)"
 	itl.Y.Label.Text = "share of gaps longer"
 	itl.X.Scale, itl.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
 	itl.Y.Scale, itl.Y.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+	itl.Legend.Top, itl.Legend.Left = false, true
+	for _, p := range []*plot.Plot{ttft, itl} {
+		p.Legend.XOffs, p.Legend.YOffs = vg.Millimeter*4, vg.Millimeter*2
+		p.Legend.Padding = vg.Millimeter
+	}
+	if !itl.Legend.Top {
+		itl.Legend.YOffs = vg.Millimeter * 4 // above the axis's ticks
+	}
 	for i, r := range runs {
 		vals := make([]float64, 0, len(r.Result.Records))
 		for _, rec := range r.Result.Records {
@@ -86,6 +102,32 @@ func CDFs(runs []Run, ttftPath, itlPath string) error {
 		return err
 	}
 	return itl.Save(7*vg.Inch, 4.5*vg.Inch, itlPath)
+}
+
+// palette is Okabe and Ito's eight colours, told apart also by readers with colour-blindness;
+// black is left out (the axes are black) and the yellow is last (faint on white).
+var palette = []color.Color{
+	color.RGBA{R: 0xe6, G: 0x9f, A: 0xff},          // orange
+	color.RGBA{R: 0x56, G: 0xb4, B: 0xe9, A: 0xff}, // sky blue
+	color.RGBA{G: 0x9e, B: 0x73, A: 0xff},          // bluish green
+	color.RGBA{G: 0x72, B: 0xb2, A: 0xff},          // blue
+	color.RGBA{R: 0xd5, G: 0x5e, A: 0xff},          // vermillion
+	color.RGBA{R: 0xcc, G: 0x79, B: 0xa7, A: 0xff}, // reddish purple
+	color.RGBA{R: 0xf0, G: 0xe4, B: 0x42, A: 0xff}, // yellow
+}
+
+// lineStyle returns the colour and dashes of run i named name. The baselines, round robin
+// ("rr-...") and aggregated serving ("...-agg"), are dashed and dotted, so that no two kinds of
+// run differ by colour alone.
+func lineStyle(name string, i int) (color.Color, []vg.Length) {
+	c := palette[i%len(palette)]
+	switch {
+	case strings.HasPrefix(name, "rr-"):
+		return c, []vg.Length{vg.Points(6), vg.Points(3)}
+	case strings.HasSuffix(name, "-agg"):
+		return c, []vg.Length{vg.Points(1.5), vg.Points(2)}
+	}
+	return c, nil
 }
 
 // addCDF adds the empirical distribution of vals as a line: the share at or below x, or with
@@ -117,12 +159,10 @@ func addCDF(p *plot.Plot, name string, i int, vals []float64, tail bool) error {
 	if err != nil {
 		return err
 	}
-	line.Color = plotutil.Color(i)
-	line.Dashes = plotutil.Dashes(i / len(plotutil.DefaultColors))
+	line.Color, line.Dashes = lineStyle(name, i)
 	line.Width = vg.Points(1.5)
 	p.Add(line)
 	p.Legend.Add(name, line)
-	p.Legend.Top, p.Legend.Left = false, false
 	return nil
 }
 
@@ -132,29 +172,115 @@ type SweepPoint struct {
 	Summary fleet.Summary
 }
 
-// Sweep writes the trade-off curve of a swept threshold as a PNG: TTFT p50 (s), ITL p99.9 (s) and
-// the share of requests that miss the goodput bounds, against the threshold (on one axis: all three
-// are small numbers); and the points as a Markdown table.
+// Sweep writes the trade-off curve of a swept threshold as a PNG of three panels over the same
+// threshold axis, each metric on an axis of its own unit: TTFT p50 (s), ITL p99.9 (ms) and
+// goodput (% of requests within both bounds); and the points as a Markdown table. Thresholds that
+// grow by doubling (the largest at least 8 times the smallest) are drawn on a log axis, so that
+// the points are evenly spaced.
 func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error {
 	fmt.Fprintf(w, "| %s | TTFT p50 | TTFT p99 | ITL p99 | ITL p99.9 | bypass | goodput |\n|---:|---:|---:|---:|---:|---:|---:|\n", param)
-	var ttft, itl, missed plotter.XYs
+	var ttft, itl, goodput plotter.XYs
 	for _, pt := range points {
 		s := pt.Summary
 		fmt.Fprintf(w, "| %g | %s | %s | %s | %s | %.1f%% | %.1f%% |\n", pt.Value, secs(s.TTFTP50), secs(s.TTFTP99), millis(s.ITLP99), millis(s.ITLP999), 100*s.Bypass, 100*s.Goodput)
 		ttft = append(ttft, plotter.XY{X: pt.Value, Y: s.TTFTP50.Seconds()})
-		itl = append(itl, plotter.XY{X: pt.Value, Y: s.ITLP999.Seconds()})
-		missed = append(missed, plotter.XY{X: pt.Value, Y: 1 - s.Goodput})
+		itl = append(itl, plotter.XY{X: pt.Value, Y: float64(s.ITLP999) / float64(time.Millisecond)})
+		goodput = append(goodput, plotter.XY{X: pt.Value, Y: 100 * s.Goodput})
 	}
-	p := plot.New()
-	p.Title.Text = "Conditional disaggregation: " + param
-	p.X.Label.Text = param
-	p.Y.Label.Text = "seconds, or share of requests"
-	if err := plotutil.AddLinePoints(p, "TTFT p50 (s)", ttft, "ITL p99.9 (s)", itl, "requests missing the goodput bounds", missed); err != nil {
+	logX := doubling(points)
+	panels := []struct {
+		label string
+		pts   plotter.XYs
+	}{{"TTFT p50 (s)", ttft}, {"ITL p99.9 (ms)", itl}, {"goodput (%)", goodput}}
+	grid := make([][]*plot.Plot, len(panels))
+	for i, pn := range panels {
+		p := plot.New()
+		if i == 0 {
+			p.Title.Text = "Conditional disaggregation: " + param
+		}
+		if i == len(panels)-1 {
+			p.X.Label.Text = param
+		}
+		p.Y.Label.Text = pn.label
+		if logX {
+			p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+		}
+		line, dots, err := plotter.NewLinePoints(pn.pts)
+		if err != nil {
+			return err
+		}
+		line.Color, dots.Color = palette[i], palette[i]
+		line.Width = vg.Points(1.5)
+		p.Add(line, dots, plotter.NewGrid())
+		grid[i] = []*plot.Plot{p}
+	}
+	img := vgimg.New(7*vg.Inch, 7*vg.Inch)
+	dc := draw.New(img)
+	tiles := draw.Tiles{Rows: len(panels), Cols: 1, PadX: vg.Millimeter * 2, PadY: vg.Millimeter * 3,
+		PadTop: vg.Millimeter * 2, PadBottom: vg.Millimeter * 2, PadLeft: vg.Millimeter * 2, PadRight: vg.Millimeter * 4}
+	canvases := plot.Align(grid, tiles, dc)
+	for i := range grid {
+		grid[i][0].Draw(canvases[i][0])
+	}
+	f, err := os.Create(pngPath)
+	if err != nil {
 		return err
 	}
-	p.Y.Min = 0
-	p.Legend.Top = true
-	return p.Save(7*vg.Inch, 4.5*vg.Inch, pngPath)
+	if _, err := (vgimg.PngCanvas{Canvas: img}).WriteTo(f); err != nil {
+		f.Close()
+		return err
+	}
+	return f.Close()
+}
+
+// doubling reports whether a sweep's thresholds span a factor of 8 or more, all positive: values
+// that double from one point to the next, which a log axis spaces evenly.
+func doubling(points []SweepPoint) bool {
+	if len(points) < 2 {
+		return false
+	}
+	lo, hi := slices.MinFunc(points, byValue).Value, slices.MaxFunc(points, byValue).Value
+	return lo > 0 && hi >= 8*lo
+}
+
+func byValue(a, b SweepPoint) int { return cmp.Compare(a.Value, b.Value) }
+
+// Variant is one cost model a sensitivity run replays with, named as its column.
+type Variant struct {
+	Name  string
+	Model engine.CostModel
+}
+
+// Sensitivity writes three Markdown tables, TTFT p50, ITL p99.9 and goodput: a row per
+// configuration (names), a column per cost-model variant; results[i][j] is configuration i's
+// replay under variant j.
+func Sensitivity(w io.Writer, names []string, variants []Variant, results [][]fleet.Summary) error {
+	metrics := []struct {
+		title string
+		cell  func(fleet.Summary) string
+	}{
+		{"TTFT p50", func(s fleet.Summary) string { return secs(s.TTFTP50) }},
+		{"ITL p99.9", func(s fleet.Summary) string { return millis(s.ITLP999) }},
+		{"goodput", func(s fleet.Summary) string { return fmt.Sprintf("%.1f%%", 100*s.Goodput) }},
+	}
+	for k, m := range metrics {
+		if k > 0 {
+			fmt.Fprintln(w)
+		}
+		fmt.Fprintf(w, "| %s |", m.title)
+		for _, v := range variants {
+			fmt.Fprintf(w, " %s |", v.Name)
+		}
+		fmt.Fprintf(w, "\n|---|%s\n", strings.Repeat("---:|", len(variants)))
+		for i, name := range names {
+			fmt.Fprintf(w, "| %s |", name)
+			for j := range variants {
+				fmt.Fprintf(w, " %s |", m.cell(results[i][j]))
+			}
+			fmt.Fprintln(w)
+		}
+	}
+	return nil
 }
 
 // ReplicaRow is one replica count's replay, sharing state or not.
