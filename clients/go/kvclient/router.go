@@ -10,6 +10,7 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"math"
 	mrand "math/rand/v2"
 	"slices"
 	"sync"
@@ -29,6 +30,7 @@ import (
 const (
 	DefaultMaxPromptTokens = 1 << 20
 	maxRequestIDBytes      = 512
+	maxMultimodalObjects   = 256 // the router's bound on a prompt's multimodal inputs
 	defaultEndTimeout      = 5 * time.Second
 	defaultEndRetryFor     = 5 * time.Minute
 	defaultMaxPendingEnds  = 100_000
@@ -190,11 +192,15 @@ func (r *Router) check(req *kvrouterv1.RouteRequest) error {
 // block_hashes, block_size and prompt_tokens, and clears token_ids, lora_name, cache_namespace and
 // multimodal_objects, which the hashes then hold. The router answers such a request as it would
 // the token ids, without decoding or hashing them; see docs/clients.md for when that pays. A
-// prompt the router would refuse (no tokens, a multimodal input outside it or overlapping another)
-// is refused here with the router's field and rule, and req is left as it was.
+// prompt the router would refuse (no tokens, more than 256 multimodal inputs, one outside the
+// prompt or overlapping another) is refused here with the router's field and rule, and req is left
+// as it was.
 func HashPrompt(req *kvrouterv1.RouteRequest, blockSize int) error {
-	if blockSize <= 0 {
+	switch {
+	case blockSize <= 0:
 		return invalidArgument("block_size", fmt.Sprintf("must be at least 1 (got %d)", blockSize))
+	case uint64(blockSize) > math.MaxUint32:
+		return invalidArgument("block_size", fmt.Sprintf("must be a uint32 (got %d)", blockSize))
 	}
 	tokens := req.GetTokenIds()
 	if len(tokens) == 0 {
@@ -214,6 +220,9 @@ func HashPrompt(req *kvrouterv1.RouteRequest, blockSize int) error {
 // multimodalObjects checks a prompt's multimodal inputs against its n token ids with the router's
 // rules and messages, and returns them sorted by their first token.
 func multimodalObjects(in []*kvrouterv1.MultimodalObject, n int) ([]blockhash.MultimodalObject, error) {
+	if len(in) > maxMultimodalObjects {
+		return nil, invalidArgument("multimodal_objects", fmt.Sprintf("must hold at most %d inputs (got %d)", maxMultimodalObjects, len(in)))
+	}
 	type indexed struct {
 		blockhash.MultimodalObject
 		i int

@@ -370,6 +370,11 @@ func TestHashPrompt(t *testing.T) {
 		{"no tokens", func(req *kvrouterv1.RouteRequest) { req.TokenIds, req.MultimodalObjects = nil, nil }},
 		{"an image past the prompt", func(req *kvrouterv1.RouteRequest) { req.MultimodalObjects[0].End = 19 }},
 		{"an empty image", func(req *kvrouterv1.RouteRequest) { req.MultimodalObjects[0].End = 5 }},
+		{"too many images", func(req *kvrouterv1.RouteRequest) {
+			for i := range 256 {
+				req.MultimodalObjects = append(req.MultimodalObjects, &kvrouterv1.MultimodalObject{MmHash: uint64(i), Start: 0, End: 1})
+			}
+		}},
 		{"overlapping images", func(req *kvrouterv1.RouteRequest) {
 			req.MultimodalObjects = append(req.MultimodalObjects, &kvrouterv1.MultimodalObject{MmHash: 1, Start: 2, End: 6})
 		}},

@@ -4,7 +4,8 @@
 - ``Publisher`` streams one worker rank's KV-cache events and load (WorkerService/Publish), resuming
   across reconnects without losing or repeating an event.
 - ``pb`` holds the generated messages and stubs; ``events`` builds KvEvent messages.
-- ``kvrouter_client.blockhash`` is the router's block hashing (tokens_hash).
+- ``kvrouter_client.blockhash`` is the router's block hashing (tokens_hash); ``hash_prompt`` keys a
+  RouteRequest's prompt with it, to send its block hashes instead of its token ids.
 - ``kvrouter_client.aio`` has the same ``Router`` and ``Publisher`` on grpc.aio, for asyncio code.
 
 It needs grpcio, protobuf and xxhash (``pip install kvrouter-client`` brings them; Debian:
@@ -31,6 +32,7 @@ from kvrouter_client.errors import (  # noqa: E402
     error_reason,
     retry_delay,
 )
+from kvrouter_client._routecore import hash_prompt  # noqa: E402
 from kvrouter_client.publisher import DEFAULT_CHANNEL_OPTIONS, DumpFunction, Publisher, PublisherStats  # noqa: E402
 from kvrouter_client.router import Booking, Router  # noqa: E402
 
@@ -50,6 +52,7 @@ __all__ = [
     "WorkerSupersededError",
     "error_reason",
     "events",
+    "hash_prompt",
     "pb",
     "retry_delay",
 ]

@@ -2,6 +2,8 @@
 share: the requests they build, their checks, when a call is sent again and after how long, and the
 state of a Booking.
 
+``hash_prompt`` keys a RouteRequest's prompt as the router would (Go: kvclient.HashPrompt).
+
 The retry loops are generators (``route_steps``, ``RouterBase.end_steps``) that do no I/O: each
 yields ``(CALL, timeout)`` to have its call sent, and is sent back ``(response, error)``, or yields
 ``(SLEEP, seconds)``; it returns the outcome. Each Router drives them with its own calls and sleeps.
@@ -17,10 +19,10 @@ from typing import Any, Callable, Generator, Iterable, Optional, Sequence, Tuple
 
 import grpc
 
-from kvrouter_client import pb
+from kvrouter_client import blockhash, pb
 from kvrouter_client._channels import DEFAULT_CHANNEL_OPTIONS
-from kvrouter_client.errors import error_reason, retry_delay, status_code
-from kvrouter_client.validation import check_route_request
+from kvrouter_client.errors import ValidationError, error_reason, retry_delay, status_code
+from kvrouter_client.validation import check_multimodal_objects, check_route_request
 
 CALL = "call"
 SLEEP = "sleep"
@@ -112,6 +114,48 @@ def route_request(
     if config_override is not None:
         req.config_override.CopyFrom(config_override)
     return req
+
+
+def hash_prompt(req: "pb.router.RouteRequest", block_size: int) -> None:
+    """Keys a RouteRequest's prompt as the router would for blocks of ``block_size`` tokens (the
+    model's block size, as its workers registered it; AdminService/ListWorkers shows it), and makes
+    the request send the keys instead of the prompt, in place, as the Go client's
+    kvclient.HashPrompt does: it sets ``block_hashes`` (the local hash of each complete block, salted
+    with ``lora_name`` and ``cache_namespace``, with the ``multimodal_objects`` folded in:
+    blockhash.local_hashes), ``block_size`` and ``prompt_tokens``, and clears ``token_ids``,
+    ``lora_name``, ``cache_namespace`` and ``multimodal_objects``, which the hashes then hold.
+
+    The router routes such a request exactly as it would the token ids, without decoding or hashing
+    them (docs/hashing.md, "Keying the prompt yourself"); with another block size than the model's
+    it answers FAILED_PRECONDITION, reason BLOCK_SIZE_MISMATCH. A prompt the router would refuse as
+    token ids (none, more than 256 multimodal inputs, one with end <= start or past the prompt, two
+    that overlap) raises ValidationError with the router's field and message, and so does a
+    block_size below 1 or over 2**32-1; the request is then left as it was. ``Router.route(...,
+    hash_prompt=block_size)`` does this to the request it builds.
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be an int (got {block_size!r})")
+    if block_size < 1:
+        raise ValidationError("block_size", f"must be at least 1 (got {block_size})")
+    if block_size > 0xFFFFFFFF:
+        raise ValidationError("block_size", f"must be a uint32 (got {block_size})")
+    tokens = req.token_ids[:]  # one copy out of the repeated field
+    if not tokens:
+        raise ValidationError("token_ids", "must not be empty")
+    check_multimodal_objects(req.multimodal_objects, len(tokens))
+    objects = [(o.mm_hash, o.start, o.end) for o in req.multimodal_objects]
+    hashes = blockhash.local_hashes(tokens, block_size, blockhash.salt(req.lora_name, req.cache_namespace), objects)
+    # Nothing is changed before this point: a refusal leaves the request as it was.
+    del req.block_hashes[:]
+    req.block_hashes.extend(hashes)
+    req.block_size = block_size
+    req.prompt_tokens = len(tokens)
+    for field in ("token_ids", "lora_name", "cache_namespace", "multimodal_objects"):
+        req.ClearField(field)
+
+
+# RouterBase.route's argument of the same name hides the function there.
+_hash_prompt = hash_prompt
 
 
 class End:
@@ -262,6 +306,7 @@ class RouterBase:
         config_override: Optional["pb.router.RouterConfigOverride"] = None,
         query_only: bool = False,
         timeout: Optional[float] = None,
+        hash_prompt: Optional[int] = None,
     ) -> Any:
         """Routes one request and returns its Booking (kvrouter_client.aio: an awaitable of it, which
         is also an async context manager); a request without an id gets a random one.
@@ -272,6 +317,13 @@ class RouterBase:
         positions ``[start, end)`` in ``token_ids`` of its placeholder tokens. The router hashes the
         blocks holding them with their hashes, so that the same placeholder tokens of two different
         images never match.
+
+        ``hash_prompt=block_size`` (the model's block size) sends the prompt's block hashes instead
+        of its token ids (kvrouter_client.hash_prompt): the request is checked as token ids first,
+        then hashed here, and the router neither decodes nor hashes it, and routes it as it would the
+        token ids; a block size that is not the model's is answered FAILED_PRECONDITION (reason
+        BLOCK_SIZE_MISMATCH). A request already keyed (block_hashes, block_size and prompt_tokens
+        set) goes through ``route_request()``.
 
         It raises ValidationError (before sending) for what the router would refuse as malformed,
         and grpc.RpcError for the router's own errors. While the router answers UNAVAILABLE with
@@ -296,6 +348,10 @@ class RouterBase:
             config_override=config_override,
             query_only=query_only,
         )
+        if hash_prompt is not None:
+            # Refused as the router refuses the token ids, before they are replaced by their hashes.
+            check_route_request(req, self.max_prompt_tokens)
+            _hash_prompt(req, hash_prompt)
         return self.route_request(req, timeout=timeout)
 
     def _prepare(self, req: "pb.router.RouteRequest", timeout: Optional[float]) -> Steps:

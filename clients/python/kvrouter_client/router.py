@@ -76,7 +76,9 @@ class Router(RouterBase):
         return Booking(self, request_id, response)
 
     def route_request(self, req: "pb.router.RouteRequest", timeout: Optional[float] = None) -> Booking:
-        """Routes a ready RouteRequest (filled with a random request_id when it has none)."""
+        """Routes a ready RouteRequest (filled with a random request_id when it has none): a prompt
+        of token ids, or one keyed by hash_prompt() or by the caller (block_hashes, block_size and
+        prompt_tokens), each checked as the router checks it."""
         steps = self._prepare(req, timeout)
         return Booking(self, req.request_id, drive(steps, self._stub.Route, req))
 

@@ -41,23 +41,57 @@ def check_request_id(request_id: str) -> None:
 
 
 def check_route_request(req: "pb.router.RouteRequest", max_prompt_tokens: Optional[int]) -> None:
-    """Raises ValidationError for a RouteRequest the router would refuse before routing it."""
+    """Raises ValidationError for a RouteRequest the router would refuse before routing it: its
+    prompt as token ids, or as the block hashes of a hashed prompt (block_size set, see
+    kvrouter_client.hash_prompt), each checked as the router checks it (server/router.go, prompt)."""
     if not req.query_only or req.request_id != "":
         check_request_id(req.request_id)
     if req.model == "":
         raise ValidationError("model", "must not be empty")
-    n = len(req.token_ids)
-    if n == 0:
-        raise ValidationError("token_ids", "must not be empty")
-    if max_prompt_tokens is not None and n > max_prompt_tokens:
-        raise ValidationError("token_ids", f"has {n} tokens, more than the maximum of {max_prompt_tokens} (max_prompt_tokens)")
-    check_multimodal_objects(req.multimodal_objects, n)
+    if req.block_size != 0:
+        check_hashed_prompt(req, max_prompt_tokens)
+    else:
+        if len(req.block_hashes) > 0:
+            raise ValidationError("block_size", "must be set with block_hashes (the block size they were hashed with)")
+        if req.prompt_tokens != 0:
+            raise ValidationError("prompt_tokens", "must be set only with block_size and block_hashes (token_ids count themselves)")
+        n = len(req.token_ids)
+        if n == 0:
+            raise ValidationError("token_ids", "must not be empty")
+        if max_prompt_tokens is not None and n > max_prompt_tokens:
+            raise ValidationError("token_ids", f"has {n} tokens, more than the maximum of {max_prompt_tokens} (max_prompt_tokens)")
+        check_multimodal_objects(req.multimodal_objects, n)
     if req.HasField("hints"):
         h = req.hints
         if h.HasField("prefill_dp_rank") and not h.HasField("prefill_worker_id"):
             raise ValidationError("hints.prefill_dp_rank", "needs hints.prefill_worker_id")
         if h.HasField("decode_dp_rank") and not h.HasField("decode_worker_id"):
             raise ValidationError("hints.decode_dp_rank", "needs hints.decode_worker_id")
+
+
+def check_hashed_prompt(req: "pb.router.RouteRequest", max_prompt_tokens: Optional[int]) -> None:
+    """Raises ValidationError for a hashed prompt (block_size set) the router refuses: one that
+    also sets a field its hashes hold (token_ids, lora_name, cache_namespace, multimodal_objects),
+    or whose prompt_tokens is 0, over max_prompt_tokens (None skips that check), or does not fit
+    its block_hashes: at least len(block_hashes) * block_size and less than one block more."""
+    for name, is_set in (
+        ("token_ids", len(req.token_ids) > 0),
+        ("lora_name", req.lora_name != ""),
+        ("cache_namespace", req.cache_namespace != ""),
+        ("multimodal_objects", len(req.multimodal_objects) > 0),
+    ):
+        if is_set:
+            raise ValidationError(name, "must be empty with block_size and block_hashes (fold it into the hashes)")
+    size, blocks, tokens = req.block_size, len(req.block_hashes), req.prompt_tokens
+    if tokens == 0:
+        raise ValidationError("prompt_tokens", "must be at least 1 with block_hashes")
+    if max_prompt_tokens is not None and tokens > max_prompt_tokens:
+        raise ValidationError("prompt_tokens", f"is {tokens}, more than the maximum of {max_prompt_tokens} (max_prompt_tokens)")
+    if not blocks * size <= tokens < (blocks + 1) * size:
+        raise ValidationError(
+            "prompt_tokens",
+            f"must be in [{blocks * size}, {(blocks + 1) * size}): {blocks} block_hashes of block_size {size} and a partial block (got {tokens})",
+        )
 
 
 def check_multimodal_objects(objects: Sequence["pb.router.MultimodalObject"], n: int) -> None:

@@ -183,12 +183,14 @@ class BlackHoleSecondStream(StreamFilter):
 
 class CountCalls:
     """Counts the calls of one RouterService method a Router sends, with the time of each, to see
-    its retries; ``sync()`` and ``aio()`` give it as a grpc and a grpc.aio interceptor."""
+    its retries, and keeps their requests (a copy of each, as sent); ``sync()`` and ``aio()`` give
+    it as a grpc and a grpc.aio interceptor."""
 
     def __init__(self, method: str = "Route") -> None:
         self._lock = threading.Lock()
         self.method = "/" + method
         self.times: List[float] = []
+        self.requests: List[object] = []
 
     @property
     def calls(self) -> int:
@@ -198,18 +200,21 @@ class CountCalls:
     # test_client.py's name for it
     routes = calls
 
-    def _seen(self, client_call_details) -> None:  # noqa: ANN001
+    def _seen(self, client_call_details, request) -> None:  # noqa: ANN001
         method = client_call_details.method  # bytes in grpc.aio
         if (method.decode() if isinstance(method, bytes) else method).endswith(self.method):
+            sent = type(request)()
+            sent.CopyFrom(request)
             with self._lock:
                 self.times.append(time.monotonic())
+                self.requests.append(sent)
 
     def sync(self) -> grpc.UnaryUnaryClientInterceptor:
         counter = self
 
         class Sync(grpc.UnaryUnaryClientInterceptor):
             def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001
-                counter._seen(client_call_details)
+                counter._seen(client_call_details, request)
                 return continuation(client_call_details, request)
 
         return Sync()
@@ -219,7 +224,7 @@ class CountCalls:
 
         class Aio(grpc.aio.UnaryUnaryClientInterceptor):
             async def intercept_unary_unary(self, continuation, client_call_details, request):  # noqa: ANN001
-                counter._seen(client_call_details)
+                counter._seen(client_call_details, request)
                 return await continuation(client_call_details, request)
 
         return Aio()

@@ -20,7 +20,7 @@ from unittest import mock
 import grpc
 import grpc.aio
 
-from common import LATE, BlackHoleSecondStream, CorruptFirstBatch, CountCalls, DropEvent, SharedStateSetup, block, hello, until
+from common import BS, LATE, BlackHoleSecondStream, CorruptFirstBatch, CountCalls, DropEvent, SharedStateSetup, block, hello, until
 from kvrouter_client import (
     PublisherClosedError,
     PublisherError,
@@ -410,6 +410,25 @@ class RouterTest(AioTest):
             await task
         self.assertTrue(await until(lambda: self.active() == 0), "the cancelled request's booking was not freed")
         self.assertEqual(self.server.admin.GetState(pb.admin.GetStateRequest()).bookings, 0)
+
+    async def test_a_hashed_prompt_is_routed_as_its_token_ids(self) -> None:
+        prompt = block(0)[1] + [99]  # worker 20's block and a tail
+        outcome = lambda b: (b.decode.worker_id, b.response.diagnostics.decode.overlap_blocks.device)  # noqa: E731
+        by_ids = await self.r.route(prompt, "demo", query_only=True)
+        hashed = await self.r.route(prompt, "demo", query_only=True, hash_prompt=BS)
+        self.assertEqual(outcome(hashed), outcome(by_ids))
+        self.assertEqual(outcome(hashed), (20, 1))
+        async with self.r.route(prompt, "demo", hash_prompt=BS) as b:
+            self.assertEqual((b.decode.worker_id, self.active()), (20, 1))
+        self.assertEqual(self.active(), 0)
+        # Refused before anything is awaited, as the router refuses the token ids.
+        with self.assertRaises(ValidationError) as cm:
+            self.r.route(prompt, "demo", multimodal_objects=[(1, 2, 9)], hash_prompt=BS)
+        self.assertEqual(str(cm.exception), "multimodal_objects[0].end: must be at most the number of token_ids 5 (got 9)")
+        with self.assertRaises(grpc.RpcError) as cm:
+            await self.r.route(prompt, "demo", hash_prompt=8)
+        self.assertEqual((cm.exception.code(), error_reason(cm.exception)), (grpc.StatusCode.FAILED_PRECONDITION, "BLOCK_SIZE_MISMATCH"))
+        self.assertEqual(self.active(), 0)
 
     async def test_a_route_is_awaited_once(self) -> None:
         call = self.r.route([1, 2, 3], "demo", query_only=True)

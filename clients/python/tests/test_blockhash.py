@@ -6,7 +6,7 @@ import json
 import os
 import unittest
 
-from kvrouter_client import blockhash, events, pb
+from kvrouter_client import ValidationError, blockhash, events, hash_prompt, pb
 from kvrouter_client.validation import check_events
 from kvserver import REPO_ROOT
 
@@ -117,6 +117,39 @@ class VectorsTest(unittest.TestCase):
                 self.assertEqual([b.tokens_hash for b in ev.stored.blocks], [int(h) for h in c["local_hashes"]])
                 self.assertTrue(all(len(b.token_ids) == 0 and len(b.mm_hashes) == 0 for b in ev.stored.blocks))
                 check_events([ev], bs)  # what is sent passes the router's checks
+
+    def test_hash_prompt_matches_the_vectors(self) -> None:
+        # hash_prompt() keys a RouteRequest of each case's prompt (its objects in the file's order)
+        # as the vectors' local hashes; a prompt the router would refuse is refused, unchanged.
+        hashed = 0
+        for c in self.vectors["cases"] + self.vectors["multimodal_cases"]:
+            with self.subTest(c["name"]):
+                bs, tokens = c["block_size"], c["tokens"]
+                req = pb.router.RouteRequest(
+                    model="m", token_ids=tokens, lora_name=c["lora_name"], cache_namespace=c["cache_namespace"],
+                    multimodal_objects=[pb.router.MultimodalObject(mm_hash=int(o["hash"]), start=o["start"], end=o["end"]) for o in c.get("objects", [])],
+                )
+                before = pb.router.RouteRequest()
+                before.CopyFrom(req)
+                refusal = None
+                if bs == 0:
+                    refusal = "block_size: must be at least 1 (got 0)"
+                elif not tokens:
+                    refusal = "token_ids: must not be empty"
+                elif any(o["end"] <= o["start"] for o in c.get("objects", [])):
+                    o = next(o for o in c["objects"] if o["end"] <= o["start"])
+                    refusal = f"multimodal_objects[{c['objects'].index(o)}].end: must be greater than start {o['start']} (got {o['end']})"
+                if refusal is not None:
+                    with self.assertRaises(ValidationError) as cm:
+                        hash_prompt(req, bs)
+                    self.assertEqual(str(cm.exception), refusal)
+                    self.assertEqual(req, before)
+                    continue
+                hash_prompt(req, bs)
+                want = pb.router.RouteRequest(model="m", block_hashes=[int(h) for h in c["local_hashes"]], block_size=bs, prompt_tokens=len(tokens))
+                self.assertEqual(req, want)
+                hashed += 1
+        self.assertGreaterEqual(hashed, 25, "cases hashed")
 
     def test_bad_input_raises_value_error(self) -> None:
         for bad in ([-1, 0, 0, 0], [1 << 32, 0, 0, 0], [1.5, 0, 0, 0]):

@@ -26,6 +26,7 @@ from kvrouter_client import (
     blockhash,
     error_reason,
     events,
+    hash_prompt,
     pb,
     retry_delay,
 )
@@ -445,6 +446,171 @@ class HashTokensTest(ServerTest):
         w = self.server.worker_status(30)
         self.assertEqual(w.cached_blocks.device, self.N)
         self.assertEqual(self.overlap(), (30, self.N))
+
+
+class HashPromptTest(ServerTest):
+    """One prompt with a LoRA adapter, a cache namespace and an image, routed as token ids and as
+    the block hashes of hash_prompt() / route(..., hash_prompt=BS), as the Go client's TestHashPrompt."""
+
+    flags = ("--max-prompt-tokens", "64")
+    PROMPT = list(range(1, 19))  # four blocks of 4, and two tokens more
+    IMAGE = blockhash.multimodal_hash("cat.png")
+    ARGS = dict(lora_name="l", cache_namespace="tenant", multimodal_objects=[(IMAGE, 5, 9)])  # the image: blocks 1 and 2
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.calls = CountCalls()
+        channel = grpc.intercept_channel(grpc.insecure_channel(self.server.addr), self.calls.sync())
+        self.addCleanup(channel.close)
+        self.router = Router(channel, max_prompt_tokens=64)
+        self.addCleanup(self.router.close)
+        # Worker 61 caches the prompt's blocks as its engine reports them: token ids, salted with the
+        # adapter and the namespace, with the image's hash. Worker 60 caches the same tokens without
+        # them: it would win if the hashes missed the salt or the image.
+        toks = [self.PROMPT[i * BS : (i + 1) * BS] for i in range(4)]
+        with self.publisher(hello(60, model="hp"), self.server.addr) as p:
+            p.publish(events.stored([(800 + i, t) for i, t in enumerate(toks)]))
+        with self.publisher(hello(61, model="hp"), self.server.addr) as p:
+            p.publish(events.stored([(700 + i, t, [self.IMAGE] if i in (1, 2) else []) for i, t in enumerate(toks)], lora_name="l", cache_namespace="tenant"))
+
+    def request(self, **change) -> "pb.router.RouteRequest":
+        """Returns the prompt's token-id RouteRequest (query only), with fields changed."""
+        args = dict(self.ARGS, **change)
+        return pb.router.RouteRequest(
+            request_id="r-hp", model="hp", query_only=True, token_ids=args.get("token_ids", self.PROMPT),
+            lora_name=args["lora_name"], cache_namespace=args["cache_namespace"],
+            multimodal_objects=[pb.router.MultimodalObject(mm_hash=h, start=a, end=b) for h, a, b in args["multimodal_objects"]],
+        )
+
+    def server_error(self, req: "pb.router.RouteRequest") -> grpc.RpcError:
+        try:
+            self.server.router.Route(req, timeout=5)
+        except grpc.RpcError as err:
+            self.assertEqual(err.code(), grpc.StatusCode.INVALID_ARGUMENT)
+            return err
+        self.fail(f"the router accepted {req}")
+
+    @staticmethod
+    def decision(b: Booking) -> Tuple[int, int, List[Tuple[int, str, int]]]:
+        """The decode worker, its device overlap, and every candidate's (explain)."""
+        d = b.response.diagnostics
+        return b.decode.worker_id, d.decode.overlap_blocks.device, sorted((c.worker.worker_id, c.hop, c.overlap_blocks.device) for c in d.candidates)
+
+    def test_hashes_route_as_the_token_ids(self) -> None:
+        by_ids = self.router.route(self.PROMPT, "hp", query_only=True, explain=True, **self.ARGS)
+        want = self.decision(by_ids)
+        self.assertEqual(want[:2], (61, 4))
+        self.assertEqual({w: o for w, _, o in want[2]}, {60: 0, 61: 4})
+        hashed = self.router.route(self.PROMPT, "hp", query_only=True, explain=True, hash_prompt=BS, **self.ARGS)
+        self.assertEqual(self.decision(hashed), want)
+        d = hashed.response.diagnostics
+        self.assertEqual((d.prompt_tokens, d.prompt_blocks, d.block_size), (18, 4, 4))
+        # On the wire: the hashes, the block size and the length, nothing else of the prompt.
+        sent = self.calls.requests[-1]
+        keys = blockhash.local_hashes(self.PROMPT, BS, blockhash.salt("l", "tenant"), [(self.IMAGE, 5, 9)])
+        self.assertEqual(list(sent.block_hashes), keys)
+        self.assertEqual((sent.block_size, sent.prompt_tokens, len(sent.token_ids), sent.lora_name, sent.cache_namespace, len(sent.multimodal_objects)), (4, 18, 0, "", "", 0))
+        # hash_prompt() on a RouteRequest, booked through route_request().
+        req = self.request()
+        req.query_only = False
+        hash_prompt(req, BS)
+        self.assertEqual(req, pb.router.RouteRequest(request_id="r-hp", model="hp", block_hashes=keys, block_size=4, prompt_tokens=18))
+        with self.router.route_request(req) as b:
+            self.assertEqual(b.decode.worker_id, 61)
+            self.assertEqual(b.response.diagnostics.decode.overlap_blocks.device, 4)
+            self.assertEqual(self.server.worker_status(61).load.active_requests, 1)
+        self.assertEqual(self.server.worker_status(61).load.active_requests, 0)
+        # The caller's own keys, for a prompt of one block more than the cached ones: 4 of 5 match.
+        longer = self.PROMPT[:16] + [90, 91, 92, 93, 94]
+        own = blockhash.local_hashes(longer, BS, blockhash.salt("l", "tenant"), [(self.IMAGE, 5, 9)])
+        b = self.router.route_request(pb.router.RouteRequest(model="hp", query_only=True, block_hashes=own, block_size=4, prompt_tokens=21))
+        self.assertEqual((b.decode.worker_id, b.response.diagnostics.decode.overlap_blocks.device, b.response.diagnostics.prompt_blocks), (61, 4, 5))
+
+    def test_a_prompt_hashed_for_another_block_size_is_refused(self) -> None:
+        for query_only in (True, False):
+            with self.assertRaises(grpc.RpcError) as cm:
+                self.router.route(self.PROMPT, "hp", query_only=query_only, hash_prompt=8, **self.ARGS)
+            self.assertEqual(cm.exception.code(), grpc.StatusCode.FAILED_PRECONDITION)
+            self.assertEqual(error_reason(cm.exception), "BLOCK_SIZE_MISMATCH")
+            self.assertIn('block_size 8, but model "hp" has blocks of 4 tokens', cm.exception.details())
+        self.assertEqual(self.calls.requests[-1].block_size, 8)
+        self.assertEqual(self.server.admin.GetState(pb.admin.GetStateRequest(), timeout=5).bookings, 0)
+
+    def test_refusals_are_the_routers(self) -> None:
+        # What the router refuses in the token ids, hash_prompt() and route(..., hash_prompt=) refuse
+        # with its words, changing nothing.
+        img = self.IMAGE
+        cases = [
+            (dict(token_ids=[], multimodal_objects=[]), "token_ids: must not be empty"),
+            (dict(multimodal_objects=[(img, 5, 19)]), "multimodal_objects[0].end: must be at most the number of token_ids 18 (got 19)"),
+            (dict(multimodal_objects=[(img, 5, 5)]), "multimodal_objects[0].end: must be greater than start 5 (got 5)"),
+            (dict(multimodal_objects=[(img, 5, 9), (1, 2, 6)]), "multimodal_objects[0]: tokens [5, 9) overlap those of multimodal_objects[1], [2, 6)"),
+            (dict(multimodal_objects=[(i, i % 18, i % 18 + 1) for i in range(257)]), "multimodal_objects: must hold at most 256 inputs (got 257)"),
+        ]
+        for change, want in cases:
+            with self.subTest(want):
+                req = self.request(**change)
+                before = pb.router.RouteRequest()
+                before.CopyFrom(req)
+                self.assertEqual(self.server_error(req).details(), want)
+                with self.assertRaises(ValidationError) as cm:
+                    hash_prompt(req, BS)
+                self.assertEqual(str(cm.exception), want)
+                self.assertEqual(req, before, "a refused hash_prompt() changed the request")
+                args = dict(self.ARGS, **change)
+                with self.assertRaises(ValidationError) as cm:
+                    self.router.route(args.get("token_ids", self.PROMPT), "hp", "r-hp", query_only=True, hash_prompt=BS,
+                                      lora_name=args["lora_name"], cache_namespace=args["cache_namespace"], multimodal_objects=args["multimodal_objects"])
+                self.assertEqual(str(cm.exception), want)
+        # More tokens than max_prompt_tokens: route() checks the token ids, as the router does; a
+        # request hashed by hash_prompt() is checked by its prompt_tokens, as the router checks it.
+        long = self.request(token_ids=list(range(1, 66)), multimodal_objects=[])
+        want = self.server_error(long).details()
+        self.assertEqual(want, "token_ids: has 65 tokens, more than the maximum of 64 (max_prompt_tokens)")
+        with self.assertRaises(ValidationError) as cm:
+            self.router.route(list(range(1, 66)), "hp", query_only=True, hash_prompt=BS, lora_name="l")
+        self.assertEqual(str(cm.exception), want)
+        hash_prompt(long, BS)
+        with self.assertRaises(ValidationError) as cm:
+            self.router.route_request(long)
+        self.assertEqual(str(cm.exception), self.server_error(long).details())
+        self.assertEqual(str(cm.exception), "prompt_tokens: is 65, more than the maximum of 64 (max_prompt_tokens)")
+        for bad in (0, -1, 1 << 32):
+            with self.assertRaises(ValidationError) as cm:
+                hash_prompt(self.request(), bad)
+            self.assertEqual(cm.exception.field, "block_size")
+        self.assertEqual(str(cm.exception), "block_size: must be a uint32 (got 4294967296)")
+        self.assertEqual(self.calls.calls, 0, "nothing refused was sent")
+
+    def test_hashed_requests_are_checked_as_the_router_checks_them(self) -> None:
+        ok = dict(request_id="r-h", model="hp", query_only=True, block_hashes=[1, 2, 3, 4], block_size=4, prompt_tokens=18)
+        cases = [
+            (dict(token_ids=[1]), "token_ids: must be empty with block_size and block_hashes (fold it into the hashes)"),
+            (dict(lora_name="l"), "lora_name: must be empty with block_size and block_hashes (fold it into the hashes)"),
+            (dict(cache_namespace="tenant"), "cache_namespace: must be empty with block_size and block_hashes (fold it into the hashes)"),
+            (dict(multimodal_objects=[pb.router.MultimodalObject(mm_hash=1, start=0, end=1)]),
+             "multimodal_objects: must be empty with block_size and block_hashes (fold it into the hashes)"),
+            (dict(prompt_tokens=0), "prompt_tokens: must be at least 1 with block_hashes"),
+            (dict(prompt_tokens=15), "prompt_tokens: must be in [16, 20): 4 block_hashes of block_size 4 and a partial block (got 15)"),
+            (dict(prompt_tokens=20), "prompt_tokens: must be in [16, 20): 4 block_hashes of block_size 4 and a partial block (got 20)"),
+            (dict(block_hashes=[], prompt_tokens=4), "prompt_tokens: must be in [0, 4): 0 block_hashes of block_size 4 and a partial block (got 4)"),
+            (dict(block_hashes=[7] * 16, prompt_tokens=65), "prompt_tokens: is 65, more than the maximum of 64 (max_prompt_tokens)"),
+            (dict(block_size=0, token_ids=[1, 2, 3]), "block_size: must be set with block_hashes (the block size they were hashed with)"),
+            (dict(block_size=0, block_hashes=[], token_ids=[1, 2, 3]), "prompt_tokens: must be set only with block_size and block_hashes (token_ids count themselves)"),
+        ]
+        for change, want in cases:
+            with self.subTest(want):
+                req = pb.router.RouteRequest(**dict(ok, **change))
+                self.assertEqual(self.server_error(req).details(), want)
+                with self.assertRaises(ValidationError) as cm:
+                    self.router.route_request(req)
+                self.assertEqual(str(cm.exception), want)
+        self.assertEqual(self.calls.calls, 0, "nothing refused was sent")
+        # The boundaries are accepted (made-up hashes match nothing).
+        for change in (dict(), dict(prompt_tokens=16), dict(prompt_tokens=19), dict(block_hashes=[], prompt_tokens=3)):
+            b = self.router.route_request(pb.router.RouteRequest(**dict(ok, **change)))
+            self.assertEqual(b.response.diagnostics.decode.overlap_blocks.device, 0)
+        self.assertEqual(self.calls.calls, 4)
 
 
 class SupersededTest(ServerTest):

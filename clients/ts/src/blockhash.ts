@@ -14,8 +14,15 @@
  *
  * XXH3 is the 64-bit XXH3 of hash-wasm. Its hashers are WebAssembly instances created asynchronously,
  * one per seed, so loadBlockHasher() resolves a BlockHasher whose methods are synchronous.
+ *
+ * hashPrompt(req, blockSize) keys a RouteRequest's prompt with them, to send its block hashes instead of
+ * its token ids (the Go client's kvclient.HashPrompt).
  */
+import { create, isMessage, type MessageInitShape } from "@bufbuild/protobuf";
 import { createXXHash3, type IHasher } from "hash-wasm";
+import { invalidArgument } from "./errors.js";
+import { RouteRequestSchema } from "./gen/kvrouter/v1/router_pb.js";
+import { checkMultimodalObjects } from "./validate.js";
 
 /** The XXH3 seed of local hashes without LoRA adapter or cache namespace, and of every chain. */
 export const BLOCK_HASH_SEED = 1337n;
@@ -369,4 +376,70 @@ export async function loadBlockHasher(...salts: bigint[]): Promise<BlockHasher> 
     await bh.load(...salts);
   }
   return bh;
+}
+
+/** The BlockHasher of hashPrompt (seeds 0, 1, 2 and 1337), loaded on first use; salts are loaded per call. */
+let promptHasher: Promise<BlockHasher> | undefined;
+
+function sharedHasher(): Promise<BlockHasher> {
+  if (!promptHasher) {
+    const p = loadBlockHasher();
+    p.catch(() => {
+      if (promptHasher === p) {
+        promptHasher = undefined; // a failed load is retried next time
+      }
+    });
+    promptHasher = p;
+  }
+  return promptHasher;
+}
+
+/**
+ * Keys a RouteRequest's prompt as the router would for blocks of blockSize tokens (the model's block
+ * size, as its workers registered it; AdminService/ListWorkers shows it), and makes the request send the
+ * keys instead of the prompt, in place, as the Go client's kvclient.HashPrompt does: it sets blockHashes
+ * (the local hash of each complete block, salted with loraName and cacheNamespace, with the
+ * multimodalObjects folded in: BlockHasher.locals), blockSize and promptTokens, and empties tokenIds,
+ * loraName, cacheNamespace and multimodalObjects, which the hashes then hold. req is a RouteRequest
+ * message or an object literal of one (what Router.route takes); its arrays are replaced, not changed.
+ *
+ * The router routes such a request exactly as it would the token ids, without decoding or hashing them
+ * (docs/hashing.md, "Keying the prompt yourself"); with another block size than the model's it answers
+ * FAILED_PRECONDITION, reason BLOCK_SIZE_MISMATCH. A prompt the router would refuse as token ids (none,
+ * more than 256 multimodal inputs, one with end <= start or past the prompt, two that overlap) rejects
+ * with the router's INVALID_ARGUMENT and message, and so does a blockSize below 1 or not a uint32; req is
+ * then left as it was. A token that is not a uint32 rejects with a RangeError. The XXH3 hashers of
+ * the request's salt are loaded (and cached) here; hasher, when given, is used instead of the shared one.
+ * Router.route(req, { hashPrompt: blockSize }) does this to its copy of the request.
+ */
+export async function hashPrompt(req: MessageInitShape<typeof RouteRequestSchema>, blockSize: number, hasher?: BlockHasher): Promise<void> {
+  if (blockSize < 1) {
+    throw invalidArgument("block_size", `must be at least 1 (got ${blockSize})`);
+  }
+  if (!Number.isInteger(blockSize) || blockSize > 0xffff_ffff) {
+    throw invalidArgument("block_size", `must be a uint32 (got ${blockSize})`);
+  }
+  const msg = isMessage(req, RouteRequestSchema) ? req : create(RouteRequestSchema, req);
+  const n = msg.tokenIds.length;
+  if (n === 0) {
+    throw invalidArgument("token_ids", "must not be empty");
+  }
+  const invalid = checkMultimodalObjects(msg, n);
+  if (invalid) {
+    throw invalid;
+  }
+  const base = hasher ?? (await sharedHasher());
+  const salt = base.salt(msg.loraName, msg.cacheNamespace);
+  // A BlockHasher keeps every salt it loads: a salt the hasher lacks is loaded into one for this call
+  // only (the hashers of recent salts stay cached), so that many tenants do not grow the shared one.
+  const bh = base.hasSalt(salt) ? base : await loadBlockHasher(salt);
+  const locals = bh.locals(msg.tokenIds, blockSize, salt, msg.multimodalObjects);
+  // Nothing is changed before this point: a refusal leaves the request as it was.
+  req.blockHashes = locals;
+  req.blockSize = blockSize;
+  req.promptTokens = n;
+  req.tokenIds = [];
+  req.loraName = "";
+  req.cacheNamespace = "";
+  req.multimodalObjects = [];
 }

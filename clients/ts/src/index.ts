@@ -5,7 +5,7 @@
 export { Publisher, MAX_BATCH_BLOCKS, DEFAULT_MAX_BATCH_EVENTS, DEFAULT_FLUSH_INTERVAL_MS, DEFAULT_MAX_UNACKED, DEFAULT_MAX_DUMP_BLOCKS } from "./publisher.js";
 export type { PublisherOptions, PublisherStats, KvEventInit, WorkerHelloInit, LoadReportInit } from "./publisher.js";
 export { Router, RouteHandle } from "./router.js";
-export type { RouterOptions, RouteInit, EndOptions } from "./router.js";
+export type { RouterOptions, RouteInit, RouteOptions, EndOptions } from "./router.js";
 // The error class and codes every call rejects with (the router's status), and the interceptor type of
 // the options: from @connectrpc/connect, re-exported so that callers match errors
 // (err instanceof ConnectError && err.code === Code.NotFound) without depending on it themselves.
@@ -26,7 +26,7 @@ export {
 export { openTransport, baseUrl } from "./transport.js";
 export type { OwnedTransport, TransportOptions } from "./transport.js";
 export type { ErrorInfo } from "./errors.js";
-export { BlockHasher, loadBlockHasher, xxh3, BLOCK_HASH_SEED, MULTIMODAL_ID_SEED } from "./blockhash.js";
+export { BlockHasher, loadBlockHasher, hashPrompt, xxh3, BLOCK_HASH_SEED, MULTIMODAL_ID_SEED } from "./blockhash.js";
 export type { Tokens, MultimodalObjectInit } from "./blockhash.js";
 export * from "./gen/kvrouter/v1/types_pb.js";
 export * from "./gen/kvrouter/v1/worker_pb.js";

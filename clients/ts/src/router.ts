@@ -1,6 +1,7 @@
 import { create, isMessage, type MessageInitShape } from "@bufbuild/protobuf";
 import { Code, ConnectError, createClient, type Client, type Interceptor } from "@connectrpc/connect";
 import { randomUUID } from "node:crypto";
+import { hashPrompt } from "./blockhash.js";
 import { errorReason, retryDelayMs } from "./errors.js";
 import { RouteRequestSchema, RouteResponseSchema, RouterService, type RouteResponse } from "./gen/kvrouter/v1/router_pb.js";
 import { openTransport, type OwnedTransport } from "./transport.js";
@@ -36,6 +37,22 @@ export interface EndOptions {
 
 /** What Router.route accepts: a RouteRequest, as an object literal. */
 export type RouteInit = MessageInitShape<typeof RouteRequestSchema>;
+
+/** Options of one route() call. */
+export interface RouteOptions {
+  /** Aborts the call, its retries included. */
+  signal?: AbortSignal;
+  /** How long the call may take, in milliseconds, its retries included. Default: the Router's timeoutMs. */
+  timeoutMs?: number;
+  /**
+   * The model's block size: the request's prompt is checked as token ids, then keyed with hashPrompt
+   * (its block hashes, salted with its LoRA name and cache namespace, its multimodal inputs folded in)
+   * and sent as those, instead of its token ids. The router routes it as it would the token ids; with
+   * another block size than the model's it answers FAILED_PRECONDITION, reason BLOCK_SIZE_MISMATCH.
+   * Default: the request is sent as it is.
+   */
+  hashPrompt?: number;
+}
 
 type EndKind = "free" | "prefill";
 
@@ -75,15 +92,18 @@ export class Router {
   /**
    * Routes one request and books its load (unless query_only). A booking request without request_id
    * gets a random one. A request the router would refuse for its shape (no model, no tokens, more than
-   * maxPromptTokens tokens, a request_id over 512 bytes) fails with INVALID_ARGUMENT and the router's
-   * message before anything is sent. While the router answers UNAVAILABLE with reason LOG_UNAVAILABLE
+   * maxPromptTokens tokens, a request_id over 512 bytes; for a hashed prompt, a field its hashes hold or
+   * a promptTokens that does not fit them) fails with INVALID_ARGUMENT and the router's message before
+   * anything is sent. With opts.hashPrompt (the model's block size) the prompt is sent as its block
+   * hashes (see hashPrompt and RouteOptions.hashPrompt); the caller's request is not changed. While the router answers UNAVAILABLE with reason LOG_UNAVAILABLE
    * (it is loading its shared state, or the state may be incomplete; it booked nothing) the call is
    * sent again after the delay it suggests, until opts.timeoutMs (the Router's timeoutMs by default)
    * ends or opts.signal aborts. A call aborted in flight may have been booked: the router frees a
    * booking whose caller left.
    */
-  async route(init: RouteInit, opts: { signal?: AbortSignal; timeoutMs?: number } = {}): Promise<RouteHandle> {
-    // create returns a RouteRequest message as it is: copy it, so that a request id set here stays here.
+  async route(init: RouteInit, opts: RouteOptions = {}): Promise<RouteHandle> {
+    // create returns a RouteRequest message as it is: copy it, so that a request id set here (and the
+    // hashes of hashPrompt, which replaces the copy's arrays) stay here.
     const req = isMessage(init, RouteRequestSchema) ? { ...init } : create(RouteRequestSchema, init);
     if (!req.queryOnly && req.requestId === "") {
       req.requestId = randomUUID();
@@ -91,6 +111,9 @@ export class Router {
     const invalid = checkRouteRequest(req, this.maxPromptTokens);
     if (invalid) {
       throw invalid;
+    }
+    if (opts.hashPrompt !== undefined) {
+      await hashPrompt(req, opts.hashPrompt); // checked as token ids above, as the router would
     }
     const deadline = performance.now() + (opts.timeoutMs ?? this.timeoutMs);
     for (let attempt = 0; ; attempt++) {
@@ -121,8 +144,9 @@ export class Router {
   /**
    * Routes a request, runs fn with the decision, and frees the booking when fn returns or throws, or as
    * soon as opts.signal aborts (fn receives a signal that aborts then too). Returns what fn returns.
+   * opts.hashPrompt is route()'s.
    */
-  async withRoute<T>(init: RouteInit, fn: (route: RouteHandle, signal: AbortSignal) => Promise<T> | T, opts: { signal?: AbortSignal } = {}): Promise<T> {
+  async withRoute<T>(init: RouteInit, fn: (route: RouteHandle, signal: AbortSignal) => Promise<T> | T, opts: Pick<RouteOptions, "signal" | "hashPrompt"> = {}): Promise<T> {
     opts.signal?.throwIfAborted();
     const handle = await this.route(init, opts);
     const inner = new AbortController();

@@ -42,9 +42,13 @@ export function checkLeaveReason(reason: string): ConnectError | undefined {
 
 /**
  * Checks a RouteRequest as the router does before routing: a request_id unless query_only, a model,
- * between one and maxPromptTokens tokens, and multimodal inputs that are at most 256, each within the
- * prompt (end > start, end <= the number of tokens), none overlapping another. Returns the error the
- * router would answer, with its message, or undefined when the router would accept the request's shape.
+ * and its prompt (server/router.go, prompt). A prompt of token ids: between one and maxPromptTokens
+ * tokens, no block_hashes nor prompt_tokens, and multimodal inputs that are at most 256, each within
+ * the prompt (end > start, end <= the number of tokens), none overlapping another. A hashed prompt
+ * (blockSize set, see hashPrompt): no token_ids, lora_name, cache_namespace nor multimodal_objects
+ * (its hashes hold them), and a promptTokens between one and maxPromptTokens that fits its
+ * blockHashes. Returns the error the router would answer, with its message, or undefined when the
+ * router would accept the request's shape.
  */
 export function checkRouteRequest(req: RouteRequest, maxPromptTokens: number): ConnectError | undefined {
   if (!req.queryOnly || req.requestId !== "") {
@@ -56,6 +60,15 @@ export function checkRouteRequest(req: RouteRequest, maxPromptTokens: number): C
   if (req.model === "") {
     return invalidArgument("model", "must not be empty");
   }
+  if (req.blockSize !== 0) {
+    return checkHashedPrompt(req, maxPromptTokens);
+  }
+  if (req.blockHashes.length > 0) {
+    return invalidArgument("block_size", "must be set with block_hashes (the block size they were hashed with)");
+  }
+  if (req.promptTokens !== 0) {
+    return invalidArgument("prompt_tokens", "must be set only with block_size and block_hashes (token_ids count themselves)");
+  }
   const n = req.tokenIds.length;
   if (n === 0) {
     return invalidArgument("token_ids", "must not be empty");
@@ -66,8 +79,40 @@ export function checkRouteRequest(req: RouteRequest, maxPromptTokens: number): C
   return checkMultimodalObjects(req, n);
 }
 
-/** Checks a RouteRequest's multimodal_objects against its n tokens, as the router does (server/router.go). */
-function checkMultimodalObjects(req: RouteRequest, n: number): ConnectError | undefined {
+/** Checks a hashed prompt (blockSize set) as the router does (server/router.go, prompt). */
+function checkHashedPrompt(req: RouteRequest, maxPromptTokens: number): ConnectError | undefined {
+  const fields: [string, boolean][] = [
+    ["token_ids", req.tokenIds.length > 0],
+    ["lora_name", req.loraName !== ""],
+    ["cache_namespace", req.cacheNamespace !== ""],
+    ["multimodal_objects", req.multimodalObjects.length > 0],
+  ];
+  for (const [name, set] of fields) {
+    if (set) {
+      return invalidArgument(name, "must be empty with block_size and block_hashes (fold it into the hashes)");
+    }
+  }
+  const tokens = req.promptTokens;
+  if (tokens === 0) {
+    return invalidArgument("prompt_tokens", "must be at least 1 with block_hashes");
+  }
+  if (tokens > maxPromptTokens) {
+    return invalidArgument("prompt_tokens", `is ${tokens}, more than the maximum of ${maxPromptTokens} (max_prompt_tokens)`);
+  }
+  // In bigints, as the router's uint64s: the products may pass 2^53.
+  const size = BigInt(req.blockSize);
+  const blocks = BigInt(req.blockHashes.length);
+  if (BigInt(tokens) < blocks * size || BigInt(tokens) >= (blocks + 1n) * size) {
+    return invalidArgument("prompt_tokens", `must be in [${blocks * size}, ${(blocks + 1n) * size}): ${blocks} block_hashes of block_size ${size} and a partial block (got ${tokens})`);
+  }
+  return undefined;
+}
+
+/**
+ * Checks a RouteRequest's multimodal_objects against its n tokens, as the router does (server/router.go).
+ * @internal
+ */
+export function checkMultimodalObjects(req: RouteRequest, n: number): ConnectError | undefined {
   const objs = req.multimodalObjects;
   if (objs.length > MAX_MULTIMODAL_OBJECTS) {
     return invalidArgument("multimodal_objects", `must hold at most ${MAX_MULTIMODAL_OBJECTS} inputs (got ${objs.length})`);

@@ -2,7 +2,8 @@ import { test } from "node:test";
 import assert from "node:assert/strict";
 import { readFileSync } from "node:fs";
 import path from "node:path";
-import { BLOCK_HASH_SEED, loadBlockHasher, Publisher, Router, StorageTier, WorkerRole, xxh3 } from "../src/index.js";
+import { create } from "@bufbuild/protobuf";
+import { BLOCK_HASH_SEED, ConnectError, hashPrompt, loadBlockHasher, Publisher, Router, RouteRequestSchema, StorageTier, WorkerRole, xxh3 } from "../src/index.js";
 import { recordBlocks, REPO_DIR, startRouter } from "./helpers.js";
 
 /** The router's golden vectors (kvstate/blockhash/testdata/hash_vectors.json); uint64s are decimal strings. */
@@ -136,6 +137,33 @@ test("locals with multimodal objects, localMultimodal and sequence match every m
   assert.equal(bh.localMultimodal([1, 2, 3, 4], []), bh.local([1, 2, 3, 4]));
   const ten = Array.from({ length: 10 }, (_, i) => i);
   assert.deepEqual(bh.locals(ten, 4, BLOCK_HASH_SEED, [{ mmHash: 7n, start: 8, end: 10 }, { mmHash: 7n, start: 3, end: 3 }]), bh.locals(ten, 4), "an object in the tail, or empty, changes nothing");
+});
+
+test("hashPrompt keys every golden case's prompt as the vectors, and refuses what the router refuses", async () => {
+  let hashed = 0;
+  const all = [...vectors.cases.map((c) => ({ ...c, objects: [] as Vectors["multimodal_cases"][number]["objects"] })), ...vectors.multimodal_cases];
+  for (const c of all) {
+    const init = () => ({
+      model: "m", tokenIds: c.tokens, loraName: c.lora_name, cacheNamespace: c.cache_namespace,
+      multimodalObjects: c.objects.map((o) => ({ mmHash: BigInt(o.hash), start: o.start, end: o.end })),
+    });
+    const req = create(RouteRequestSchema, init());
+    const empty = c.objects.findIndex((o) => o.end <= o.start);
+    const refusal = c.block_size === 0 ? "block_size: must be at least 1 (got 0)"
+      : c.tokens.length === 0 ? "token_ids: must not be empty"
+      : empty >= 0 ? `multimodal_objects[${empty}].end: must be greater than start ${c.objects[empty]!.start} (got ${c.objects[empty]!.end})`
+      : undefined;
+    if (refusal !== undefined) {
+      const err = await hashPrompt(req, c.block_size).then(() => assert.fail(`${c.name}: hashed`), (e: unknown) => ConnectError.from(e));
+      assert.equal(err.rawMessage, refusal, c.name);
+      assert.deepEqual(req, create(RouteRequestSchema, init()), `${c.name}: unchanged`);
+      continue;
+    }
+    await hashPrompt(req, c.block_size);
+    assert.deepEqual(req, create(RouteRequestSchema, { model: "m", blockHashes: big(c.local_hashes), blockSize: c.block_size, promptTokens: c.tokens.length }), c.name);
+    hashed++;
+  }
+  assert.ok(hashed >= 25, `only ${hashed} cases hashed`);
 });
 
 test("hashTokens folds mm_hashes into the vectors' local hashes, and the router matches them", async () => {

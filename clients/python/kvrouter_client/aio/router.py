@@ -119,8 +119,9 @@ class Router(RouterBase):
         return Booking(self, request_id, response)
 
     def route_request(self, req: "pb.router.RouteRequest", timeout: Optional[float] = None) -> RouteCall:
-        """Routes a ready RouteRequest (filled with a random request_id when it has none); it is
-        checked, and raises ValidationError, before anything is awaited."""
+        """Routes a ready RouteRequest (filled with a random request_id when it has none), token
+        ids or a prompt keyed by hash_prompt() or by the caller; it is checked, and raises
+        ValidationError, before anything is awaited."""
         return RouteCall(self, req, self._prepare(req, timeout))
 
     async def _route(self, req: "pb.router.RouteRequest", steps: Steps) -> Booking:
