@@ -11,8 +11,11 @@ import (
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
 )
 
-// routeTokenField is RouteRequest.token_ids.
-const routeTokenField = 3
+// routeTokenField is RouteRequest.token_ids, routeHashField its block_hashes.
+const (
+	routeTokenField = 3
+	routeHashField  = 13
+)
 
 // unmarshalRoute decodes a RouteRequest exactly as proto.Unmarshal would, with a fast path for its
 // token ids.
@@ -51,6 +54,24 @@ func unmarshalRoute(b []byte, m *kvrouterv1.RouteRequest) error {
 			}
 			i += n
 			m.TokenIds = append(m.TokenIds, uint32(v))
+		case num == routeHashField && typ == protowire.BytesType:
+			v, n := protowire.ConsumeBytes(b[i:])
+			if n < 0 || len(v)%8 != 0 {
+				return protowire.ParseError(-1)
+			}
+			i += n
+			base := len(m.BlockHashes)
+			m.BlockHashes = growUint64(m.BlockHashes, len(v)/8)[:base+len(v)/8]
+			for k := range len(v) / 8 {
+				m.BlockHashes[base+k] = binary.LittleEndian.Uint64(v[8*k:])
+			}
+		case num == routeHashField && typ == protowire.Fixed64Type: // unpacked
+			v, n := protowire.ConsumeFixed64(b[i:])
+			if n < 0 {
+				return protowire.ParseError(n)
+			}
+			i += n
+			m.BlockHashes = append(m.BlockHashes, v)
 		default:
 			n := protowire.ConsumeFieldValue(num, typ, b[i:])
 			if n < 0 {
@@ -187,6 +208,31 @@ func growUint32(s []uint32, n int) []uint32 {
 	return out
 }
 
+// growUint64 is growUint32 for block hashes (hashPool).
+func growUint64(s []uint64, n int) []uint64 {
+	if cap(s)-len(s) >= n {
+		return s
+	}
+	if s == nil && n >= minPooledHashes && n <= maxPooledHashes {
+		if p, ok := hashPool.Get().(*[]uint64); ok && cap(*p) >= n {
+			return (*p)[:0]
+		}
+	}
+	out := make([]uint64, len(s), len(s)+n)
+	copy(out, s)
+	return out
+}
+
+// hashPool recycles the block hash slices of Route requests that send them (block_hashes), as
+// tokenPool does token ids: the decision copies them into its key, and nothing keeps them past
+// the call. Slices of a 1,024- to 128k-token prompt's blocks of 16 are pooled.
+var hashPool sync.Pool
+
+const (
+	minPooledHashes = minPooledTokens / 16
+	maxPooledHashes = maxPooledTokens / 16
+)
+
 // tokenPool recycles the token id slices of Route requests: a 2,048-token prompt's 8 KB were more
 // than half the bytes the server allocated per Route call. The Route handler gives a request's
 // slice back when it returns (releaseTokens): nothing keeps a request's token ids past its call,
@@ -200,7 +246,8 @@ const (
 	maxPooledTokens = 128 << 10
 )
 
-// releaseTokens gives the request's token ids back to tokenPool; the request must not be used after.
+// releaseTokens gives the request's token ids back to tokenPool, and its block hashes to hashPool;
+// the request must not be used after.
 // In race-detector builds (the default test run) the ids are overwritten first, so that code still
 // holding them would route a different prompt every time, not only when another call happened to
 // take the slice meanwhile: TestRouteTokensPooledAcrossCalls relies on it. Elsewhere that costs
@@ -216,6 +263,16 @@ func releaseTokens(req *kvrouterv1.RouteRequest) {
 		tokenPool.Put(&t)
 	}
 	req.TokenIds = nil
+	if h := req.BlockHashes; cap(h) >= minPooledHashes && cap(h) <= maxPooledHashes {
+		if raceEnabled {
+			for i := range h {
+				h[i] = poisonToken
+			}
+		}
+		h = h[:0]
+		hashPool.Put(&h)
+	}
+	req.BlockHashes = nil
 }
 
 // poisonToken fills released token slices: no tokenizer has an id this large.

@@ -15,6 +15,7 @@ import (
 	"google.golang.org/protobuf/testing/protocmp"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
+	"github.com/kvrouter/kvrouter/kvstate/blockhash"
 )
 
 // TestUnmarshalRouteMatchesProto: unmarshalRoute decodes every encoding of a RouteRequest the way
@@ -55,10 +56,19 @@ func TestUnmarshalRouteMatchesProto(t *testing.T) {
 		}
 		return b
 	}
+	hashes := func(hs ...uint64) []byte { // one packed block_hashes field
+		var v []byte
+		for _, h := range hs {
+			v = protowire.AppendFixed64(v, h)
+		}
+		return protowire.AppendBytes(protowire.AppendTag(nil, routeHashField, protowire.BytesType), v)
+	}
 	r := rand.New(rand.NewPCG(5, 6))
 	var many []uint32
+	var many64 []uint64
 	for range 5000 {
 		many = append(many, uint32(r.Uint64()>>r.IntN(64)))
+		many64 = append(many64, r.Uint64())
 	}
 	tests := []struct {
 		name string
@@ -76,6 +86,12 @@ func TestUnmarshalRouteMatchesProto(t *testing.T) {
 		{"truncated other field", model("abc")[:3]},
 		{"bad UTF-8 in a string", model("\xff")},
 		{"wrong wire type for model", protowire.AppendVarint(protowire.AppendTag(nil, 2, protowire.VarintType), 1)},
+		{"block hashes, packed, split, interleaved and unpacked", cat(hashes(1, 1<<63, 42), model("a"), hashes(), hashes(7),
+			protowire.AppendFixed64(protowire.AppendTag(nil, routeHashField, protowire.Fixed64Type), 9))},
+		{"block hashes of a prompt", hashes(many64...)},
+		{"packed block hashes cut inside a hash", cat(protowire.AppendTag(nil, routeHashField, protowire.BytesType), []byte{9, 1, 2, 3, 4, 5, 6, 7, 8, 9})},
+		{"block hashes as varints", protowire.AppendVarint(protowire.AppendTag(nil, routeHashField, protowire.VarintType), 3)},
+		{"unpacked block hash truncated", cat(protowire.AppendTag(nil, routeHashField, protowire.Fixed64Type), []byte{1, 2, 3})},
 	}
 	// Packed fields as long as prompts, where appendPackedUint32 decodes four lanes side by side:
 	// vocabulary-like ids, a long varint (five to ten bytes) somewhere in them, and corruptions: a
@@ -133,6 +149,8 @@ func FuzzUnmarshalRoute(f *testing.F) {
 	b, _ := proto.Marshal(&kvrouterv1.RouteRequest{Model: "m", TokenIds: []uint32{1, 200, 70000, 1 << 30}, QueryOnly: true})
 	f.Add(b)
 	f.Add([]byte{0x1a, 0x02, 0x80, 0x01})
+	b, _ = proto.Marshal(&kvrouterv1.RouteRequest{Model: "m", BlockHashes: []uint64{1, 1 << 63}, BlockSize: 16, PromptTokens: 40})
+	f.Add(b)
 	f.Fuzz(func(t *testing.T, wire []byte) {
 		want := &kvrouterv1.RouteRequest{}
 		wantErr := proto.Unmarshal(wire, want)
@@ -178,10 +196,11 @@ func BenchmarkUnmarshalRoute(b *testing.B) {
 	}
 }
 
-// TestRouteTokensPooledAcrossCalls: Route calls recycle their token id slices (tokenPool). Eight
-// callers route the cached prompts of four workers at random, long enough to be pooled; each answer
-// must name the worker holding that prompt and count all its blocks, so a slice reused while a call
-// still used it would show as a wrong worker or a short overlap.
+// TestRouteTokensPooledAcrossCalls: Route calls recycle their token id slices (tokenPool) and block
+// hashes (hashPool). Eight callers route the cached prompts of four workers at random, as token ids
+// or as block hashes, long enough to be pooled; each answer must name the worker holding that
+// prompt and count all its blocks, so a slice reused while a call still used it would show as a
+// wrong worker or a short overlap.
 func TestRouteTokensPooledAcrossCalls(t *testing.T) {
 	e := newTestEnv(t, func(o *Options) { o.MaxPromptTokens = 1 << 20 })
 	const workers, blocks = 4, 400 // 1,600 tokens a prompt, over minPooledTokens
@@ -203,7 +222,12 @@ func TestRouteTokensPooledAcrossCalls(t *testing.T) {
 			r := rand.New(rand.NewPCG(uint64(c), 1))
 			for range 50 {
 				w := r.IntN(workers)
-				resp, err := e.router.Route(e.ctx, &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompts[w], QueryOnly: true})
+				req := &kvrouterv1.RouteRequest{Model: "m", TokenIds: prompts[w], QueryOnly: true}
+				if r.IntN(2) == 0 { // as its block hashes, which are pooled (hashPool) alike
+					req = &kvrouterv1.RouteRequest{Model: "m", QueryOnly: true, BlockSize: 4, PromptTokens: uint32(len(prompts[w])),
+						BlockHashes: blockhash.Locals(nil, prompts[w], 4, blockhash.Salt("", ""))}
+				}
+				resp, err := e.router.Route(e.ctx, req)
 				if err != nil {
 					t.Errorf("Route(prompt of worker %d) = %v", w+1, err)
 					return
