@@ -49,15 +49,17 @@ func (r LoadReader) Slots(dst []SlotLoad, slots []uint32) []SlotLoad { return r.
 // blocks (Load.ActiveDepths).
 func (r LoadReader) ActiveDepths(seq []uint64, o *Overlaps) { r.l.ActiveDepths(seq, o) }
 
-// BookedAt returns when request id was booked (unix nanoseconds, as Booking.At), and false when it
-// is not booked. The dispatcher's outcome hook reads it to tell how long a booking lived, on any
-// replica, since the booking carries its time.
-func (l *Load) BookedAt(id string) (int64, bool) {
+// BookedAt returns when request id was booked (unix nanoseconds, as Booking.At) and on how many
+// hops (2: prefilled remotely, then decoded; 1: one worker does both), and false when it is not
+// booked. The dispatcher's outcome hook reads it to tell how long a booking lived and where it was
+// prefilled, on any replica, since the booking carries both. A hop whose worker was removed is
+// gone from the booking, so a remote prefill whose prefill worker left counts as one hop.
+func (l *Load) BookedAt(id string) (at int64, hops int, ok bool) {
 	l.mu.RLock()
 	defer l.mu.RUnlock()
 	b := l.bookings[id]
 	if b == nil {
-		return 0, false
+		return 0, 0, false
 	}
-	return b.at, true
+	return b.at, len(b.hops), true
 }

@@ -103,7 +103,8 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	if err != nil {
 		return err
 	}
-	rep, err := replica.Build(replica.Options{Config: cfg, Logger: logger})
+	outcomes := server.NewRouteOutcomes()
+	rep, err := replica.Build(replica.Options{Config: cfg, Logger: logger, Outcomes: outcomes})
 	if err != nil {
 		return err
 	}
@@ -120,7 +121,7 @@ func serve(ctx context.Context, cfg *config.Options, stderr io.Writer) error {
 	}()
 
 	registry := prometheus.NewRegistry()
-	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}), outcomes)
 	sec, err := newPortSecurity(cfg, registry, logger)
 	if err != nil {
 		return err

@@ -224,10 +224,21 @@ func driveEmbedded(t *testing.T, addr string) {
 	openStream(ctx, t, conn, hello(1, kvrouterv1.WorkerRole_WORKER_ROLE_PREFILL))
 	decode := openStream(ctx, t, conn, hello(2, kvrouterv1.WorkerRole_WORKER_ROLE_DECODE))
 	storeBlocks(t, decode, 1, 8)
-	_, err = kvrouterv1.NewRouterServiceClient(conn).Route(ctx, &kvrouterv1.RouteRequest{
+	router := kvrouterv1.NewRouterServiceClient(conn)
+	_, err = router.Route(ctx, &kvrouterv1.RouteRequest{
 		Model: "m", TokenIds: []uint32{1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, QueryOnly: true})
 	if err != nil {
 		t.Fatalf("Route = %v", err)
+	}
+	// A booked request's whole life: its outcomes' histograms.
+	if _, err := router.Route(ctx, &kvrouterv1.RouteRequest{RequestId: "metrics-1", Model: "m", TokenIds: []uint32{1, 2, 3, 4, 5}}); err != nil {
+		t.Fatalf("Route(booked) = %v", err)
+	}
+	if _, err := router.MarkPrefillComplete(ctx, &kvrouterv1.MarkPrefillCompleteRequest{RequestId: "metrics-1"}); err != nil {
+		t.Fatalf("MarkPrefillComplete = %v", err)
+	}
+	if _, err := router.Free(ctx, &kvrouterv1.FreeRequest{RequestId: "metrics-1"}); err != nil {
+		t.Fatalf("Free = %v", err)
 	}
 }
 

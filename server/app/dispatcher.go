@@ -329,10 +329,11 @@ func (d *Dispatcher) free(ctx context.Context, id string, cause FreeCause) error
 // booking, and nothing is appended (or reported) then.
 func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change, now time.Time, cause FreeCause) error {
 	var bookedAt int64
+	var hops int
 	var seen bool
 	if d.outcomes != nil {
 		// Read before the append: once freed, the booking and its time are gone.
-		bookedAt, seen = d.state.Load().BookedAt(id)
+		bookedAt, hops, seen = d.state.Load().BookedAt(id)
 	}
 	_, err := d.log.Append(ctx, c)
 	switch {
@@ -346,11 +347,11 @@ func (d *Dispatcher) endBooking(ctx context.Context, id string, c kvstate.Change
 	}
 	if _, freed := c.(kvstate.Freed); !freed {
 		if !seen { // the booking reached this replica while the append waited for it
-			bookedAt, seen = d.state.Load().BookedAt(id)
+			bookedAt, hops, seen = d.state.Load().BookedAt(id)
 		}
-		d.outcomes.PrefillDone(ctx, endedOutcome(id, now, bookedAt, seen, 0))
+		d.outcomes.PrefillDone(ctx, endedOutcome(id, now, bookedAt, hops, seen, 0))
 		return nil
 	}
-	d.outcomes.Freed(ctx, endedOutcome(id, now, bookedAt, seen, cause))
+	d.outcomes.Freed(ctx, endedOutcome(id, now, bookedAt, hops, seen, cause))
 	return nil
 }

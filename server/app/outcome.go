@@ -94,9 +94,17 @@ type EndedOutcome struct {
 	// booking as it ended it (the booking still on its way here through the shared log, or in a
 	// shard of a model this replica does not serve).
 	BookingSeen bool
+	// Hops is the booking's hops, when seen: 2 for a request prefilled on one worker and decoded on
+	// another (RemotePrefill), 1 for one prefilled where it decodes (a bypass, or an aggregated
+	// worker).
+	Hops int
 	// Cause says why a booking was freed; zero for PrefillDone.
 	Cause FreeCause
 }
+
+// RemotePrefill reports whether the booking was prefilled on a worker of its own, as far as the
+// booking tells (BookingSeen).
+func (o EndedOutcome) RemotePrefill() bool { return o.Hops > 1 }
 
 // FreeCause says why a booking was freed.
 type FreeCause uint8
@@ -159,11 +167,11 @@ func hopOutcome(c *policy.Choice, hops []kvstate.HopBooking) HopOutcome {
 }
 
 // endedOutcome describes the end at now of request id's booking, booked at bookedAt (unix
-// nanoseconds) when seen.
-func endedOutcome(id string, now time.Time, bookedAt int64, seen bool, cause FreeCause) EndedOutcome {
+// nanoseconds) on hops when seen.
+func endedOutcome(id string, now time.Time, bookedAt int64, hops int, seen bool, cause FreeCause) EndedOutcome {
 	o := EndedOutcome{RequestID: id, At: now, BookingSeen: seen, Cause: cause}
 	if seen {
-		o.SinceBooked = now.Sub(time.Unix(0, bookedAt))
+		o.SinceBooked, o.Hops = now.Sub(time.Unix(0, bookedAt)), hops
 	}
 	return o
 }

@@ -111,9 +111,9 @@ func TestOutcomes(t *testing.T) {
 					Decode: HopOutcome{Worker: w(1), Overlap: cached(4), PrefillTokens: 12 * testBlockSize},
 				}},
 				{Kind: "prefill_done", Ended: EndedOutcome{RequestID: "r", At: t0.Add(250 * time.Millisecond),
-					SinceBooked: 250 * time.Millisecond, BookingSeen: true}},
+					SinceBooked: 250 * time.Millisecond, BookingSeen: true, Hops: 1}},
 				{Kind: "freed", Ended: EndedOutcome{RequestID: "r", At: t0.Add(2250 * time.Millisecond),
-					SinceBooked: 2250 * time.Millisecond, BookingSeen: true, Cause: FreedByCaller}},
+					SinceBooked: 2250 * time.Millisecond, BookingSeen: true, Hops: 1, Cause: FreedByCaller}},
 			}},
 		},
 		{
@@ -140,9 +140,9 @@ func TestOutcomes(t *testing.T) {
 					Decode:  HopOutcome{Worker: w(20), Load: kvstate.SlotLoad{ActiveBlocks: 3, ActiveRequests: 1}},
 				}},
 				{Kind: "prefill_done", Ended: EndedOutcome{RequestID: "r", At: t0.Add(100 * time.Millisecond),
-					SinceBooked: 100 * time.Millisecond, BookingSeen: true}},
+					SinceBooked: 100 * time.Millisecond, BookingSeen: true, Hops: 2}},
 				{Kind: "freed", Ended: EndedOutcome{RequestID: "r", At: t0.Add(1100 * time.Millisecond),
-					SinceBooked: 1100 * time.Millisecond, BookingSeen: true, Cause: FreedByCaller}},
+					SinceBooked: 1100 * time.Millisecond, BookingSeen: true, Hops: 2, Cause: FreedByCaller}},
 			}},
 		},
 		{
@@ -163,7 +163,7 @@ func TestOutcomes(t *testing.T) {
 					Mode: policy.ModeAggregated, Reason: policy.ReasonNoPrefillWorkers, PromptTokens: 256, PromptBlocks: 16,
 					Decode: HopOutcome{Worker: w(1), PrefillTokens: 256},
 				}},
-				{Kind: "freed", Ended: EndedOutcome{RequestID: "r", At: t0, BookingSeen: true, Cause: FreedCallerGone}},
+				{Kind: "freed", Ended: EndedOutcome{RequestID: "r", At: t0, BookingSeen: true, Hops: 1, Cause: FreedCallerGone}},
 			}},
 		},
 	} {
@@ -224,7 +224,7 @@ func TestOutcomeOfAQueuedRoute(t *testing.T) {
 		}
 		at := t0.Add(300 * time.Millisecond)
 		want := map[string][]outcome{
-			"x": {{Kind: "prefill_done", Ended: EndedOutcome{RequestID: "x", At: at, SinceBooked: 300 * time.Millisecond, BookingSeen: true}}},
+			"x": {{Kind: "prefill_done", Ended: EndedOutcome{RequestID: "x", At: at, SinceBooked: 300 * time.Millisecond, BookingSeen: true, Hops: 1}}},
 			"r": {{Kind: "booked", Booked: BookedOutcome{
 				RequestID: "r", Model: "m", At: at, Routed: 300 * time.Millisecond,
 				Mode: policy.ModeAggregated, Reason: policy.ReasonNoPrefillWorkers, PromptTokens: 64, PromptBlocks: 4,

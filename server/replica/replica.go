@@ -46,6 +46,9 @@ type Options struct {
 	// Shard, when set, is the one shard to serve instead of an embedded one (tests that hold the
 	// state and log they publish to and inspect). Ignored when the configuration names a Redis.
 	Shard *kvstate.Shard
+	// Outcomes hears what became of the requests the replica routes (server.RouteOutcomes for the
+	// metrics); nil: nothing does.
+	Outcomes app.Outcomes
 }
 
 // Replica is one kvrouter replica: what it holds and the goroutines that keep it.
@@ -81,7 +84,7 @@ func Build(o Options) (*Replica, error) {
 	if err := r.openShards(o); err != nil {
 		return nil, err
 	}
-	r.Dispatcher = app.NewSharded(r.Shards, cfg.Routing, app.Options{Clock: o.Clock, Rand: o.Rand, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards)})
+	r.Dispatcher = app.NewSharded(r.Shards, cfg.Routing, app.Options{Clock: o.Clock, Rand: o.Rand, Cap: app.CapOver(cfg.MaxBookedBlocks, r.Shards), Outcomes: o.Outcomes})
 	r.Housekeeper = &kvstate.Housekeeper{
 		Shards: r.Shards, Presence: r.Presence, Grace: cfg.WorkerGracePeriod, BookingExpiry: cfg.BookingExpiry,
 		Clock: o.Clock, Logger: logger,
