@@ -174,9 +174,9 @@ type SweepPoint struct {
 
 // Sweep writes the trade-off curve of a swept threshold as a PNG of three panels over the same
 // threshold axis, each metric on an axis of its own unit: TTFT p50 (s), ITL p99.9 (ms) and
-// goodput (% of requests within both bounds); and the points as a Markdown table. Thresholds that
-// grow by doubling (the largest at least 8 times the smallest) are drawn on a log axis, so that
-// the points are evenly spaced.
+// goodput (% of requests within both bounds), the latencies from zero; and the points as a
+// Markdown table. Thresholds that grow by doubling (the largest at least 8 times the smallest) are
+// drawn on a log axis, so that the points are evenly spaced; ticks mark the swept values.
 func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error {
 	fmt.Fprintf(w, "| %s | TTFT p50 | TTFT p99 | ITL p99 | ITL p99.9 | bypass | goodput |\n|---:|---:|---:|---:|---:|---:|---:|\n", param)
 	var ttft, itl, goodput plotter.XYs
@@ -192,6 +192,10 @@ func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error
 		label string
 		pts   plotter.XYs
 	}{{"TTFT p50 (s)", ttft}, {"ITL p99.9 (ms)", itl}, {"goodput (%)", goodput}}
+	var ticks plot.ConstantTicks
+	for _, pt := range points {
+		ticks = append(ticks, plot.Tick{Value: pt.Value, Label: fmt.Sprintf("%g", pt.Value)})
+	}
 	grid := make([][]*plot.Plot, len(panels))
 	for i, pn := range panels {
 		p := plot.New()
@@ -202,9 +206,13 @@ func Sweep(w io.Writer, param string, points []SweepPoint, pngPath string) error
 			p.X.Label.Text = param
 		}
 		p.Y.Label.Text = pn.label
-		if logX {
-			p.X.Scale, p.X.Tick.Marker = plot.LogScale{}, plot.LogTicks{}
+		if i < 2 {
+			p.Y.Min = 0 // latencies from zero, so that a few milliseconds do not look like a cliff
 		}
+		if logX {
+			p.X.Scale = plot.LogScale{}
+		}
+		p.X.Tick.Marker = ticks // at the swept values, as the table writes them
 		line, dots, err := plotter.NewLinePoints(pn.pts)
 		if err != nil {
 			return err
