@@ -91,13 +91,7 @@ done
 
 # The gRPC runs: the working tree's load generator and report converter for both commits, so that
 # only the router differs; a bearer token and the credentials file that lets it in.
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+. scripts/procs.sh # pids, stopped at exit
 if echo grpc | grep -qE "$ONLY" && [ -z "${SETS:-}" ]; then
   go build -o "$out/kvload" ./cmd/kvload
   go build -o "$out/kvcurves" ./cmd/kvcurves

@@ -44,13 +44,7 @@ credentials:
 EOF
 )
 
-pids=()
-cleanup() {
-  for pid in "${pids[@]}"; do kill "$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do wait "$pid" 2>/dev/null || true; done
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
+. scripts/procs.sh # pids, stopped at exit
 
 declare -A addr pid
 # start NAME FLAGS... starts a router and waits for the address it logs.
