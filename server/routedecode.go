@@ -61,7 +61,7 @@ func unmarshalRoute(b []byte, m *kvrouterv1.RouteRequest) error {
 			}
 			i += n
 			base := len(m.BlockHashes)
-			m.BlockHashes = growUint64(m.BlockHashes, len(v)/8)[:base+len(v)/8]
+			m.BlockHashes = hashPool.grow(m.BlockHashes, len(v)/8)[:base+len(v)/8]
 			for k := range len(v) / 8 {
 				m.BlockHashes[base+k] = binary.LittleEndian.Uint64(v[8*k:])
 			}
@@ -123,7 +123,7 @@ func appendPackedUint32(dst []uint32, b []byte) ([]uint32, bool) {
 		count += left[j]
 	}
 	base := len(dst)
-	dst = growUint32(dst, count)[:base+count]
+	dst = tokenPool.grow(dst, count)[:base+count]
 	out := dst[base:]
 	var at [decodeLanes]int // where each lane's next value goes in out
 	for j := 1; j < decodeLanes; j++ {
@@ -194,86 +194,68 @@ func countVarints(b []byte) int {
 	return count
 }
 
-func growUint32(s []uint32, n int) []uint32 {
+// slicePool recycles the repeated fields of Route requests whose length grows with the prompt:
+// token ids (tokenPool) and block hashes (hashPool). Slices of min to max elements are pooled:
+// short prompts allocate little anyway, and one huge prompt must not pin its memory.
+//
+// The Route handler gives a request's slices back when it returns (releaseTokens): nothing keeps
+// them past its call, since the decision hashes token ids into its own key and copies block hashes
+// into it, and a queued request waits in the handler.
+type slicePool[T uint32 | uint64] struct {
+	pool     sync.Pool
+	min, max int
+}
+
+// grow returns s with room for n more elements: s itself when it has it, a pooled slice when s is
+// nil and n is in the pool's range, else a new one.
+func (p *slicePool[T]) grow(s []T, n int) []T {
 	if cap(s)-len(s) >= n {
 		return s
 	}
-	if s == nil && n >= minPooledTokens && n <= maxPooledTokens {
-		if p, ok := tokenPool.Get().(*[]uint32); ok && cap(*p) >= n {
-			return (*p)[:0]
+	if s == nil && n >= p.min && n <= p.max {
+		if got, ok := p.pool.Get().(*[]T); ok && cap(*got) >= n {
+			return (*got)[:0]
 		}
 	}
-	out := make([]uint32, len(s), len(s)+n)
+	out := make([]T, len(s), len(s)+n)
 	copy(out, s)
 	return out
 }
 
-// growUint64 is growUint32 for block hashes (hashPool).
-func growUint64(s []uint64, n int) []uint64 {
-	if cap(s)-len(s) >= n {
-		return s
+// put gives s back when it is of the pooled sizes. In race-detector builds (the default test run)
+// its elements are overwritten first, so that code still holding them would route a different
+// prompt every time, not only when another call happened to take the slice meanwhile:
+// TestRouteTokensPooledAcrossCalls relies on it. Elsewhere that costs Route CPU (about 1 µs, 1.6%
+// of a 2k-token call in the profile) for nothing.
+func (p *slicePool[T]) put(s []T) {
+	if cap(s) < p.min || cap(s) > p.max {
+		return
 	}
-	if s == nil && n >= minPooledHashes && n <= maxPooledHashes {
-		if p, ok := hashPool.Get().(*[]uint64); ok && cap(*p) >= n {
-			return (*p)[:0]
+	if raceEnabled {
+		for i := range s {
+			s[i] = poisonToken
 		}
 	}
-	out := make([]uint64, len(s), len(s)+n)
-	copy(out, s)
-	return out
+	s = s[:0]
+	p.pool.Put(&s)
 }
 
-// hashPool recycles the block hash slices of Route requests that send them (block_hashes), as
-// tokenPool does token ids: the decision copies them into its key, and nothing keeps them past
-// the call. Slices of a 1,024- to 128k-token prompt's blocks of 16 are pooled.
-var hashPool sync.Pool
-
-const (
-	minPooledHashes = minPooledTokens / 16
-	maxPooledHashes = maxPooledTokens / 16
+// tokenPool holds token id slices of 1,024 to 128k tokens (512 KB): a 2,048-token prompt's 8 KB
+// were more than half the bytes the server allocated per Route call. hashPool holds the block
+// hashes of such prompts in blocks of 16.
+var (
+	tokenPool = slicePool[uint32]{min: 1 << 10, max: 128 << 10}
+	hashPool  = slicePool[uint64]{min: (1 << 10) / 16, max: (128 << 10) / 16}
 )
 
-// tokenPool recycles the token id slices of Route requests: a 2,048-token prompt's 8 KB were more
-// than half the bytes the server allocated per Route call. The Route handler gives a request's
-// slice back when it returns (releaseTokens): nothing keeps a request's token ids past its call,
-// since the decision hashes them into block hashes, and a queued request waits in the handler.
-var tokenPool sync.Pool
-
-// Slices of minPooledTokens to maxPooledTokens are pooled: short prompts allocate little anyway, and
-// one huge prompt must not pin its memory (128k tokens: 512 KB).
-const (
-	minPooledTokens = 1 << 10
-	maxPooledTokens = 128 << 10
-)
-
-// releaseTokens gives the request's token ids back to tokenPool, and its block hashes to hashPool;
-// the request must not be used after.
-// In race-detector builds (the default test run) the ids are overwritten first, so that code still
-// holding them would route a different prompt every time, not only when another call happened to
-// take the slice meanwhile: TestRouteTokensPooledAcrossCalls relies on it. Elsewhere that costs
-// Route CPU (about 1 µs, 1.6% of a 2k-token call in the profile) for nothing.
+// releaseTokens gives the request's token ids and block hashes back to their pools; the request
+// must not be used after.
 func releaseTokens(req *kvrouterv1.RouteRequest) {
-	if t := req.TokenIds; cap(t) >= minPooledTokens && cap(t) <= maxPooledTokens {
-		if raceEnabled {
-			for i := range t {
-				t[i] = poisonToken
-			}
-		}
-		t = t[:0]
-		tokenPool.Put(&t)
-	}
-	req.TokenIds = nil
-	if h := req.BlockHashes; cap(h) >= minPooledHashes && cap(h) <= maxPooledHashes {
-		if raceEnabled {
-			for i := range h {
-				h[i] = poisonToken
-			}
-		}
-		h = h[:0]
-		hashPool.Put(&h)
-	}
-	req.BlockHashes = nil
+	tokenPool.put(req.TokenIds)
+	hashPool.put(req.BlockHashes)
+	req.TokenIds, req.BlockHashes = nil, nil
 }
 
-// poisonToken fills released token slices: no tokenizer has an id this large.
+// poisonToken fills released slices: no tokenizer has an id this large, and no cached block has
+// it for a hash.
 const poisonToken = 0xFFFF_FFFF

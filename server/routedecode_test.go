@@ -203,7 +203,7 @@ func BenchmarkUnmarshalRoute(b *testing.B) {
 // wrong worker or a short overlap.
 func TestRouteTokensPooledAcrossCalls(t *testing.T) {
 	e := newTestEnv(t, func(o *Options) { o.MaxPromptTokens = 1 << 20 })
-	const workers, blocks = 4, 400 // 1,600 tokens a prompt, over minPooledTokens
+	const workers, blocks = 4, 400 // 1,600 tokens a prompt, over tokenPool.min (and 400 hashes, over hashPool.min)
 	prompts := make([][]uint32, workers)
 	for w := range workers {
 		p := e.connect(uint64(w + 1))

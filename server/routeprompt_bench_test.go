@@ -1,8 +1,6 @@
 package server
 
 import (
-	"context"
-	"sync/atomic"
 	"testing"
 
 	kvrouterv1 "github.com/kvrouter/kvrouter/gen/kvrouter/v1"
@@ -26,28 +24,6 @@ func BenchmarkRoutePrompt(b *testing.B) {
 		{"ids", &kvrouterv1.RouteRequest{Model: "bench", TokenIds: prompt, QueryOnly: true}},
 		{"hashed", hashed},
 	} {
-		b.Run("prompt="+tc.name, func(b *testing.B) {
-			ctx := context.Background()
-			var n atomic.Int64
-			b.ReportAllocs()
-			b.ResetTimer()
-			cpu := processCPU()
-			b.RunParallel(func(pb *testing.PB) {
-				for pb.Next() {
-					resp, err := client.Route(ctx, tc.req)
-					if err != nil {
-						b.Errorf("Route() = %v", err)
-						return
-					}
-					if resp.GetDiagnostics().GetDecode().GetOverlapBlocks().GetDevice() != 128 {
-						b.Errorf("Route() overlap %v, want 128 blocks", resp.GetDiagnostics().GetDecode().GetOverlapBlocks())
-						return
-					}
-					n.Add(1)
-				}
-			})
-			b.StopTimer()
-			b.ReportMetric(float64(processCPU()-cpu)/float64(b.N), "cpu-ns/op")
-		})
+		b.Run("prompt="+tc.name, func(b *testing.B) { routeInParallel(b, client, tc.req) })
 	}
 }
