@@ -3,10 +3,12 @@ package server
 import (
 	"cmp"
 	"context"
+	"fmt"
 	"io"
 	"log/slog"
 	"math"
 	"math/rand/v2"
+	"runtime/pprof"
 	"slices"
 	"strconv"
 	"strings"
@@ -29,6 +31,9 @@ import (
 // fuzzMaxPromptTokens is max_prompt_tokens of FuzzRouteValidation's router: small, so that the
 // fuzzer reaches it.
 const fuzzMaxPromptTokens = 64
+
+// fuzzBlockSize is the block size of FuzzRouteValidation's workers.
+const fuzzBlockSize = 4
 
 // fuzzSetupBooking is the request id of the booking every FuzzRouteValidation router starts with.
 const fuzzSetupBooking = "setup"
@@ -88,7 +93,7 @@ func newFuzzRouter(t *testing.T, config int) *fuzzRouter {
 	}
 	worker := func(id uint64, rank uint32, model string, role kvstate.Role, bypass bool) kvstate.WorkerKey {
 		key := kvstate.WorkerKey{ID: id, Rank: rank}
-		apply(kvstate.WorkerUp{Info: kvstate.WorkerInfo{Key: key, Model: model, Role: role, BlockSize: 4, TotalKVBlocks: 100,
+		apply(kvstate.WorkerUp{Info: kvstate.WorkerInfo{Key: key, Model: model, Role: role, BlockSize: fuzzBlockSize, TotalKVBlocks: 100,
 			MaxNumBatchedTokens: 8192, Endpoint: "10.0.0.1:8000", SupportsBypass: bypass, KVEventsEnabled: true}})
 		return key
 	}
@@ -152,6 +157,16 @@ func fuzzRouteSeeds() []*kvrouterv1.RouteRequest {
 		{Model: "m", TokenIds: promptTokens(4), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 3, End: 9}, {MmHash: 1 << 63, Start: 9, End: 16}}},
 		{Model: "agg", TokenIds: promptTokens(4), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 8, End: 12}, {MmHash: 8, Start: 2, End: 9}}},
 		{Model: "m", TokenIds: promptTokens(2), QueryOnly: true, MultimodalObjects: []*kvrouterv1.MultimodalObject{{MmHash: 7, Start: 2, End: 2}}},
+		// Hashed prompts: valid, booking and not; another block size; hashes without their size or
+		// count; token ids beside them.
+		{Model: "m", BlockHashes: blockhash.Locals(nil, promptTokens(8), fuzzBlockSize, blockhash.Salt("", "")), BlockSize: fuzzBlockSize, PromptTokens: 10, QueryOnly: true},
+		{RequestId: "hashed", Model: "agg", BlockHashes: blockhash.Locals(nil, promptTokens(4), fuzzBlockSize, blockhash.Salt("", "")), BlockSize: fuzzBlockSize, PromptTokens: 4},
+		{Model: "m", BlockHashes: []uint64{1, 2}, BlockSize: 8, PromptTokens: 16, QueryOnly: true},
+		{Model: "m", BlockHashes: []uint64{1, 2}, QueryOnly: true},
+		{Model: "m", BlockHashes: []uint64{1, 2}, BlockSize: fuzzBlockSize, PromptTokens: 12, QueryOnly: true},
+		{Model: "m", BlockSize: fuzzBlockSize, PromptTokens: 3, TokenIds: promptTokens(1), QueryOnly: true},
+		{Model: "m", BlockSize: fuzzBlockSize, PromptTokens: 3, LoraName: "adapter", QueryOnly: true},
+		{Model: "m", TokenIds: promptTokens(2), PromptTokens: 48, QueryOnly: true},
 		// TestRouteValidation.
 		with(func(r *kvrouterv1.RouteRequest) { r.Model = "" }),
 		with(func(r *kvrouterv1.RouteRequest) { r.Model = "other" }),
@@ -258,7 +273,10 @@ func FuzzRouteValidation(f *testing.F) {
 		}
 		// Prompt lengths are hard to reach by changing wire bytes (a packed field's length comes
 		// first): extraTokens appends tokens of the cached prompt.
-		req.TokenIds = append(req.TokenIds, promptTokens(int(extraTokens)/4 + 1)[:extraTokens]...)
+		// A hashed prompt (block_size set) gets none: its token ids must stay empty.
+		if req.GetBlockSize() == 0 {
+			req.TokenIds = append(req.TokenIds, promptTokens(int(extraTokens)/4 + 1)[:extraTokens]...)
+		}
 		sent := proto.Clone(req).(*kvrouterv1.RouteRequest) // Route gives req's token ids back to a pool
 		r := newFuzzRouter(t, int(config)%len(fuzzConfigs))
 		digest, position, bookings, sessions := r.state.Digest(), r.log.Position(), r.state.Load().Bookings(), r.state.Sessions()
@@ -278,7 +296,15 @@ func FuzzRouteValidation(f *testing.F) {
 			close(queued)
 			cancel()
 		}()
+		// A call that never returns fails the input (the fuzzer would only stall), with the
+		// goroutines that hold it.
+		hung := time.AfterFunc(10*time.Second, func() {
+			var stacks strings.Builder
+			_ = pprof.Lookup("goroutine").WriteTo(&stacks, 1)
+			panic(fmt.Sprintf("Route(%v) did not return in 10 s:\n%s", sent, stacks.String()))
+		})
 		resp, err := r.svc.Route(ctx, req)
+		hung.Stop()
 		close(done)
 		cancel()
 
@@ -317,6 +343,7 @@ var routeRefusalReasons = map[string]codes.Code{
 	"QUEUE_FULL":               codes.ResourceExhausted,
 	"ALL_WORKERS_OVERLOADED":   codes.ResourceExhausted,
 	"DISAGG_REQUIRED":          codes.FailedPrecondition,
+	"BLOCK_SIZE_MISMATCH":      codes.FailedPrecondition,
 }
 
 // checkRouteRefusal checks how a Route call was refused.
@@ -370,6 +397,14 @@ func requestSets(req *kvrouterv1.RouteRequest, field string) bool {
 	switch field {
 	case "request_id", "model", "token_ids":
 		return true
+	case "block_size": // required with block_hashes
+		return req.GetBlockSize() != 0 || len(req.GetBlockHashes()) > 0
+	case "prompt_tokens": // required with block_size
+		return req.GetPromptTokens() != 0 || req.GetBlockSize() != 0
+	case "lora_name":
+		return req.GetLoraName() != ""
+	case "cache_namespace":
+		return req.GetCacheNamespace() != ""
 	case "multimodal_objects":
 		return len(req.GetMultimodalObjects()) > 0
 	case "hints.prefill_dp_rank":
@@ -433,6 +468,18 @@ func checkRouteAccepted(t *testing.T, r *fuzzRouter, req *kvrouterv1.RouteReques
 		}
 	}
 	n := len(req.GetTokenIds())
+	if size := uint64(req.GetBlockSize()); size != 0 {
+		// A hashed prompt: its own token count, whole blocks in its hashes, and nothing that
+		// would salt the hashes beside them.
+		tokens, blocks := uint64(req.GetPromptTokens()), uint64(len(req.GetBlockHashes()))
+		rule(n == 0 && req.GetLoraName() == "" && req.GetCacheNamespace() == "" && len(req.GetMultimodalObjects()) == 0,
+			"no token ids, LoRA, namespace or multimodal inputs beside block hashes")
+		rule(size == fuzzBlockSize, "the model's block size")
+		rule(tokens >= blocks*size && tokens < (blocks+1)*size, "prompt_tokens of the hashes' blocks and a partial block")
+		n = int(min(tokens, math.MaxInt32))
+	} else {
+		rule(len(req.GetBlockHashes()) == 0 && req.GetPromptTokens() == 0, "block hashes and prompt_tokens only with block_size")
+	}
 	rule(req.GetModel() == "m" || req.GetModel() == "agg", "a known model")
 	rule(n >= 1 && n <= fuzzMaxPromptTokens, "1 to max_prompt_tokens tokens")
 	rule(len(req.GetRequestId()) <= maxRequestIDBytes, "a request id of at most 512 bytes")
