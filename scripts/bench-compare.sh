@@ -7,6 +7,8 @@
 # Usage: scripts/bench-compare.sh OLD [NEW]     (commits; NEW defaults to HEAD, and . is the
 #   working tree: HEAD with the uncommitted changes)
 # Environment: ROUNDS [3], ONLY (a regexp of benchmark names below: apply, route, cd, ingest),
+#   OLD_TAGS (Go build tags for OLD's binaries only: `OLD_TAGS=kvrouter_notracing
+#   scripts/bench-compare.sh HEAD .` compares a build without tracing with the working tree),
 #   SETS (sets of scripts/bench.sh, such as "go peer curves grpc redis": then every set runs
 #   once per commit, alternating, with the settings of `scripts/bench.sh all`, instead of the
 #   benchmarks below; the comparison covers every metric those sets report).
@@ -61,13 +63,15 @@ mkdir -p "$out"
   echo "go: $(go version)"
   echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //'), $(nproc) cores; kernel $(uname -r)"
   echo "redis: $(redis-server --version 2>/dev/null | awk '{print $3}')"
-  echo "old: $old $(git log -1 --format=%s "$old" | cut -c1-80)"
+  echo "old: $old $(git log -1 --format=%s "$old" | cut -c1-80)${OLD_TAGS:+ (built with -tags $OLD_TAGS)}"
   echo "new: $new $(git log -1 --format=%s "${new%+wt}" | cut -c1-80)${new#"${new%+wt}"}"
 } | tee "$out/machine.txt"
 
 # Build each commit's test binaries in a worktree of its own.
 for rev in "$old" "$new"; do
   tree=$out/tree-$rev
+  tags=()
+  [ "$rev" = "$old" ] && [ -n "${OLD_TAGS:-}" ] && tags=(-tags "$OLD_TAGS")
   git worktree add -q --detach "$tree" "${rev%+wt}"
   if [ "$rev" != "${rev%+wt}" ]; then
     git diff --binary HEAD | (cd "$tree" && git apply --allow-empty)
@@ -78,13 +82,13 @@ for rev in "$old" "$new"; do
     IFS='|' read -r name fn _ _ <<<"$spec"
     echo "$name" | grep -qE "$ONLY" || continue
     if [ "$name" = grpc ]; then
-      (cd "$tree" && go build -o "$out/kvrouter.$rev" ./cmd/kvrouter)
+      (cd "$tree" && go build "${tags[@]}" -o "$out/kvrouter.$rev" ./cmd/kvrouter)
       cp "$tree/proto/kvrouter/v1/router.proto" "$out/proto.$rev" # what its RouteRequest takes
       continue
     fi
     pkg=$(cd "$tree" && grep -rl --include='*_test.go' "^func $fn(" . | head -1 | xargs -r dirname)
     [ -n "$pkg" ] || { echo "$rev has no $fn" >&2; exit 1; }
-    (cd "$tree" && go test -c -o "$out/$name.$rev.test" "$pkg")
+    (cd "$tree" && go test "${tags[@]}" -c -o "$out/$name.$rev.test" "$pkg")
     echo "$pkg" >"$out/$name.$rev.pkg"
   done
 done

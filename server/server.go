@@ -260,7 +260,7 @@ func New(o Options) *Server {
 		opts = append(opts, grpc.InTapHandle(cutRefused(o.Auth.TapHandle(), conns, int64(o.MaxRefusedCallsPerConn), connsCut)))
 	}
 	var tracer trace.Tracer
-	if o.TracerProvider != nil {
+	if tracingBuilt && o.TracerProvider != nil {
 		opts = append(opts, grpc.StatsHandler(statsHandler(o.TracerProvider)))
 		tracer = o.TracerProvider.Tracer(TracerName)
 	}

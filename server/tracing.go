@@ -94,6 +94,9 @@ func statsHandler(tp trace.TracerProvider) stats.Handler {
 // traceRoute sets a Route call's decision (nil when it failed) on the call's span. It builds nothing
 // unless the span records.
 func traceRoute(ctx context.Context, req *kvrouterv1.RouteRequest, dec *policy.Decision) {
+	if !tracingBuilt {
+		return
+	}
 	span := trace.SpanFromContext(ctx)
 	if !span.IsRecording() {
 		return

@@ -1,0 +1,6 @@
+//go:build kvrouter_notracing
+
+package server
+
+// tracingBuilt: see tracing_built.go.
+const tracingBuilt = false
